@@ -1,0 +1,57 @@
+"""The rollout-engine interface every backend implements (torch now, SGLang on GPU clusters).
+
+Token ids in, token ids out: the learner never re-tokenises text (shared/ARCHITECTURE.md, "Contracts").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+import numpy as np
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    """Logits are divided by this before softmax; logp_sparse is the log-softmax of logits/temperature."""
+    max_new_tokens: int = 256
+    """Response length limit in tokens (finish_reason 'length' when reached)."""
+    top_p: float = 1.0
+    """Nucleus sampling; training rollouts require 1.0 (SPEC §3), evaluation may use less."""
+    top_k: int = 0
+    """Top-k sampling, 0 = off; training rollouts require 0."""
+    n: int = 1
+    """G: samples per prompt."""
+    stop_strings: list[str] = field(default_factory=list)
+    """Generation stops after a response whose decoded text ends with one of these (finish_reason 'stop')."""
+    seed: int | None = None
+    """Seed of the sampling generator; equal seeds and inputs give equal samples."""
+
+
+@dataclass
+class Sample:
+    """One generated response. `logp_sparse[t]` is float32, log pi_sparse(response_ids[t] | prefix)."""
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logp_sparse: np.ndarray
+    finish_reason: str
+    """'stop' (EOS or stop string) | 'length' (max_new_tokens)."""
+    kv_retained_tokens: int
+    """Tokens in the KV cache (per layer, per KV head) when the response ended."""
+    kv_peak_bytes: int
+    """Peak bytes of this sequence's K and V over all layers (measured buffer sizes, not counted tokens)."""
+
+
+class RolloutEngine(Protocol):
+    weight_version: int
+    """Version of the weights the engine currently samples with."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+        """Generate `params.n` samples for each prompt; returns one list of n Samples per prompt."""
+        ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Replace weights by Hugging Face parameter name; raises ValueError naming every unknown name or
+        wrong shape/dtype before anything is changed. Sets `weight_version = version`."""
+        ...
