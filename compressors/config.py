@@ -30,3 +30,41 @@ class CompressorConfig:
     selection: str = "per_head"
     """per_head (R-KV reference: one kept set per layer and KV head) | shared (one set per sequence, chosen
     from layer 0 and used by every layer and head, as the authors' SGLang fork)."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field (`compressor.<field>`) for an impossible setting.
+
+        Checked: method and selection names; 1 <= window < kv_budget; interval >= 1; 0 <= rkv_lambda <= 1;
+        pool_kernel odd and >= 1 (same padding); -1 <= similarity_threshold <= 1; for h2o
+        window <= h2o_recent < kv_budget; for streamingllm sinks >= 0 and sinks + window <= kv_budget.
+        """
+        if self.method not in METHODS:
+            raise ValueError(f"compressor.method={self.method!r} is unknown; expected one of {METHODS}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"compressor.selection={self.selection!r} is unknown; expected one of {SELECTIONS}")
+        if self.window < 1:
+            raise ValueError(f"compressor.window={self.window} must be >= 1")
+        if self.kv_budget <= self.window:
+            raise ValueError(f"compressor.kv_budget={self.kv_budget} must be > compressor.window={self.window}")
+        if self.interval < 1:
+            raise ValueError(f"compressor.interval={self.interval} must be >= 1")
+        if not 0.0 <= self.rkv_lambda <= 1.0:
+            raise ValueError(f"compressor.rkv_lambda={self.rkv_lambda} must be in [0, 1]")
+        if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
+            raise ValueError(f"compressor.pool_kernel={self.pool_kernel} must be odd and >= 1 (same padding)")
+        if not -1.0 <= self.similarity_threshold <= 1.0:
+            raise ValueError(f"compressor.similarity_threshold={self.similarity_threshold} must be in [-1, 1]")
+        if self.method == "h2o":
+            if self.h2o_recent < self.window:
+                raise ValueError(
+                    f"compressor.h2o_recent={self.h2o_recent} must be >= compressor.window={self.window}")
+            if self.h2o_recent >= self.kv_budget:
+                raise ValueError(
+                    f"compressor.h2o_recent={self.h2o_recent} must be < compressor.kv_budget={self.kv_budget}")
+        if self.method == "streamingllm":
+            if self.sinks < 0:
+                raise ValueError(f"compressor.sinks={self.sinks} must be >= 0")
+            if self.sinks + self.window > self.kv_budget:
+                raise ValueError(
+                    f"compressor.sinks={self.sinks} leaves fewer than compressor.window={self.window} recent "
+                    f"slots in compressor.kv_budget={self.kv_budget} (need sinks + window <= kv_budget)")

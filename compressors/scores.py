@@ -1,0 +1,92 @@
+"""One scoring function per eviction policy (shared/SPEC.md §5). Pure float32 torch, no model code.
+
+Every function returns a score per cache slot, `[batch, kv_heads, seq]` float32: higher = more worth
+keeping. Slots that the caller always keeps (the last `window` / `h2o_recent` slots) get a score too,
+but `Compressor.select` overrides it; padding is masked there as well, so a score only needs to be
+meaningful among the valid candidate slots.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+_NEG = torch.finfo(torch.float32).min  # a finite "-inf": a row of only masked logits softmaxes to uniform, not NaN
+
+
+def window_importance(keys: torch.Tensor, queries: torch.Tensor, valid: torch.Tensor, pool_kernel: int) -> torch.Tensor:
+    """SnapKV / R-KV importance of each candidate key, as R-KV's `compute_attention_scores` + `_compute_scores`.
+
+    logits = q·kᵀ/sqrt(head_dim) of the last w queries over the candidate keys; GQA: max of the logits over
+    the query heads of a group (R-KV reference, max before the softmax); softmax over the valid candidate
+    keys; mean over the w queries; 1-D max-pool (kernel `pool_kernel`, stride 1, same padding).
+
+    keys: [batch, kv_heads, n, head_dim] candidate keys (the cache without its last `window` slots).
+    queries: [batch, q_heads, w, head_dim], q_heads a multiple of kv_heads. valid: bool [batch, kv_heads, n].
+    Returns float32 [batch, kv_heads, n]; each row sums to <= 1 before pooling.
+    """
+    batch, kv_heads, n, head_dim = keys.shape
+    q_heads, w = queries.shape[1], queries.shape[2]
+    group = q_heads // kv_heads
+    q = queries.float().view(batch, kv_heads, group, w, head_dim)
+    logits = torch.matmul(q, keys.float().unsqueeze(2).transpose(-1, -2)) / math.sqrt(head_dim)
+    logits = logits.amax(dim=2)  # [batch, kv_heads, w, n]
+    logits = logits.masked_fill(~valid[:, :, None, :], _NEG)
+    importance = logits.softmax(dim=-1).mean(dim=-2)
+    return F.max_pool1d(importance, kernel_size=pool_kernel, stride=1, padding=pool_kernel // 2)
+
+
+def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, similarity_threshold: float) -> torch.Tensor:
+    """R-KV redundancy of every key (R-KV `cal_similarity`, retain_direction "last").
+
+    Cosine similarity between the keys of each KV head (eps 1e-8 on the norm), diagonal zeroed, pairs with
+    an invalid slot zeroed; in each row the most recent key with similarity > `similarity_threshold` is
+    zeroed (kept as the representative of its near-duplicates); per-key mean over the valid rows; softmax
+    over the valid keys. Rows without any similar key zero nothing (the reference zeroes column 0 there).
+
+    keys: [batch, kv_heads, seq, head_dim]; valid: bool [batch, kv_heads, seq].
+    Returns float32 [batch, kv_heads, seq] (sums to 1 over the valid keys; higher = more redundant).
+    """
+    seq = keys.shape[2]
+    k = keys.float()
+    k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+    sim = torch.matmul(k, k.transpose(-1, -2))  # [batch, kv_heads, seq, seq]
+    sim.diagonal(dim1=-2, dim2=-1).zero_()
+    sim.mul_((valid[..., :, None] & valid[..., None, :]).to(sim.dtype))
+    similar = sim > similarity_threshold
+    has_similar = similar.any(dim=-1, keepdim=True)
+    last_similar = seq - 1 - similar.flip(-1).to(torch.uint8).argmax(dim=-1, keepdim=True)  # argmax: first max
+    sim.scatter_(-1, last_similar, torch.where(has_similar, 0.0, sim.gather(-1, last_similar)))
+    rows = valid.sum(dim=-1, keepdim=True).clamp(min=1).to(sim.dtype)
+    redundancy = sim.sum(dim=-2) / rows
+    return redundancy.masked_fill(~valid, _NEG).softmax(dim=-1)
+
+
+def rkv_scores(keys, queries, valid, window, pool_kernel, similarity_threshold, rkv_lambda) -> torch.Tensor:
+    """R-KV (arXiv 2505.24133, reference `rkv/compression/r1_kv.py`): score = lambda * importance -
+    (1 - lambda) * redundancy over the candidates (all slots but the last `window`); redundancy is computed
+    over all slots and then cut to the candidates, as the reference does. Shapes as `window_importance`
+    with the full cache: keys [batch, kv_heads, seq, head_dim], valid [batch, kv_heads, seq].
+    Returns float32 [batch, kv_heads, seq]; the last `window` entries are 0."""
+    n = keys.shape[2] - window
+    importance = window_importance(keys[:, :, :n], queries, valid[:, :, :n], pool_kernel)
+    redundancy = key_redundancy(keys, valid, similarity_threshold)[:, :, :n]
+    return F.pad(rkv_lambda * importance - (1.0 - rkv_lambda) * redundancy, (0, window))
+
+
+def snapkv_scores(keys, queries, valid, window, pool_kernel) -> torch.Tensor:
+    """SnapKV (arXiv 2404.14469), decode-time form: the pooled window importance alone over the candidates
+    (all slots but the last `window`). Returns float32 [batch, kv_heads, seq]; the last `window` entries are 0."""
+    n = keys.shape[2] - window
+    return F.pad(window_importance(keys[:, :, :n], queries, valid[:, :, :n], pool_kernel), (0, window))
+
+
+def streamingllm_scores(valid: torch.Tensor, sinks: int) -> torch.Tensor:
+    """StreamingLLM (arXiv 2309.17453): the first `sinks` valid slots of each row (attention sinks, after any
+    left padding) score highest, every other slot scores its slot index (more recent = higher).
+    valid: bool [batch, kv_heads, seq]. Returns float32 [batch, kv_heads, seq]."""
+    seq = valid.shape[-1]
+    position = torch.arange(seq, dtype=torch.float32, device=valid.device).expand(valid.shape)
+    is_sink = valid & (valid.cumsum(dim=-1) <= sinks)
+    return torch.where(is_sink, float(2 * seq), position)
