@@ -1,0 +1,104 @@
+"""Typed config of the learner: optimiser, DeepSpeed, correction (shared/SPEC.md §2), loss (§3),
+checkpoints and weight sync."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+REJECTIONS = ("veto", "geometric", "none")
+CORRECTIONS = ("on", "metrics_only", "off")
+DTYPES = ("fp32", "bf16")
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass
+class LearnerConfig:
+    # --- optimiser -------------------------------------------------------------------------------------
+    lr: float = 1e-6
+    """AdamW learning rate (SPEC §6: 1e-6 in the authors' runs)."""
+    betas: tuple[float, float] = (0.9, 0.98)
+    """AdamW (beta1, beta2)."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay."""
+    adam_eps: float = 1e-8
+    """AdamW denominator epsilon."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip applied by DeepSpeed before each optimizer step (0 = off)."""
+
+    # --- engine ------------------------------------------------------------------------------------------
+    zero_stage: int = 1
+    """DeepSpeed ZeRO stage 0-3. Stage 3 partitions parameters; `named_weights()` gathers them."""
+    dtype: str = "fp32"
+    """Training dtype: fp32 | bf16 (fp16 does not run on CPU). Weights are broadcast in this dtype."""
+
+    # --- PPO loop ------------------------------------------------------------------------------------------
+    ppo_epochs: int = 1
+    """Passes over the step's batch."""
+    minibatch_size: int = 0
+    """Sequences per optimizer step (0 = the whole batch of the step: one optimizer step per epoch)."""
+    micro_batch_size: int = 4
+    """Sequences per forward/backward; a minibatch accumulates gradients over its micro-batches."""
+    clip_eps: float = 0.2
+    """PPO ratio clip below 1: r is clipped to [1 - clip_eps, 1 + clip_eps_high] (SPEC §3)."""
+    clip_eps_high: float = 0.2
+    """PPO ratio clip above 1."""
+    kl_coef: float = 1e-4
+    """beta of the k3 KL to the frozen reference (SPEC §3). 0 skips the reference model entirely."""
+
+    # --- Sparse-RL correction (SPEC §2) --------------------------------------------------------------------
+    correction: str = "on"
+    """on: veto + token mask + truncated weights | metrics_only: compute every metric, correct nothing |
+    off: naive sparse GRPO (the paper's collapsing baseline), no mismatch metrics either."""
+    rejection: str = "veto"
+    """veto: reject a trajectory if any token has xi < eps | geometric: reject if the geometric mean of xi
+    over the sequence is outside geo_bounds | none."""
+    eps: float = 1e-4
+    """Veto threshold on xi = pi_old / pi_sparse (one-sided; 5e-5 suggested for 7B models)."""
+    geo_bounds: tuple[float, float] = (0.5, 2.0)
+    """(low, high) bounds on the per-sequence geometric mean of xi for rejection='geometric'."""
+    token_mask: bool = True
+    """Mask out tokens whose xi is outside token_mask_bounds (the authors' default)."""
+    token_mask_bounds: tuple[float, float] = (0.5, 1.5)
+    """(low, high) of the token mask on xi."""
+    tis_cap: float = 1.5
+    """C of truncated importance sampling: w = min(xi, C), then divided by its batch mean."""
+
+    # --- checkpoints ---------------------------------------------------------------------------------------
+    checkpoint_dir: str = ""
+    """Directory of DeepSpeed checkpoints (one tag per version); empty = no checkpoints."""
+    checkpoint_interval: int = 50
+    """The driver saves a checkpoint every this many learner versions."""
+
+    # --- weight sync (broker/weight_sync.py) ---------------------------------------------------------------
+    weight_sync_bucket_mb: float = 64.0
+    """Bucket size of the weight broadcast in MiB (0 = one tensor per bucket)."""
+    weight_sync_backend: str = "auto"
+    """auto (nccl if CUDA is available, else gloo) | gloo | nccl."""
+    weight_sync_timeout_s: float = 120.0
+    """Timeout of every collective of the weight broadcast, seconds."""
+    weight_sync_verify: bool = False
+    """Send per-tensor checksums so actors can verify their weights after the swap."""
+
+    seed: int = 0
+    """Seed of the minibatch shuffling generator."""
+
+    def __post_init__(self):
+        checks = [
+            (self.rejection in REJECTIONS, f"rejection={self.rejection!r}: expected one of {REJECTIONS}"),
+            (self.correction in CORRECTIONS, f"correction={self.correction!r}: expected one of {CORRECTIONS}"),
+            (self.dtype in DTYPES, f"dtype={self.dtype!r}: expected one of {DTYPES}"),
+            (self.weight_sync_backend in BACKENDS,
+             f"weight_sync_backend={self.weight_sync_backend!r}: expected one of {BACKENDS}"),
+            (self.zero_stage in (0, 1, 2, 3), f"zero_stage={self.zero_stage}: expected 0, 1, 2 or 3"),
+            (self.ppo_epochs >= 1, f"ppo_epochs={self.ppo_epochs}: expected >= 1"),
+            (self.micro_batch_size >= 1, f"micro_batch_size={self.micro_batch_size}: expected >= 1"),
+            (self.minibatch_size >= 0, f"minibatch_size={self.minibatch_size}: expected >= 0"),
+            (self.kl_coef >= 0, f"kl_coef={self.kl_coef}: expected >= 0"),
+            (0 < self.eps < 1, f"eps={self.eps}: expected 0 < eps < 1"),
+            (self.tis_cap > 0, f"tis_cap={self.tis_cap}: expected > 0"),
+            (self.token_mask_bounds[0] < self.token_mask_bounds[1],
+             f"token_mask_bounds={self.token_mask_bounds}: expected low < high"),
+            (self.geo_bounds[0] < self.geo_bounds[1], f"geo_bounds={self.geo_bounds}: expected low < high"),
+        ]
+        errors = [msg for ok, msg in checks if not ok]
+        if errors:
+            raise ValueError("LearnerConfig: " + "; ".join(errors))
