@@ -1,0 +1,283 @@
+"""The DeepSpeed learner: dense recompute of pi_old (and pi_ref), Sparse-RL correction, GRPO update
+(shared/SPEC.md §1-4). One `step` per batch of trajectory groups; each step advances the weight version.
+
+Read `Learner.step` top to bottom: collate -> recompute logp_old/logp_ref -> correction -> advantages ->
+PPO epochs x minibatches x micro-batches -> optimizer steps -> version += 1 -> metrics.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import os
+import socket
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+from broker.schema import TrajectoryGroup
+from learner.config import LearnerConfig
+from learner.correction import sparse_correction
+from learner.loss import grpo_advantages, grpo_loss
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> None:
+    """Initialise DeepSpeed's default process group for a single learner process if nothing did yet:
+    sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT (free port) when absent, gloo on CPU (with
+    DeepSpeed's shared-memory op build skipped, shared/ENVIRONMENT.md), nccl on CUDA."""
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    import deepspeed
+
+    if torch.distributed.is_initialized():
+        return
+    if not cuda:
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+
+
+def deepspeed_config(cfg: LearnerConfig) -> dict:
+    """The DeepSpeed JSON config for `cfg`. Gradient accumulation is caller-owned
+    (`managed_gradient_accumulation: false`): every `engine.step()` is one optimizer step over the
+    micro-batches backpropagated since the last one."""
+    return {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": cfg.grad_clip,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "bf16": {"enabled": cfg.dtype == "bf16"},
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": cfg.lr, "betas": list(cfg.betas), "eps": cfg.adam_eps, "weight_decay": cfg.weight_decay,
+            "torch_adam": True}},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+class Learner:
+    """A DeepSpeed engine around a Hugging Face causal LM, trained with Sparse-RL GRPO.
+
+    Args:
+        model: a path to a `save_pretrained` directory, or an `nn.Module` (HF causal LM returning `.logits`
+            [batch, seq, vocab]); it becomes the engine's module (not copied).
+        cfg: LearnerConfig.
+    Attributes:
+        version: int weight version; +1 per `step`. Checkpoints restore it.
+        engine: the DeepSpeed engine. ref_model: frozen copy of the initial model, or None when kl_coef == 0.
+    """
+
+    def __init__(self, model: str | os.PathLike | nn.Module, cfg: LearnerConfig):
+        init_distributed()
+        import deepspeed
+
+        self.cfg = cfg
+        if not isinstance(model, nn.Module):
+            from transformers import AutoModelForCausalLM
+            model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        self.dtype = TORCH_DTYPES[cfg.dtype]
+        self.ref_model = None
+        if cfg.kl_coef > 0:
+            self.ref_model = copy.deepcopy(model).to(self.dtype).eval().requires_grad_(False)
+        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                    config=deepspeed_config(cfg))
+        self.device = self.engine.device
+        if self.ref_model is not None:
+            self.ref_model.to(self.device)
+        self.version = 0
+
+    # ------------------------------------------------------------------------------------------------------
+    def collate(self, groups: list[TrajectoryGroup]) -> dict[str, torch.Tensor]:
+        """Right-pad the groups' samples into tensors (S = samples over all groups, L = longest
+        prompt + response, T = longest response):
+        input_ids/attention_mask int64 [S, L]; response_ids int64 [S, T]; response_index int64 [S, T], the
+        logit position predicting each response token (prompt_len - 1 + t); response_mask bool [S, T];
+        logp_sparse float32 [S, T]; reward float32 [S]; group_index int64 [S]; temperature float32 [S];
+        seq_len int64 [S].
+
+        Raises:
+            ValueError: naming the group and sample whose logp_sparse length differs from its response, whose
+                prompt is empty, or a group without samples / with temperature <= 0.
+        """
+        rows = []
+        for g, group in enumerate(groups):
+            if not group.samples:
+                raise ValueError(f"group {group.group_id!r} has no samples")
+            if not group.temperature > 0:
+                raise ValueError(f"group {group.group_id!r}: temperature {group.temperature} must be > 0")
+            for i, s in enumerate(group.samples):
+                if len(s.logp_sparse) != len(s.response_ids):
+                    raise ValueError(f"group {group.group_id!r} sample {i}: logp_sparse has {len(s.logp_sparse)} "
+                                     f"values for {len(s.response_ids)} response tokens")
+                if len(s.prompt_ids) == 0:
+                    raise ValueError(f"group {group.group_id!r} sample {i}: empty prompt_ids")
+                rows.append((g, group.temperature, s))
+        S = len(rows)
+        L = max(len(s.prompt_ids) + len(s.response_ids) for _, _, s in rows)
+        T = max(1, max(len(s.response_ids) for _, _, s in rows))
+        b = {
+            "input_ids": torch.zeros(S, L, dtype=torch.long),
+            "attention_mask": torch.zeros(S, L, dtype=torch.long),
+            "response_ids": torch.zeros(S, T, dtype=torch.long),
+            "response_index": torch.zeros(S, T, dtype=torch.long),
+            "response_mask": torch.zeros(S, T, dtype=torch.bool),
+            "logp_sparse": torch.zeros(S, T, dtype=torch.float32),
+            "reward": torch.tensor([s.reward for _, _, s in rows], dtype=torch.float32),
+            "group_index": torch.tensor([g for g, _, _ in rows], dtype=torch.long),
+            "temperature": torch.tensor([t for _, t, _ in rows], dtype=torch.float32),
+            "seq_len": torch.zeros(S, dtype=torch.long),
+        }
+        for i, (_, _, s) in enumerate(rows):
+            P, R = len(s.prompt_ids), len(s.response_ids)
+            b["input_ids"][i, :P + R] = torch.from_numpy(np.concatenate([s.prompt_ids, s.response_ids]).astype(np.int64))
+            b["attention_mask"][i, :P + R] = 1
+            b["response_ids"][i, :R] = torch.from_numpy(np.asarray(s.response_ids, dtype=np.int64))
+            b["response_index"][i, :R] = torch.arange(P - 1, P - 1 + R)
+            b["response_mask"][i, :R] = True
+            b["logp_sparse"][i, :R] = torch.from_numpy(np.asarray(s.logp_sparse, dtype=np.float32))
+            b["seq_len"][i] = P + R
+        return b
+
+    def response_logprobs(self, model: nn.Module, batch: dict, rows: torch.Tensor,
+                          with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """log pi(response token) for `rows` of a collated batch, from one teacher-forced forward of `model`
+        with logits divided by each sequence's sampler temperature (SPEC §3).
+
+        Returns: logp float32 [len(rows), T] (0 on padding), and the per-token entropy (no grad) or None.
+        """
+        L = int(batch["seq_len"][rows].max())
+        ids = batch["input_ids"][rows, :L].to(self.device)
+        logits = model(input_ids=ids, attention_mask=batch["attention_mask"][rows, :L].to(self.device)).logits
+        index = batch["response_index"][rows].to(self.device)
+        logits = logits.gather(1, index[:, :, None].expand(-1, -1, logits.shape[-1])).float()
+        logits = logits / batch["temperature"][rows].to(self.device)[:, None, None]
+        log_probs = torch.log_softmax(logits, dim=-1)
+        mask = batch["response_mask"][rows].to(self.device)
+        logp = log_probs.gather(2, batch["response_ids"][rows].to(self.device)[:, :, None]).squeeze(2) * mask
+        entropy = None
+        if with_entropy:
+            with torch.no_grad():
+                entropy = -(log_probs.exp() * log_probs).sum(-1) * mask
+        return logp, entropy
+
+    # ------------------------------------------------------------------------------------------------------
+    def step(self, groups: list[TrajectoryGroup], staleness: list[int]) -> dict[str, float]:
+        """One learner step (SPEC §1-4) on `groups`, whose staleness (learner version at consumption minus
+        the group's weight_version) the caller measured. Advances `version` by 1.
+
+        Returns the SPEC §4 metrics of the step: rejection_rate, token_mask_fraction, truncate_fraction,
+        mismatch_kl, mismatch_kl_k1, pg_loss, kl_loss, clip_fraction, entropy, grad_norm, staleness_mean/max,
+        learner_tokens_per_s, reward_mean, response_length_mean, ... and weight_version (after the step).
+        Raises:
+            ValueError: empty batch, len(staleness) != len(groups), or a malformed group (see `collate`).
+        """
+        cfg = self.cfg
+        if not groups:
+            raise ValueError("step needs at least one TrajectoryGroup")
+        if len(staleness) != len(groups):
+            raise ValueError(f"staleness has {len(staleness)} values for {len(groups)} groups")
+        t0 = time.perf_counter()
+        batch = self.collate(groups)
+        S = batch["input_ids"].shape[0]
+        all_rows = torch.arange(S)
+        mask = batch["response_mask"].to(self.device)
+
+        # dense recompute of pi_old (and pi_ref) with the weights held at the start of the step
+        logp_old = torch.zeros(mask.shape, device=self.device)
+        entropy = torch.zeros(mask.shape, device=self.device)
+        logp_ref = torch.zeros(mask.shape, device=self.device) if self.ref_model is not None else None
+        with torch.no_grad():
+            for rows in all_rows.split(cfg.micro_batch_size):
+                logp_old[rows], entropy[rows] = self.response_logprobs(self.engine, batch, rows, with_entropy=True)
+                if logp_ref is not None:
+                    logp_ref[rows], _ = self.response_logprobs(self.ref_model, batch, rows)
+
+        weights, loss_mask, metrics = sparse_correction(
+            logp_old, batch["logp_sparse"].to(self.device), mask, correction=cfg.correction,
+            rejection=cfg.rejection, eps=cfg.eps, geo_bounds=cfg.geo_bounds, token_mask=cfg.token_mask,
+            token_mask_bounds=cfg.token_mask_bounds, tis_cap=cfg.tis_cap)
+        advantages = grpo_advantages(batch["reward"], batch["group_index"]).to(self.device)
+
+        minibatch = cfg.minibatch_size or S
+        shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.version)
+        sums = {"pg_loss": 0.0, "kl_loss": 0.0}
+        means = {"clip_fraction": 0.0, "ppo_kl": 0.0, "ratio_mean": 0.0}
+        grad_norms, micro_steps, optimizer_steps = [], 0, 0
+        self.engine.train()
+        for _epoch in range(cfg.ppo_epochs):
+            order = torch.randperm(S, generator=shuffle)
+            for mb_rows in order.split(minibatch):
+                for rows in mb_rows.split(cfg.micro_batch_size):
+                    logp, _ = self.response_logprobs(self.engine, batch, rows)
+                    loss, m = grpo_loss(
+                        logp, logp_old[rows], advantages[rows], loss_mask[rows], weights[rows],
+                        num_seqs=len(mb_rows), logp_ref=None if logp_ref is None else logp_ref[rows],
+                        kl_coef=cfg.kl_coef, clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high)
+                    self.engine.backward(loss, scale_wrt_gas=False)
+                    for k in sums:
+                        sums[k] += m[k]
+                    for k in means:
+                        means[k] += m[k]
+                    micro_steps += 1
+                self.engine.step()
+                optimizer_steps += 1
+                norm = self.engine.get_global_grad_norm()
+                if norm is not None:
+                    grad_norms.append(float(norm))
+        self.version += 1
+        elapsed = time.perf_counter() - t0
+
+        validf = mask.float()
+        response_len = batch["response_mask"].sum(1).float()
+        metrics.update({k: v / optimizer_steps for k, v in sums.items()})
+        metrics.update({k: v / micro_steps for k, v in means.items()})
+        truncated = [s.finish_reason == "length" for g in groups for s in g.samples]
+        kv_ratio = [s.kv_retained_tokens / max(1, len(s.prompt_ids) + len(s.response_ids))
+                    for g in groups for s in g.samples]
+        metrics.update({
+            "weight_version": self.version,
+            "entropy": ((entropy * validf).sum() / validf.sum().clamp(min=1)).item(),
+            "grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
+            "optimizer_steps": optimizer_steps,
+            "staleness_mean": float(np.mean(staleness)),
+            "staleness_max": float(np.max(staleness)),
+            "reward_mean": batch["reward"].mean().item(),
+            "response_length_mean": response_len.mean().item(),
+            "response_truncated_fraction": float(np.mean(truncated)),
+            "kv_retained_ratio": float(np.mean(kv_ratio)),
+            "kv_peak_bytes_mean": float(np.mean([s.kv_peak_bytes for g in groups for s in g.samples])),
+            "num_sequences": S,
+            "learner_step_s": elapsed,
+            "learner_tokens_per_s": batch["seq_len"].sum().item() / elapsed,
+        })
+        return metrics
+
+    # ------------------------------------------------------------------------------------------------------
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """Every parameter by Hugging Face name, in the engine's dtype, for the weight sender. Tied
+        parameters (e.g. embed_tokens / lm_head) appear under each name as the *same* tensor object, so the
+        sender sends them once. ZeRO-3 parameters are gathered (all at once) and cloned; other stages
+        return detached views of the live parameters: send them before the next `step`."""
+        module = self.engine.module
+        params = list(module.parameters())
+        if self.cfg.zero_stage == 3:
+            import deepspeed
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                tensors = {id(p): p.detach().clone() for p in params}
+        else:
+            tensors = {id(p): p.detach() for p in params}
+        return [(name, tensors[id(p)]) for name, p in module.named_parameters(remove_duplicate=False)]
