@@ -1,0 +1,69 @@
+"""Impossible settings and wrong inputs raise ValueError naming the field or argument."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compressors import CompressorConfig, accumulate_attention, build_compressor, gather_kv
+
+
+@pytest.mark.parametrize("fields, name", [
+    (dict(method="rkvv"), "compressor.method"),
+    (dict(selection="per_layer"), "compressor.selection"),
+    (dict(kv_budget=8, window=8), "compressor.kv_budget=8 must be > compressor.window=8"),
+    (dict(window=0), "compressor.window"),
+    (dict(interval=0), "compressor.interval"),
+    (dict(rkv_lambda=1.5), "compressor.rkv_lambda"),
+    (dict(pool_kernel=4), "compressor.pool_kernel"),
+    (dict(similarity_threshold=2.0), "compressor.similarity_threshold"),
+    (dict(method="h2o", window=8, h2o_recent=4), "compressor.h2o_recent"),
+    (dict(method="h2o", kv_budget=64, h2o_recent=64), "compressor.h2o_recent"),
+    (dict(method="streamingllm", kv_budget=10, window=8, sinks=4), "compressor.sinks"),
+    (dict(method="streamingllm", sinks=-1), "compressor.sinks"),
+])
+def test_config_errors_name_the_field(fields, name):
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        build_compressor(CompressorConfig(**fields))
+
+
+def test_h2o_and_sinks_fields_only_checked_for_their_method():
+    build_compressor(CompressorConfig(method="snapkv", kv_budget=16, window=8))  # h2o_recent=64 irrelevant
+
+
+def rkv(**kw):
+    return build_compressor(CompressorConfig(method="rkv", kv_budget=4, window=2, **kw))
+
+
+@pytest.mark.parametrize("keys, queries, valid, name", [
+    (torch.randn(1, 6, 4), torch.randn(1, 2, 2, 4), None, "keys"),
+    (torch.randn(1, 2, 6, 4), torch.randn(1, 3, 2, 4), None, "q_heads=3 is not a multiple of keys kv_heads=2"),
+    (torch.randn(1, 2, 6, 4), torch.randn(1, 2, 2, 8), None, "queries shape"),
+    (torch.randn(1, 2, 6, 4), torch.randn(1, 2, 3, 4), None, "w=3"),
+    (torch.randn(1, 2, 6, 4), None, None, "queries"),
+    (torch.randn(1, 2, 6, 4), torch.randn(1, 2, 2, 4), torch.ones(1, 5, dtype=torch.bool), "valid"),
+    (torch.randn(1, 2, 6, 4), torch.randn(1, 2, 2, 4), torch.ones(1, 6), "valid must be a bool"),
+    (torch.randn(1, 2, 4, 4), torch.randn(1, 2, 2, 4), None, "seq=4 slots <= compressor.kv_budget=4"),
+])
+def test_select_errors_name_the_argument(keys, queries, valid, name):
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        rkv().select(keys, queries, valid)
+
+
+def test_h2o_requires_attention_mass():
+    c = build_compressor(CompressorConfig(method="h2o", kv_budget=4, window=1, h2o_recent=2))
+    assert c.needs_attention_mass and not rkv().needs_attention_mass
+    with pytest.raises(ValueError, match="attn_mass"):
+        c.select(torch.randn(1, 1, 6, 4), None, None)
+    with pytest.raises(ValueError, match="attn_mass"):
+        c.select(torch.randn(1, 1, 6, 4), None, None, torch.zeros(1, 1, 5))
+
+
+def test_accumulate_and_gather_errors():
+    with pytest.raises(ValueError, match="probs"):
+        accumulate_attention(torch.zeros(1, 2, 0), torch.rand(1, 3, 4))
+    with pytest.raises(ValueError, match="q_heads=3 is not a multiple of attn_mass kv_heads=2"):
+        accumulate_attention(torch.zeros(1, 2, 0), torch.rand(1, 3, 1, 4))
+    with pytest.raises(ValueError, match="attn_mass shape"):
+        accumulate_attention(torch.zeros(1, 1, 5), torch.rand(1, 1, 1, 4))
+    with pytest.raises(ValueError, match="gather_kv"):
+        gather_kv(torch.randn(2, 1, 4, 3), torch.zeros(1, 1, 2, dtype=torch.long))
