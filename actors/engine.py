@@ -24,9 +24,12 @@ class SamplingParams:
     n: int = 1
     """G: samples per prompt."""
     stop_strings: list[str] = field(default_factory=list)
-    """Generation stops after a response whose decoded text ends with one of these (finish_reason 'stop')."""
+    """Generation stops at the first token after which the decoded response contains one of these (that token
+    is kept; finish_reason 'stop')."""
     seed: int | None = None
     """Seed of the sampling generator; equal seeds and inputs give equal samples."""
+    ignore_eos: bool = False
+    """Keep sampling past EOS until max_new_tokens or a stop string (benchmarks of fixed length)."""
 
 
 @dataclass

@@ -1,0 +1,350 @@
+"""Torch rollout engine: batched sampling with a physically bounded, evicting KV cache (shared/SPEC.md §5).
+
+Our own forward over the Hugging Face submodules (shared/notes/kv_cache.md, option C): embed, rotary
+embedding, and per layer input_layernorm, q/k/v projections, RoPE, attention over our cache, o_proj,
+post_attention_layernorm + MLP; then norm and lm_head. The cache is ours:
+
+- per layer, K and V buffers `[rows, kv_heads, capacity, head_dim]` with capacity `kv_budget + interval`
+  (`full`: prompt + max_new_tokens); a per-(row, KV head) validity mask of the same slots, so padding and
+  per-layer, per-head kept sets are exact;
+- keys are stored after RoPE at their true positions, so dropping a slot is the same as masking it out;
+- every `interval` decode steps, if a layer holds more than `kv_budget` slots, `compressors` picks the
+  slots to keep from the last `window` queries of that layer and `gather_kv` compacts them in place to the
+  front of the buffer (in chunks, so the copy needs no second buffer). A prompt longer than the budget is
+  compressed right after its prefill, layer by layer.
+
+Rows are the G samples of every prompt (prompt-major: row = prompt_index * G + sample_index), left-padded
+to the longest prompt and decoded together; finished rows leave the batch (their buffers are freed).
+`logp_sparse` is float32 log_softmax(logits / temperature) at the sampled token, from this compressed
+forward (SPEC §1, pi_sparse).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from actors.engine import Sample, SamplingParams
+from compressors import CompressorConfig, accumulate_attention, build_compressor, gather_kv
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+COMPACT_CHUNK = 32
+"""Slots moved per step of the in-place compaction; the only extra K/V memory an eviction needs."""
+
+
+class TorchEngine:
+    """RolloutEngine on torch for Hugging Face `LlamaForCausalLM` / `Qwen2ForCausalLM` (any dtype, CPU or GPU).
+
+    model: the HF causal LM; its weights are used as they are (no copy); put in eval mode.
+    tokenizer: HF tokenizer of the model (EOS ids, stop-string decoding).
+    compressor_cfg: `CompressorConfig` (method rkv|snapkv|h2o|streamingllm|full, kv_budget, window, interval,
+        selection per_head|shared); validated by `build_compressor`.
+    record_evictions: keep, after each `generate`, `last_eviction_record` (for tests of exactness): dict with
+        `prompt_width` P (columns are the left-padded layout: prompt in [P - len, P), response token t at
+        P + t) and `evicted_at`: one int64 tensor [rows, kv_heads, P + max_new_tokens] per layer giving the
+        column of the first query that no longer sees that key column (int64 max if never evicted).
+    Raises ValueError if the model is not a supported, full-attention Llama/Qwen2.
+    """
+
+    def __init__(self, model, tokenizer, compressor_cfg: CompressorConfig, device: str = "cpu",
+                 weight_version: int = 0, record_evictions: bool = False):
+        cfg = model.config
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model.config.model_type={cfg.model_type!r} is not supported; "
+                             f"expected one of {SUPPORTED_MODEL_TYPES}")
+        layer_types = getattr(cfg, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types):
+            raise ValueError(f"model.config.layer_types={layer_types}: only full-attention layers are supported "
+                             "(sliding-window layers would need their own eviction rule)")
+        self.model = model.to(device).eval()
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.compressor_cfg = compressor_cfg
+        self.compressor = build_compressor(compressor_cfg)
+        self.weight_version = weight_version
+        self.record_evictions = record_evictions
+        self.last_eviction_record: dict | None = None
+        attn = model.model.layers[0].self_attn
+        self.num_layers = len(model.model.layers)
+        self.kv_heads = cfg.num_key_value_heads
+        self.q_heads = cfg.num_attention_heads
+        self.head_dim = attn.head_dim
+        # apply_rotary_pos_emb of the model's own modeling file (identical for Llama and Qwen2).
+        self._apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        if tokenizer.eos_token_id is not None:
+            eos.append(tokenizer.eos_token_id)
+        self.eos_ids = set(eos)
+
+    # ------------------------------------------------------------------ weights
+    def manifest(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(HF parameter name, shape, dtype) of every distinct parameter (tied `lm_head.weight` is listed once,
+        as `model.embed_tokens.weight`)."""
+        return [(name, tuple(p.shape), p.dtype) for name, p in self.model.named_parameters()]
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy tensors into the model by HF parameter name, then set `weight_version = version`.
+
+        named_tensors: (name, tensor) pairs; a subset of the parameters is allowed (bucketed sync). With tied
+            embeddings `lm_head.weight` and `model.embed_tokens.weight` name the same tensor.
+        Raises ValueError listing every unknown name and every shape/dtype mismatch, before anything changes.
+        """
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        pairs = list(named_tensors)
+        errors = []
+        for name, tensor in pairs:
+            if name not in params:
+                errors.append(f"unknown parameter name {name!r}")
+            elif tuple(tensor.shape) != tuple(params[name].shape) or tensor.dtype != params[name].dtype:
+                errors.append(f"{name}: got shape {tuple(tensor.shape)} dtype {tensor.dtype}, expected shape "
+                              f"{tuple(params[name].shape)} dtype {params[name].dtype}")
+        if errors:
+            raise ValueError(f"load_weights(version={version}) rejected, nothing was loaded: " + "; ".join(errors))
+        with torch.no_grad():
+            for name, tensor in pairs:
+                params[name].copy_(tensor)
+        self.weight_version = version
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+        """Sample `params.n` responses for each prompt (token ids) in one batch; one list of n Samples per prompt.
+
+        Sampling: temperature > 0 samples from softmax(logits / temperature), optionally truncated by top_k /
+        top_p (evaluation only: logp_sparse stays the untruncated log-prob); temperature 0 is greedy with
+        logp_sparse = log_softmax(logits). A response ends on an EOS id (kept in the response), when its
+        decoded text contains a stop string (the token completing it is kept), or after max_new_tokens.
+        Raises ValueError naming the field for empty prompts or invalid sampling values.
+        """
+        _check_params(prompts, params)
+        cc = self.compressor_cfg
+        compress = cc.method != "full"
+        n_layers, hkv, hd = self.num_layers, self.kv_heads, self.head_dim
+        dev, dtype = self.device, self.model.dtype
+        G, max_new = params.n, params.max_new_tokens
+
+        rows = [p for p in prompts for _ in range(G)]
+        R, P = len(rows), max(len(p) for p in rows)
+        pad = torch.tensor([P - len(p) for p in rows], device=dev)
+        ids = torch.zeros(R, P, dtype=torch.long, device=dev)
+        for r, p in enumerate(rows):
+            ids[r, P - len(p):] = torch.tensor(p, dtype=torch.long)
+        cols = torch.arange(P, device=dev)
+        key_valid = cols[None, :] >= pad[:, None]                                          # [R, P]
+        positions = (cols[None, :] - pad[:, None]).clamp(min=0)                            # [R, P]
+
+        budget = cc.kv_budget
+        capacity = min(budget + cc.interval, min(P, budget) + max_new) if compress else P + max_new
+        # Per layer, every tensor [rows, kv_heads, capacity, ...]: the slots of that layer's cache.
+        cache = []
+        for _ in range(n_layers):
+            layer = {"k": torch.zeros(R, hkv, capacity, hd, dtype=dtype, device=dev),
+                     "v": torch.zeros(R, hkv, capacity, hd, dtype=dtype, device=dev),
+                     "valid": torch.zeros(R, hkv, capacity, dtype=torch.bool, device=dev)}
+            if self.compressor.needs_attention_mass:
+                layer["mass"] = torch.zeros(R, hkv, capacity, device=dev)
+            if self.record_evictions:
+                layer["col"] = torch.full((R, hkv, capacity), -1, dtype=torch.long, device=dev)
+            cache.append(layer)
+        buffer_bytes = sum(c["k"].nbytes + c["v"].nbytes for c in cache) // R      # per sequence, all layers
+        qwin: list[torch.Tensor | None] = [None] * n_layers     # last <= window post-RoPE queries per layer
+        evicted_at = [torch.full((R, hkv, P + max_new), torch.iinfo(torch.long).max, dtype=torch.long, device=dev)
+                      for _ in range(n_layers)] if self.record_evictions else None
+
+        gen = torch.Generator(device=dev)
+        if params.seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(params.seed)
+
+        # ---- prefill: dense causal attention over the prompt (a pad query sees itself, so no row is empty);
+        # a prompt longer than the budget is compressed layer by layer right after.
+        eye = torch.eye(P, dtype=torch.bool, device=dev)
+        visible = ((cols[None, :] <= cols[:, None]) & (key_valid[:, None, :] | eye))[:, None]   # [R, 1, P, P]
+        with torch.inference_mode():
+            logits, transient_bytes = self._forward(ids, positions, cache, qwin, evicted_at, n=0, col=P - 1,
+                                                    prefill=(visible, key_valid), compress_now=compress and P > budget,
+                                                    row_ids=torch.arange(R, device=dev))
+        n = min(P, budget) if compress else P                               # filled slots, equal for every row
+        # Peak K/V bytes per sequence: the buffers plus the largest transient beside them (one layer's prompt
+        # K/V at prefill, or one compaction chunk). Validity and scores are not K/V and are not counted.
+        chunk_bytes = 2 * min(COMPACT_CHUNK, budget) * hkv * hd * cache[0]["k"].element_size() if compress else 0
+        peak_bytes = buffer_bytes + max(transient_bytes // R, chunk_bytes)
+
+        row_ids = torch.arange(R, device=dev)                                # original row of each live row
+        next_pos = positions[:, -1] + 1
+        responses: list[list[int]] = [[] for _ in range(R)]
+        logps: list[list[float]] = [[] for _ in range(R)]
+        results: list[Sample | None] = [None] * R
+        stop_tail = max((len(s) for s in params.stop_strings), default=0) + 1  # tokens decoded for the stop check
+        step = 0
+        while True:
+            tok, lp = _sample(logits, params, gen)                           # [R_live] int64, [R_live] float32
+            finished = []
+            for i, (r, t, lpt) in enumerate(zip(row_ids.tolist(), tok.tolist(), lp.tolist())):
+                responses[r].append(t)
+                logps[r].append(lpt)
+                reason = None
+                if t in self.eos_ids and not params.ignore_eos:
+                    reason = "stop"
+                elif params.stop_strings and any(
+                        s in self.tokenizer.decode(responses[r][-stop_tail:]) for s in params.stop_strings):
+                    reason = "stop"
+                elif len(responses[r]) >= max_new:
+                    reason = "length"
+                if reason is not None:
+                    finished.append(i)
+                    results[r] = Sample(prompt_ids=list(rows[r]), response_ids=responses[r],
+                                        logp_sparse=np.asarray(logps[r], dtype=np.float32), finish_reason=reason,
+                                        kv_retained_tokens=int(cache[0]["valid"][i, 0, :n].sum()),
+                                        kv_peak_bytes=int(peak_bytes))
+            if len(finished) == len(row_ids):
+                break
+            if finished:                                                     # finished rows leave the batch
+                live = torch.ones(len(row_ids), dtype=torch.bool, device=dev)
+                live[finished] = False
+                keep_rows = live.nonzero().squeeze(1)
+                cache = [{name: t.index_select(0, keep_rows) for name, t in c.items()} for c in cache]
+                qwin = [w.index_select(0, keep_rows) for w in qwin]
+                row_ids, tok, next_pos = row_ids[keep_rows], tok[keep_rows], next_pos[keep_rows]
+
+            step += 1
+            compress_now = compress and step % cc.interval == 0 and n + 1 > budget
+            with torch.inference_mode():
+                logits, _ = self._forward(tok[:, None], next_pos[:, None], cache, qwin, evicted_at, n=n,
+                                          col=P + step - 1, prefill=None, compress_now=compress_now, row_ids=row_ids)
+            n = budget if compress_now else n + 1
+            next_pos = next_pos + 1
+
+        if self.record_evictions:
+            self.last_eviction_record = {"prompt_width": P, "evicted_at": evicted_at}
+        return [results[i * G:(i + 1) * G] for i in range(len(prompts))]
+
+    def _forward(self, tokens, positions, cache, qwin, evicted_at, n, col, prefill, compress_now, row_ids):
+        """One forward of `tokens` [R, q] at true `positions` [R, q] through the model and our cache (in place).
+
+        prefill: (visible bool [R, 1, q, q], key_valid bool [R, q]) for the prompt, whose K/V then go to slots
+            [0, q) or, with compress_now, straight to the kept slots; None for a decode step (q = 1), whose K/V
+            go to slot n, after which, with compress_now, each layer is compacted to kv_budget slots.
+        col: column of the last token (left-padded layout); row_ids: original row of each of the R rows.
+        Returns (logits float32 [R, vocab] at the last position, bytes of the largest transient K/V tensor).
+        """
+        m, cc = self.model.model, self.compressor_cfg
+        R, q = tokens.shape
+        h = m.embed_tokens(tokens)
+        cos, sin = m.rotary_emb(h, positions)
+        keep = None                                                          # selection "shared": from layer 0
+        transient = 0
+        for li, layer in enumerate(m.layers):
+            attn, c = layer.self_attn, cache[li]
+            x = layer.input_layernorm(h)
+            qs = attn.q_proj(x).view(R, q, -1, self.head_dim).transpose(1, 2)
+            ks = attn.k_proj(x).view(R, q, -1, self.head_dim).transpose(1, 2)
+            vs = attn.v_proj(x).view(R, q, -1, self.head_dim).transpose(1, 2)
+            qs, ks = self._apply_rope(qs, ks, cos, sin)
+            if prefill is not None:
+                visible, key_valid = prefill
+                slots = {"k": ks, "v": vs, "valid": key_valid[:, None, :].expand(R, self.kv_heads, q)}
+                if "col" in c:
+                    slots["col"] = torch.arange(q, device=ks.device).expand(R, self.kv_heads, q)
+                transient = max(transient, ks.nbytes + vs.nbytes)
+            else:
+                c["k"][:, :, n], c["v"][:, :, n], c["valid"][:, :, n] = ks[:, :, 0], vs[:, :, 0], True
+                if "col" in c:
+                    c["col"][:, :, n] = col
+                slots = {name: t[:, :, :n + 1] for name, t in c.items()}
+                visible = slots["valid"][:, :, None, :]
+            out, probs = _attend(qs, slots["k"], slots["v"], visible, attn.scaling, want_probs="mass" in c)
+            h = h + attn.o_proj(out.transpose(1, 2).reshape(R, q, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+
+            if "mass" in c:                                                  # H2O: accumulated attention
+                slots["mass"] = accumulate_attention(c["mass"][:, :, :n] if prefill is None else
+                                                     c["mass"][:, :, :0], probs)
+            if prefill is not None:                                          # window: last queries, pads zeroed
+                w = min(cc.window, q)
+                qwin[li] = qs[:, :, -w:] * key_valid[:, None, -w:, None]
+            else:
+                qwin[li] = torch.cat([qwin[li], qs], dim=2)[:, :, -cc.window:]
+
+            if not compress_now:
+                if prefill is not None:
+                    for name, t in slots.items():
+                        c[name][:, :, :q] = t
+                elif "mass" in c:
+                    c["mass"][:, :, :n + 1] = slots["mass"]
+                continue
+            if keep is None or cc.selection != "shared":
+                keep = self.compressor.select(slots["k"], qwin[li], slots["valid"], slots.get("mass"))
+                if not bool((keep[..., 1:] > keep[..., :-1]).all()):
+                    raise RuntimeError("compressor.select returned slot indices that are not strictly ascending")
+            if evicted_at is not None:                                       # record what this compaction drops
+                kept = torch.zeros_like(slots["valid"]).scatter_(2, keep, True)
+                r, hh, s = (slots["valid"] & ~kept).nonzero(as_tuple=True)
+                evicted_at[li][row_ids[r], hh, slots["col"][r, hh, s]] = col + 1
+            # Compact in place with gather_kv: keep is ascending, so chunk j only reads slots >= its destination.
+            for j in range(0, keep.shape[2], COMPACT_CHUNK):
+                idx = keep[:, :, j:j + COMPACT_CHUNK]
+                moved = {name: gather_kv(t, idx) for name, t in slots.items()}
+                for name, t in moved.items():
+                    c[name][:, :, j:j + idx.shape[2]] = t
+
+        h = m.norm(h[:, -1])
+        return self.model.lm_head(h).float(), transient
+
+
+def _attend(q, k, v, visible, scale, want_probs):
+    """Grouped-query attention. q [R, Hq, q, D]; k, v [R, Hkv, S, D]; visible bool [R, 1 or Hkv, q, S].
+
+    Returns (out [R, Hq, q, D], probs float32 [R, Hq, q, S] if want_probs else None). Query head h reads
+    KV head h // (Hq / Hkv), as HF's repeat_kv.
+    """
+    R, Hq, ql, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    qg = q.reshape(R, Hkv, G * ql, D)
+    mask = visible[:, :, None].expand(R, visible.shape[1], G, ql, S).reshape(R, visible.shape[1], G * ql, S)
+    if not want_probs:
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+        return out.view(R, Hq, ql, D), None
+    scores = (qg @ k.transpose(-1, -2)).float() * scale
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    out = probs.to(v.dtype) @ v
+    return out.view(R, Hq, ql, D), probs.view(R, Hq, ql, S)
+
+
+def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator):
+    """Draw one token per row from float32 logits [R, vocab]; returns (tokens int64 [R], logp_sparse float32 [R])."""
+    if params.temperature == 0:
+        logp = logits.log_softmax(-1)
+        tok = logp.argmax(-1)
+        return tok, logp.gather(1, tok[:, None])[:, 0]
+    logp = (logits / params.temperature).log_softmax(-1)
+    probs = logp.exp()
+    if params.top_k > 0:
+        kth = probs.topk(min(params.top_k, probs.shape[-1]), dim=-1).values[:, -1:]
+        probs = probs.masked_fill(probs < kth, 0.0)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p >= params.top_p * sorted_p.sum(-1, keepdim=True)
+        probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
+    tok = torch.multinomial(probs, 1, generator=gen)[:, 0]
+    return tok, logp.gather(1, tok[:, None])[:, 0]
+
+
+def _check_params(prompts: list[list[int]], params: SamplingParams) -> None:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
+    if params.temperature < 0:
+        raise ValueError(f"SamplingParams.temperature={params.temperature} must be >= 0")
+    if params.max_new_tokens < 1:
+        raise ValueError(f"SamplingParams.max_new_tokens={params.max_new_tokens} must be >= 1")
+    if params.n < 1:
+        raise ValueError(f"SamplingParams.n={params.n} must be >= 1")
+    if not 0 < params.top_p <= 1:
+        raise ValueError(f"SamplingParams.top_p={params.top_p} must be in (0, 1]")
+    if params.top_k < 0:
+        raise ValueError(f"SamplingParams.top_k={params.top_k} must be >= 0 (0 = off)")

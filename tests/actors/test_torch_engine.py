@@ -1,0 +1,222 @@
+"""TorchEngine on tiny random Llama and Qwen2 models built here (fp32 / fp64), checked against the HF model's own
+forward: dense equivalence, exact eviction (per layer and head), bounded KV bytes, weight loading, stopping."""
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (AttentionInterface, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+from actors.engine import SamplingParams
+from actors.torch_engine import TorchEngine
+from compressors import CompressorConfig
+
+torch.set_num_threads(1)
+VOCAB = 256
+PROMPTS = [[5, 17, 33, 4, 90], [7, 8, 9, 10, 11, 12, 13, 14, 15], [100, 3, 44, 21, 19, 18, 60, 61, 62, 63, 64, 65]]
+
+
+def tiny_model(family: str, layers: int = 2, dtype=torch.float32, seed: int = 0):
+    """Random model as in shared/notes/kv_cache.md (initializer_range 0.2: peaked attention, so eviction shows)."""
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.2,
+              max_position_embeddings=4096, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+              tie_word_embeddings=True)
+    cfg, cls = (LlamaConfig(**kw), LlamaForCausalLM) if family == "llama" else (Qwen2Config(**kw), Qwen2ForCausalLM)
+    cfg._attn_implementation = "sdpa"
+    return cls(cfg).to(dtype).eval()
+
+
+def tiny_tokenizer(eos: str | None = None):
+    """Word-level tokenizer over words w0..w255 (token i decodes to 'wi')."""
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos)
+
+
+def padded_batch(samples, prompt_width: int):
+    """Left-padded prompt (to prompt_width) + response, right-padded: ids, 2D mask, positions [R, L]."""
+    L = prompt_width + max(len(s.response_ids) for s in samples)
+    ids = torch.zeros(len(samples), L, dtype=torch.long)
+    mask = torch.zeros(len(samples), L, dtype=torch.long)
+    for r, s in enumerate(samples):
+        seq = s.prompt_ids + s.response_ids
+        start = prompt_width - len(s.prompt_ids)
+        ids[r, start:start + len(seq)] = torch.tensor(seq)
+        mask[r, start:start + len(seq)] = 1
+    return ids, mask, (mask.cumsum(1) - 1).clamp(min=0)
+
+
+def reference_logp(model, samples, prompt_width: int, temperature: float, **forward_kwargs):
+    """Teacher-forced HF forward over prompt+response; [R, T] log_softmax(logits/T) at the sampled tokens."""
+    ids, mask, pos = padded_batch(samples, prompt_width)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, **forward_kwargs).logits.double()
+    logp = (logits / temperature).log_softmax(-1)
+    out = []
+    for r, s in enumerate(samples):
+        cols = torch.arange(len(s.response_ids)) + prompt_width - 1
+        out.append(logp[r, cols, torch.tensor(s.response_ids)])
+    return out
+
+
+def flat(groups):
+    return [s for g in groups for s in g]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_dense_logp_equals_teacher_forced_forward(family, temperature):
+    model = tiny_model(family)
+    engine = TorchEngine(model, tiny_tokenizer(), CompressorConfig(method="full"))
+    groups = engine.generate(PROMPTS, SamplingParams(temperature=temperature, max_new_tokens=40, n=2, seed=1))
+    samples = flat(groups)
+    assert [len(g) for g in groups] == [2, 2, 2]
+    ref = reference_logp(model, samples, max(map(len, PROMPTS)), temperature)
+    for s, r in zip(samples, ref):
+        assert len(s.response_ids) == 40 and s.finish_reason == "length"
+        assert s.logp_sparse.dtype.name == "float32"
+        assert torch.allclose(torch.from_numpy(s.logp_sparse).double(), r, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_dense_logp_float64_to_rounding_and_budget_above_length(family):
+    """fp64 model: equal to rounding; rkv with a budget above the sequence length never evicts (dense)."""
+    model = tiny_model(family, dtype=torch.float64)
+    engine = TorchEngine(model, tiny_tokenizer(), CompressorConfig(method="rkv", kv_budget=512, interval=16))
+    samples = flat(engine.generate(PROMPTS, SamplingParams(temperature=0.6, max_new_tokens=30, n=2, seed=3)))
+    ref = reference_logp(model, samples, max(map(len, PROMPTS)), 0.6)
+    for s, r in zip(samples, ref):
+        # logp_sparse is stored as float32: the only error left is that rounding.
+        assert torch.allclose(torch.from_numpy(s.logp_sparse).double(), r, atol=2e-6, rtol=1e-6)
+        assert s.kv_retained_tokens == len(s.prompt_ids) + len(s.response_ids) - 1
+
+
+def _masked_reference_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Dense attention that hides, per layer and KV head, exactly the keys the engine evicted (kv_cache.md (b))."""
+    visible = kwargs["layer_masks"][module.layer_idx]                    # [R, Hkv, L, L] bool
+    groups = query.shape[1] // key.shape[1]
+    mask = visible.repeat_interleave(groups, dim=1)
+    scores = (query @ key.repeat_interleave(groups, 1).transpose(-1, -2)) * scaling
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (probs @ value.repeat_interleave(groups, 1)).transpose(1, 2).contiguous(), probs
+
+
+AttentionInterface.register("evicted_mask_reference", _masked_reference_attention)
+
+
+@pytest.mark.parametrize("family,method,selection", [("llama", "rkv", "per_head"), ("qwen2", "rkv", "per_head"),
+                                                     ("llama", "snapkv", "per_head"), ("llama", "h2o", "per_head"),
+                                                     ("qwen2", "streamingllm", "per_head"),
+                                                     ("llama", "rkv", "shared")])
+def test_eviction_is_exact_per_layer_and_head(family, method, selection):
+    model = tiny_model(family, layers=3)
+    cfg = CompressorConfig(method=method, kv_budget=12, window=4, interval=5, h2o_recent=4, sinks=2,
+                           selection=selection)
+    engine = TorchEngine(model, tiny_tokenizer(), cfg, record_evictions=True)
+    prompts = PROMPTS + [list(range(20, 36))]                             # the 16-token prompt exceeds the budget
+    samples = flat(engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=45, n=2, seed=7)))
+    rec = engine.last_eviction_record
+    P = rec["prompt_width"]
+    ids, mask, pos = padded_batch(samples, P)
+    L = ids.shape[1]
+    q, k = torch.arange(L)[:, None], torch.arange(L)[None, :]
+    base = (k <= q)[None] & mask.bool()[:, None, :]                      # causal + padding  [R, L, L]
+    eye = torch.eye(L, dtype=torch.bool)[None]
+    layer_masks, dense_masks = [], []
+    for evicted_at in rec["evicted_at"]:                                  # [R, Hkv, P + max_new]
+        seen = q[None, None] < evicted_at[:, :, None, :L]                 # query column < eviction column
+        layer_masks.append((base[:, None] & seen) | eye[:, None])
+        dense_masks.append((base[:, None] | eye[:, None]).expand_as(layer_masks[-1]))
+    assert any((e[:, :, :L] < torch.iinfo(torch.long).max).any() for e in rec["evicted_at"]), "nothing was evicted"
+    if selection == "shared":
+        for e in rec["evicted_at"][1:]:
+            assert torch.equal(e, rec["evicted_at"][0])
+    model.set_attn_implementation("evicted_mask_reference")
+    ref = reference_logp(model, samples, P, 1.0, layer_masks=layer_masks)
+    dense = reference_logp(model, samples, P, 1.0, layer_masks=dense_masks)
+    model.set_attn_implementation("sdpa")
+    worst_gap = 0.0
+    for s, r, d in zip(samples, ref, dense):
+        got = torch.from_numpy(s.logp_sparse).double()
+        assert torch.allclose(got, r, atol=2e-5, rtol=0), (got - r).abs().max()
+        worst_gap = max(worst_gap, float((got - d).abs().max()))
+        assert s.kv_retained_tokens <= cfg.kv_budget + cfg.interval
+    assert worst_gap > 1e-2, "eviction did not change any log-prob: the check would not see a wrong mask"
+
+
+def test_kv_bytes_are_bounded_for_a_long_response():
+    model = tiny_model("llama", layers=2)
+    params = SamplingParams(temperature=1.0, max_new_tokens=2048, n=1, seed=0, ignore_eos=True)
+    prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]]
+    sparse = TorchEngine(model, tiny_tokenizer(), CompressorConfig(method="rkv", kv_budget=256, interval=64))
+    dense = TorchEngine(model, tiny_tokenizer(), CompressorConfig(method="full"))
+    s = sparse.generate(prompts, params)[0][0]
+    d = dense.generate(prompts, params)[0][0]
+    assert len(s.response_ids) == len(d.response_ids) == 2048
+    bound = (256 + 64) / (16 + 2048)
+    assert s.kv_peak_bytes / d.kv_peak_bytes <= 1.1 * bound, (s.kv_peak_bytes, d.kv_peak_bytes)
+    # dense K/V: layers * 2 (K and V) * kv_heads * head_dim * 4 bytes per token, at least prompt + response - 1 tokens
+    assert d.kv_peak_bytes >= 2 * 2 * 2 * 16 * 4 * (16 + 2047)
+    assert 256 <= s.kv_retained_tokens <= 256 + 64
+    assert d.kv_retained_tokens == 16 + 2047
+
+
+def test_load_weights_changes_outputs_and_version_and_rejects_bad_names():
+    model = tiny_model("llama")
+    engine = TorchEngine(model, tiny_tokenizer(), CompressorConfig(method="full"), weight_version=3)
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, n=1, seed=0)
+    before = engine.generate(PROMPTS[:1], params)[0][0]
+    manifest = engine.manifest()
+    assert ("model.embed_tokens.weight", (VOCAB, 64), torch.float32) in manifest
+    assert "lm_head.weight" not in [n for n, _, _ in manifest]             # tied: listed once
+    new = tiny_model("llama", seed=1)
+    engine.load_weights(new.state_dict().items(), version=4)
+    after = engine.generate(PROMPTS[:1], params)[0][0]
+    assert engine.weight_version == 4
+    assert not torch.allclose(torch.from_numpy(after.logp_sparse[:1]), torch.from_numpy(before.logp_sparse[:1]))
+    assert torch.equal(model.lm_head.weight, new.model.embed_tokens.weight)  # tied weights follow
+    ref = reference_logp(new, [after], len(PROMPTS[0]), 1.0)[0]
+    assert torch.allclose(torch.from_numpy(after.logp_sparse).double(), ref, atol=2e-5)
+
+    w = model.model.norm.weight.clone()
+    bad = [("model.norm.weight", torch.zeros(64)), ("model.layers.0.mlp.up_proj.weight", torch.zeros(3, 3)),
+           ("model.not_a_layer.weight", torch.zeros(2))]
+    with pytest.raises(ValueError) as err:
+        engine.load_weights(bad, version=5)
+    assert "model.layers.0.mlp.up_proj.weight" in str(err.value) and "model.not_a_layer.weight" in str(err.value)
+    assert torch.equal(model.model.norm.weight, w) and engine.weight_version == 4   # nothing changed
+
+
+def test_eos_stop_strings_and_seed():
+    model = tiny_model("qwen2")
+    engine = TorchEngine(model, tiny_tokenizer(eos="w7"), CompressorConfig(method="rkv", kv_budget=16, interval=4))
+    params = SamplingParams(temperature=1.5, max_new_tokens=300, n=4, seed=11)
+    groups = engine.generate(PROMPTS, params)
+    again = engine.generate(PROMPTS, params)
+    for s, t in zip(flat(groups), flat(again)):
+        assert s.response_ids == t.response_ids                          # same seed, same samples
+        if s.finish_reason == "stop":
+            assert s.response_ids[-1] == 7 and 7 not in s.response_ids[:-1]
+        else:
+            assert len(s.response_ids) == 300 and 7 not in s.response_ids
+    assert any(s.finish_reason == "stop" for s in flat(groups))
+    stop = engine.generate(PROMPTS, SamplingParams(temperature=1.5, max_new_tokens=300, n=4, seed=11,
+                                                   stop_strings=["w3 w4", "w9"], ignore_eos=True))
+    for s in flat(stop):
+        text = engine.tokenizer.decode(s.response_ids)
+        if s.finish_reason == "stop":
+            assert "w3 w4" in text or "w9" in text
+            assert not any(x in engine.tokenizer.decode(s.response_ids[:-1]) for x in ["w3 w4", "w9"])
+        else:
+            assert len(s.response_ids) == 300
+
+
+def test_bad_sampling_params_name_the_field():
+    engine = TorchEngine(tiny_model("llama"), tiny_tokenizer(), CompressorConfig(method="full"))
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate(PROMPTS, SamplingParams(top_p=0.0))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=0))
+    with pytest.raises(ValueError, match="prompts"):
+        engine.generate([[]], SamplingParams())
