@@ -1,0 +1,164 @@
+"""The rollout actor process (one Ray actor): pull prompts, generate G samples per prompt with the engine and
+the configured compressor, score them, publish one trajectory group per prompt; receive weights from the
+learner between batches; never run further ahead of the learner than `broker.max_staleness`.
+
+Threads: `run()` is the generation loop; `receive_weights()` runs concurrently (Ray max_concurrency) and
+receives into a staging copy, which the loop swaps in at the next batch boundary.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+
+import torch
+
+from actors.data import load_train_prompts
+from actors.engine import SamplingParams
+from actors.reward import math_reward
+from broker.schema import SampleRecord, TrajectoryGroup
+from broker.streams import GroupProducer, connect, key, read_learner_version
+from broker.weight_sync import WeightReceiver
+from compressors import CompressorConfig
+
+PROMPT_CURSOR = "prompt_cursor"
+"""Redis counter handing out prompt indices to all actors of a run: no prompt is taken twice, whatever the
+number of actors."""
+
+
+def build_engine(engine_cfg, model_path: str, compressor: CompressorConfig, torch_threads: int):
+    """The engine named by `engine_cfg.backend` (torch | sglang) on `model_path`, with `compressor`."""
+    torch.set_num_threads(torch_threads)
+    if engine_cfg.backend == "sglang":
+        from actors.sglang_engine import SGLangEngine
+        return SGLangEngine(model_path, compressor, dtype=engine_cfg.dtype)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from actors.torch_engine import TorchEngine
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[engine_cfg.dtype]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    return TorchEngine(model, AutoTokenizer.from_pretrained(model_path), compressor, device=device)
+
+
+class RolloutWorker:
+    def __init__(self, cfg: dict, run_id: str, actor_id: str):
+        from deploy.config import RunConfig  # plain dict over Ray -> typed config
+        from omegaconf import OmegaConf
+
+        self.cfg: RunConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
+        self.run_id, self.actor_id = run_id, actor_id
+        a = self.cfg.actors
+        self.engine = build_engine(a.engine, self.cfg.model, a.engine.compressor, a.torch_threads)
+        self.tokenizer = self.engine.tokenizer
+        self.prompts = load_train_prompts(a.data, self.tokenizer, seed=self.cfg.seed)
+        self.redis = connect(self.cfg.broker)
+        self.producer = GroupProducer(self.redis, self.cfg.broker, run_id)
+        l = self.cfg.learner
+        self.receiver = None
+        self.sync_timeout = l.weight_sync_timeout_s
+        self.staged: tuple[int, list] | None = None
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.idle = threading.Event()
+        self.idle.set()
+        self.counters = {"groups": 0, "tokens": 0, "gen_s": 0.0, "kv_peak_bytes": 0, "staleness_wait_s": 0.0}
+
+    def ping(self) -> str:
+        return self.actor_id
+
+    # -- weights -----------------------------------------------------------------------------------------
+    def receive_weights(self, generation: int, rank: int, world_size: int) -> int:
+        """Join sync group `generation` if it is new, receive one broadcast into a staging copy; the generation
+        loop swaps it in at its next batch boundary. Returns the received version."""
+        if self.receiver is None:
+            host, port = self.redis.hmget(key(self.run_id, "weight_sync"), "host", "port")
+            self.receiver = WeightReceiver(host.decode(), int(port), backend=self.cfg.learner.weight_sync_backend,
+                                           timeout_s=self.sync_timeout)
+        if self.receiver.generation != generation:
+            self.receiver.join_group(generation, rank, world_size)
+        version, tensors = self.receiver.receive(self.engine.manifest())
+        with self.lock:
+            self.staged = (version, tensors)
+        if self.idle.is_set():  # not generating: swap now, so evaluation and waiting loops see it at once
+            self._swap()
+        return version
+
+    def _swap(self) -> None:
+        with self.lock:
+            staged, self.staged = self.staged, None
+        if staged is not None:
+            version, tensors = staged
+            self.engine.load_weights(tensors, version)
+
+    # -- generation loop -----------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Generate -> score -> publish until stop(); one batch = prompts_per_batch prompts x G samples."""
+        a, b = self.cfg.actors, self.cfg.broker
+        params = SamplingParams(temperature=a.sampling.temperature, max_new_tokens=a.sampling.max_new_tokens,
+                                n=a.sampling.samples_per_prompt, stop_strings=list(a.sampling.stop_strings))
+        while not self.stopping.is_set():
+            self._swap()
+            waited = time.monotonic()
+            while read_learner_version(self.redis, self.run_id) - self.engine.weight_version > b.max_staleness:
+                if self.stopping.wait(0.05):  # our weights are too old: wait for the next sync round
+                    return
+                self._swap()
+            self.counters["staleness_wait_s"] += time.monotonic() - waited
+            end = self.redis.incrby(key(self.run_id, PROMPT_CURSOR), a.prompts_per_batch)
+            batch = [self.prompts[i % len(self.prompts)] for i in range(end - a.prompts_per_batch, end)]
+            self.idle.clear()
+            version = self.engine.weight_version
+            params.seed = self.cfg.seed * 1_000_003 + end
+            start = time.monotonic()
+            outputs = self.engine.generate([p.prompt_ids for p in batch], params)
+            self.counters["gen_s"] += time.monotonic() - start
+            for prompt, samples in zip(batch, outputs):
+                records = []
+                for s in samples:
+                    reward = math_reward(self.tokenizer.decode(s.response_ids, skip_special_tokens=True), prompt.answer)
+                    records.append(SampleRecord(prompt_ids=s.prompt_ids, response_ids=s.response_ids,
+                                                logp_sparse=s.logp_sparse, finish_reason=s.finish_reason,
+                                                reward=reward.reward, kv_retained_tokens=s.kv_retained_tokens,
+                                                kv_peak_bytes=s.kv_peak_bytes))
+                    self.counters["tokens"] += len(s.response_ids)
+                    self.counters["kv_peak_bytes"] = max(self.counters["kv_peak_bytes"], s.kv_peak_bytes)
+                self.producer.publish(TrajectoryGroup(
+                    run_id=self.run_id, group_id=uuid.uuid4().hex, prompt_id=prompt.prompt_id,
+                    weight_version=version, temperature=params.temperature,
+                    compressor=a.engine.compressor.method, kv_budget=a.engine.compressor.kv_budget,
+                    samples=records, actor_id=self.actor_id, created_at=time.time()))
+                self.counters["groups"] += 1
+            self.idle.set()
+
+    def stop_generation(self) -> None:
+        """Finish the current batch (its groups are published), then leave run()."""
+        self.stopping.set()
+        self.idle.wait()
+
+    def stop(self) -> None:
+        """Scale-down: finish the current batch, then exit this actor process."""
+        self.stop_generation()
+        if self.receiver is not None:
+            self.receiver.close()
+        import ray
+        ray.actor.exit_actor()
+
+    def metrics(self) -> dict:
+        """Rollout metrics since the last call: tokens/s, groups, KV peak bytes per sequence, queue waits."""
+        c, self.counters = self.counters, {k: 0 if isinstance(v, int) else 0.0 for k, v in self.counters.items()}
+        return {"rollout_tokens_per_s": c["tokens"] / c["gen_s"] if c["gen_s"] else 0.0,
+                "rollout_groups": float(c["groups"]), "kv_peak_bytes_per_seq": float(c["kv_peak_bytes"]),
+                "actor_staleness_wait_s": c["staleness_wait_s"],
+                "producer_backpressure_wait_s": float(self.producer.backpressure_wait_s)}
+
+    # -- evaluation ------------------------------------------------------------------------------------------
+    def evaluate(self, items: list, mode: str) -> dict:
+        """Score this actor's weights on `items` (GSM8K-shaped) with the full cache (dense) or the run's
+        compressor (sparse); see actors.evaluate."""
+        from actors.evaluate import evaluate
+        e = self.cfg.eval
+        return evaluate(self.engine, self.tokenizer, items, mode, self.cfg.actors.engine.compressor,
+                        max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p,
+                        batch_size=e.batch_size, seed=self.cfg.seed)

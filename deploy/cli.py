@@ -1,0 +1,58 @@
+"""`sparse-rl` command line: train, eval, scale.
+
+    sparse-rl train [--config smollm2-gsm8k] [dotted.key=value ...]
+    sparse-rl eval --model runs/<run id>/final [--mode dense|sparse] [--config ...] [dotted.key=value ...]
+    sparse-rl scale --run <run id> --actors N [--redis redis://127.0.0.1:6379/0]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep local Ray on 127.0.0.1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sparse-rl", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="run the actor-learner training job")
+    train.add_argument("--config", default="smollm2-gsm8k", help="preset name in configs/ or a YAML path")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actors.count=3 learner.lr=2e-6")
+
+    ev = sub.add_parser("eval", help="score a model or checkpoint on a prompt set, dense or sparse")
+    ev.add_argument("--model", required=True, help="Hugging Face directory (e.g. runs/<run id>/final) or preset model")
+    ev.add_argument("--mode", choices=["dense", "sparse"], action="append",
+                    help="KV cache mode; repeat for both (default: the config's eval.modes)")
+    ev.add_argument("--config", default="smollm2-gsm8k", help="preset or YAML giving the compressor and eval settings")
+    ev.add_argument("overrides", nargs="*")
+
+    scale = sub.add_parser("scale", help="change the number of rollout actors of a running job")
+    scale.add_argument("--run", required=True, help="run id printed by `sparse-rl train`")
+    scale.add_argument("--actors", type=int, required=True, help="target number of rollout actors (>= 1)")
+    scale.add_argument("--redis", default="", help="Redis URL of the run (printed by `sparse-rl train`)")
+
+    args = parser.parse_args(argv)
+    from deploy.config import ConfigError, load_config
+
+    try:
+        if args.command == "train":
+            from deploy.driver import train as run_train
+            run_train(load_config(args.config, args.overrides))
+        elif args.command == "eval":
+            from deploy.evaluate import evaluate_model
+            cfg = load_config(args.config, args.overrides)
+            evaluate_model(cfg, args.model, args.mode or list(cfg.eval.modes))
+        else:
+            from deploy.driver import request_scale
+            request_scale(args.run, args.actors, args.redis)
+    except ConfigError as e:
+        print(f"sparse-rl: bad config: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""The run config: every component's typed config composed with omegaconf (YAML preset + dotted overrides),
+validated at start with errors that name the field.
+
+    cfg = load_config("smollm2-gsm8k", ["actors.count=3", "learner.lr=2e-6"])
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from actors.config import DataConfig, EngineConfig, SamplingConfig
+from broker.config import BrokerConfig
+from learner.config import LearnerConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A config value is missing, of the wrong type or out of range; the message names the field."""
+
+
+@dataclass
+class RayConfig:
+    address: str = ""
+    """Ray cluster to join: "" starts a local Ray on 127.0.0.1; "auto" or "ray://host:10001" joins one."""
+    num_cpus: int = 0
+    """CPUs of the local Ray (0 = all of the machine's). Ignored when joining a cluster."""
+    actor_resource: str = ""
+    """Custom Ray resource each rollout actor requests (1 unit), e.g. "rollout": actors then run only on nodes
+    started with `ray start --resources='{"rollout": N}'`. Empty: no custom resource."""
+    learner_resource: str = ""
+    """Custom Ray resource the learner requests (1 unit), e.g. "learner". Empty: no custom resource."""
+
+
+@dataclass
+class ActorsConfig:
+    count: int = 2
+    """Rollout actors at start; change it while the run goes on with `sparse-rl scale`."""
+    num_cpus: float = 1.0
+    """Ray CPUs per rollout actor."""
+    num_gpus: float = 0.0
+    """Ray GPUs per rollout actor."""
+    torch_threads: int = 1
+    """torch intra-op threads per actor process."""
+    max_restarts: int = 2
+    """Times Ray restarts a crashed rollout actor before the driver replaces it."""
+    prompts_per_batch: int = 2
+    """Prompts generated together; one batch is prompts_per_batch x sampling.samples_per_prompt rows."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 4
+    """Learner steps (weight versions) to train."""
+    groups_per_step: int = 4
+    """Prompt groups (each of samples_per_prompt responses) consumed by one learner step."""
+    group_wait_s: float = 1800.0
+    """Longest a learner step waits for its groups before the run fails, seconds."""
+    learner_num_cpus: float = 1.0
+    """Ray CPUs of the learner."""
+    learner_num_gpus: float = 0.0
+    """Ray GPUs of the learner (1 on a GPU node: NCCL and bf16)."""
+
+
+@dataclass
+class EvalConfig:
+    enabled: bool = True
+    """Score the final weights on `data` after training, once per mode."""
+    data: str = "gsm8k_test"
+    """Prompt set: a GSM8K-shaped JSONL path, or "gsm8k_test" (the 100 shipped GSM8K test items)."""
+    limit: int = 100
+    """First N items of the prompt set (0 = all)."""
+    modes: list[str] = field(default_factory=lambda: ["dense", "sparse"])
+    """dense: full KV cache; sparse: the run's compressor and budget."""
+    max_new_tokens: int = 256
+    """Response length limit at evaluation, tokens."""
+    temperature: float = 0.0
+    """0 = greedy decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling at evaluation (the paper evaluates at temperature 0.8, top_p 0.95)."""
+    batch_size: int = 16
+    """Prompts per generate call at evaluation."""
+
+
+@dataclass
+class MlflowConfig:
+    tracking_uri: str = ""
+    """MLflow tracking URI (e.g. http://mlflow:5000). Empty: sqlite file `mlflow.db` in the run directory."""
+    experiment: str = "sparse-rl"
+    """MLflow experiment name."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "sparse-rl"
+    """Run name; the run id is `<name>-<UTC time>`."""
+    run_dir: str = "runs"
+    """Parent directory of run directories (checkpoints, mlflow.db, plots, the resolved config)."""
+    model: str = MISSING
+    """Hugging Face directory, or a preset model built on first use: smollm2-135m-instruct | tiny-llama."""
+    seed: int = 0
+    """Seed of prompt order and sampling."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    broker: BrokerConfig = field(default_factory=BrokerConfig)
+    actors: ActorsConfig = field(default_factory=ActorsConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+
+
+def preset_path(name_or_path: str) -> Path:
+    """A YAML path, or the name of a preset in configs/ ("tiny", "smollm2-gsm8k", "qwen2.5-math")."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        return path
+    preset = CONFIG_DIR / f"{name_or_path}.yaml"
+    if preset.exists():
+        return preset
+    names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    raise ConfigError(f"config {name_or_path!r}: no such file, and not a preset (presets: {', '.join(names)})")
+
+
+def load_config(name_or_path: str, overrides: list[str] = ()) -> RunConfig:
+    """Compose RunConfig defaults <- preset YAML <- dotted overrides, then validate every section.
+
+    Raises ConfigError naming the field (unknown key, wrong type, value out of range)."""
+    try:
+        cfg = OmegaConf.structured(RunConfig)
+        cfg = OmegaConf.merge(cfg, OmegaConf.load(preset_path(name_or_path)))
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        run = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        raise ConfigError(f"config field {key}: {getattr(e, 'msg', e)}" if key else f"config: {e}") from None
+    except ValueError as e:  # a component's __post_init__ check
+        raise ConfigError(f"config: {e}") from None
+    validate(run)
+    return run
+
+
+def validate(run: RunConfig) -> None:
+    """Checks that span components; each component validates its own fields on construction."""
+    from actors.config import validate_training_sampling
+    from compressors import build_compressor
+
+    def check(ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(message)
+
+    try:
+        build_compressor(run.actors.engine.compressor)
+    except ValueError as e:
+        raise ConfigError(f"actors.engine.compressor: {e}") from None
+    try:
+        validate_training_sampling(run.actors.sampling)
+    except ValueError as e:
+        raise ConfigError(f"actors.sampling: {e}") from None
+    check(run.actors.count >= 1, f"actors.count={run.actors.count}: expected >= 1")
+    check(run.actors.prompts_per_batch >= 1, f"actors.prompts_per_batch={run.actors.prompts_per_batch}: expected >= 1")
+    check(run.train.steps >= 1, f"train.steps={run.train.steps}: expected >= 1")
+    check(run.train.groups_per_step >= 1, f"train.groups_per_step={run.train.groups_per_step}: expected >= 1")
+    check(run.broker.max_staleness >= 0, f"broker.max_staleness={run.broker.max_staleness}: expected >= 0")
+    for mode in run.eval.modes:
+        check(mode in ("dense", "sparse"), f"eval.modes: {mode!r} is not one of dense, sparse")
+
+
+def new_run_id(run: RunConfig) -> str:
+    return f"{run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+
+
+def to_dict(run: RunConfig) -> dict:
+    return dataclasses.asdict(run)

@@ -1,0 +1,41 @@
+"""What the driver prints while a run goes on (rich): one line per learner step, and where MLflow is."""
+from __future__ import annotations
+
+from rich.console import Console as RichConsole
+from rich.table import Table
+
+COLUMNS = (("reward", "reward_mean", "{:.3f}"), ("rejection", "rejection_rate", "{:.3f}"),
+           ("mismatch_kl", "mismatch_kl", "{:.2e}"), ("staleness", "staleness_mean", "{:.2f}"),
+           ("learner tok/s", "learner_tokens_per_s", "{:.0f}"), ("rollout tok/s", "rollout_tokens_per_s", "{:.0f}"),
+           ("actors", "actors_live", "{:.0f}"))
+
+
+class Console:
+    def __init__(self):
+        self.out = RichConsole()
+
+    def start(self, run_id, run_dir, redis_url, mlflow_where) -> None:
+        self.out.rule(f"sparse-rl run [bold]{run_id}[/]")
+        self.out.print(f"run directory: {run_dir}\nredis: {redis_url}\nMLflow: {mlflow_where}")
+        self.out.print(f"scale actors while it runs: sparse-rl scale --run {run_id} --actors N --redis {redis_url}")
+
+    def step(self, step: int, total: int, metrics: dict) -> None:
+        parts = [f"[bold]step {step}/{total}[/]"]
+        for label, name, fmt in COLUMNS:
+            if name in metrics:
+                parts.append(f"{label} {fmt.format(metrics[name])}")
+        self.out.print("  ".join(parts))
+
+    def eval(self, scores: dict) -> None:
+        if not scores:
+            return
+        table = Table(title="evaluation")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for name, value in sorted(scores.items()):
+            table.add_row(name, f"{value:.4g}")
+        self.out.print(table)
+
+    def finish(self, run_dir, mlflow_where) -> None:
+        self.out.rule("done")
+        self.out.print(f"plot: {run_dir}/training.png\nopen MLflow: {mlflow_where}")

@@ -1,0 +1,213 @@
+"""The driver: the whole system on one screen (slime's train.py style).
+
+    services (Ray, Redis, MLflow) -> learner + N rollout actors (Ray actors)
+    for step: learner consumes groups and steps -> actors rescaled/replaced -> weights broadcast -> log
+    -> evaluation dense and sparse -> plot and artifacts -> everything shut down (also on Ctrl-C / error)
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import ray  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from broker.redis_server import LocalRedis  # noqa: E402
+from broker.streams import connect, key  # noqa: E402
+from deploy.config import RunConfig, new_run_id, to_dict  # noqa: E402
+from deploy.console import Console  # noqa: E402
+from deploy.model_cache import resolve_model  # noqa: E402
+from deploy.tracking import Tracker  # noqa: E402
+
+SCALE_KEY = "actors_target"
+
+
+def train(cfg: RunConfig) -> dict:
+    """Run one training job end to end; returns the last step's metrics and the evaluation scores."""
+    run_id = new_run_id(cfg)
+    run_dir = Path(cfg.run_dir).resolve() / run_id
+    run_dir.mkdir(parents=True)
+    cfg.model = resolve_model(cfg.model)  # build/convert preset model files once, before any worker starts
+    if not cfg.learner.checkpoint_dir:
+        cfg.learner.checkpoint_dir = str(run_dir / "checkpoints")
+    console = Console()
+    with ExitStack() as stack:
+        if not cfg.broker.url:  # embedded default: a private redis-server on 127.0.0.1
+            cfg.broker.url = stack.enter_context(LocalRedis(password=os.environ.get(cfg.broker.password_env) or None)).url
+        start_ray(cfg)
+        stack.callback(ray.shutdown)
+        tracker = Tracker(cfg.mlflow.tracking_uri, cfg.mlflow.experiment, run_id, run_dir)
+        stack.callback(lambda: tracker.end("FAILED") if not done else None)
+        done = False
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        tracker.log_params(to_dict(cfg))
+        tracker.log_artifact(run_dir / "config.yaml")
+        console.start(run_id, run_dir, cfg.broker.url, tracker.where())
+
+        redis = connect(cfg.broker)
+        redis.set(key(run_id, SCALE_KEY), cfg.actors.count)
+        learner = start_learner(cfg, run_id)
+        pool = ActorPool(cfg, run_id, learner)
+        stack.callback(pool.shutdown)
+        pool.scale(cfg.actors.count)
+        pool.sync_weights()  # version 0 to everyone: one code path for initial and later weights
+
+        for step in range(1, cfg.train.steps + 1):
+            metrics = ray.get(learner.train_step.remote())  # blocks until groups_per_step groups are trained
+            pool.scale(int(redis.get(key(run_id, SCALE_KEY)) or cfg.actors.count))  # also replaces dead actors
+            metrics.update(pool.sync_weights())
+            metrics.update(pool.metrics())
+            tracker.log_metrics(metrics, step)
+            console.step(step, cfg.train.steps, metrics)
+        ray.get(learner.save_final.remote(str(run_dir / "final")))
+
+        scores = pool.evaluate() if cfg.eval.enabled else {}
+        tracker.log_metrics(scores, cfg.train.steps)
+        console.eval(scores)
+        tracker.log_artifact(tracker.plot(run_dir / "training.png"))
+        (run_dir / "summary.json").write_text(json.dumps({"run_id": run_id, **metrics, **scores}, indent=1))
+        tracker.end()
+        done = True
+        console.finish(run_dir, tracker.where())
+    return {**metrics, **scores, "run_id": run_id, "run_dir": str(run_dir)}
+
+
+def start_ray(cfg: RunConfig) -> None:
+    if cfg.ray.address:
+        ray.init(address=cfg.ray.address, log_to_driver=True)
+    else:
+        ray.init(num_cpus=cfg.ray.num_cpus or None, include_dashboard=False, log_to_driver=True)
+
+
+def start_learner(cfg: RunConfig, run_id: str):
+    from deploy.learner_worker import LearnerWorker
+
+    resources = {cfg.ray.learner_resource: 1} if cfg.ray.learner_resource else None
+    return ray.remote(LearnerWorker).options(
+        num_cpus=cfg.train.learner_num_cpus, num_gpus=cfg.train.learner_num_gpus, resources=resources,
+        max_concurrency=2,
+    ).remote(to_dict(cfg), run_id)
+
+
+def request_scale(run_id: str, actors: int, redis_url: str) -> None:
+    """`sparse-rl scale`: set the target actor count the driver reads after every learner step."""
+    from broker.config import BrokerConfig
+
+    if actors < 1:
+        raise SystemExit("sparse-rl scale: --actors must be >= 1")
+    connect(BrokerConfig(url=redis_url or "redis://127.0.0.1:6379/0")).set(key(run_id, SCALE_KEY), actors)
+    print(f"run {run_id}: rollout actors -> {actors} (applied after the current learner step)")
+
+
+class ActorPool:
+    """The rollout actors of a run: start, scale, replace the dead, weight sync rounds, evaluation."""
+
+    def __init__(self, cfg: RunConfig, run_id: str, learner):
+        self.cfg, self.run_id, self.learner = cfg, run_id, learner
+        self.actors: dict[int, object] = {}  # actor index -> handle
+        self.next_index = 0
+        self.generation = 0  # weight-sync group generation; bumped whenever membership changes
+        self.members: list[int] = []
+        self.replaced = 0
+
+    def _start(self):
+        from actors.rollout_actor import RolloutWorker
+
+        index, self.next_index = self.next_index, self.next_index + 1
+        a = self.cfg.actors
+        resources = {self.cfg.ray.actor_resource: 1} if self.cfg.ray.actor_resource else None
+        handle = ray.remote(RolloutWorker).options(
+            name=f"{self.run_id}-actor-{index}", num_cpus=a.num_cpus, num_gpus=a.num_gpus, resources=resources,
+            max_restarts=a.max_restarts, max_task_retries=0, max_concurrency=4,
+        ).remote(to_dict(self.cfg), self.run_id, f"actor-{index}")
+        handle.run.remote()  # the generate -> score -> publish loop, until stop()
+        self.actors[index] = handle
+
+    def alive(self) -> list[int]:
+        """Indices of actors that answer a ping (a restarting actor answers once it is back)."""
+        pings = {i: h.ping.remote() for i, h in self.actors.items()}
+        ok = []
+        for i, ref in pings.items():
+            try:
+                ray.get(ref, timeout=30)
+                ok.append(i)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                self.actors.pop(i)
+                self.replaced += 1
+        return ok
+
+    def scale(self, target: int) -> None:
+        live = self.alive()
+        while len(live) > target:  # remove the newest: finish the current batch, then stop
+            i = live.pop()
+            ray.get(self.actors.pop(i).stop.remote(), timeout=self.cfg.learner.weight_sync_timeout_s * 5)
+        for _ in range(target - len(live)):
+            self._start()
+
+    def sync_weights(self) -> dict:
+        """One sync round: the learner broadcasts its weights to every live actor over the sync group, rebuilt
+        (new generation) when membership changed. An actor that fails the round is dropped and replaced at
+        the next scale(); the learner never waits longer than the collective timeout."""
+        members = sorted(self.actors)
+        if members != self.members:
+            self.generation += 1
+            self.members = members
+        world = len(members) + 1
+        sends = self.learner.send_weights.remote(self.generation, world)
+        recvs = {i: self.actors[i].receive_weights.remote(self.generation, rank, world)
+                 for rank, i in enumerate(members, start=1)}
+        failed = 0
+        try:
+            stats = ray.get(sends)
+        except ray.exceptions.RayTaskError as e:  # a peer died mid-round: the collective timed out
+            stats = {"weight_sync_error": 1.0}
+            print(f"weight sync failed, membership will be rebuilt: {e}")
+        for i, ref in recvs.items():
+            try:
+                ray.get(ref, timeout=self.cfg.learner.weight_sync_timeout_s)
+            except Exception:
+                failed += 1
+                self.members = []  # force a new generation next round
+        return {**stats, "weight_sync_failed_actors": float(failed), "actors_live": float(len(members)),
+                "actors_replaced": float(self.replaced)}
+
+    def metrics(self) -> dict:
+        """Mean of the live actors' rollout metrics (tokens/s, KV bytes, queue waits) since the last call."""
+        results = []
+        for h in self.actors.values():
+            try:
+                results.append(ray.get(h.metrics.remote(), timeout=30))
+            except Exception:
+                pass
+        keys = {k for r in results for k in r}
+        return {k: sum(r.get(k, 0.0) for r in results) / len(results) for k in keys} if results else {}
+
+    def evaluate(self) -> dict:
+        """Evaluation split over the live actors: each mode's items are sharded across them."""
+        handles = list(self.actors.values())
+        ray.get([h.stop_generation.remote() for h in handles])
+        from actors.data import load_eval_items
+
+        items = load_eval_items(self.cfg.eval.data, self.cfg.eval.limit)
+        scores = {}
+        for mode in self.cfg.eval.modes:
+            shards = [items[i::len(handles)] for i in range(len(handles))]
+            parts = ray.get([h.evaluate.remote(shard, mode) for h, shard in zip(handles, shards) if shard])
+            n = sum(p["n"] for p in parts)
+            for name in ("accuracy", "unparseable", "response_length", "kv_peak_bytes"):
+                scores[f"eval/{mode}/{name}"] = sum(p[name] * p["n"] for p in parts) / max(n, 1)
+            scores[f"eval/{mode}/n"] = float(n)
+        return scores
+
+    def shutdown(self) -> None:
+        for h in self.actors.values():
+            try:
+                ray.kill(h, no_restart=True)
+            except Exception:
+                pass
+        self.actors.clear()

@@ -1,0 +1,86 @@
+"""The learner process (one Ray actor): take groups off the broker, run the Sparse-RL learner step, commit
+(ack) the groups, publish the new version, checkpoint, and broadcast weights to the actors on request.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+
+class LearnerWorker:
+    def __init__(self, cfg: dict, run_id: str):
+        from omegaconf import OmegaConf
+
+        from deploy.config import RunConfig
+        self.cfg: RunConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
+        if not torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from broker.streams import GroupConsumer, connect, key, publish_learner_version
+        from broker.weight_sync import WeightSender
+        from learner.checkpoint import latest_checkpoint, load_checkpoint
+        from learner.learner import Learner
+
+        self.run_id = run_id
+        self.learner = Learner(self.cfg.model, self.cfg.learner)
+        self.redis = connect(self.cfg.broker)
+        self.consumer = GroupConsumer(self.redis, self.cfg.broker, run_id, "learner-0")
+        self.counters = {"groups_trained": 0}
+        ckpt = latest_checkpoint(self.cfg.learner.checkpoint_dir) if self.cfg.learner.checkpoint_dir else None
+        if ckpt is not None:  # resume: version, counters and RNG continue; consumed ids live in Redis
+            state = load_checkpoint(self.learner, ckpt)
+            self.counters.update(state.get("counters", {}))
+        publish_learner_version(self.redis, run_id, self.learner.version)
+        host = "127.0.0.1"
+        if self.cfg.ray.address:  # on a cluster the actors reach the learner's node address
+            import ray
+            host = ray.util.get_node_ip_address()
+        self.sender = WeightSender(host=host, port=0, backend=self.cfg.learner.weight_sync_backend,
+                                   timeout_s=self.cfg.learner.weight_sync_timeout_s,
+                                   bucket_mb=self.cfg.learner.weight_sync_bucket_mb)
+        self.redis.hset(key(run_id, "weight_sync"), mapping={"host": host, "port": self.sender.port})
+        self.generation = -1
+
+    def train_step(self) -> dict:
+        """Wait for `train.groups_per_step` groups, train one step, then commit them and publish the version.
+        Returns the step's metrics (SPEC §4) plus broker counters and queue depth."""
+        from broker.streams import publish_learner_version, queue_depth, run_counts
+        from learner.checkpoint import save_checkpoint
+
+        want, deliveries = self.cfg.train.groups_per_step, []
+        start = time.monotonic()
+        while len(deliveries) < want:
+            deliveries += self.consumer.read(want - len(deliveries), block_ms=1000)
+            if time.monotonic() - start > self.cfg.train.group_wait_s:
+                raise TimeoutError(f"learner waited {self.cfg.train.group_wait_s:.0f} s (train.group_wait_s) and "
+                                   f"got {len(deliveries)} of {want} groups: are the rollout actors alive?")
+        wait_s = time.monotonic() - start
+        metrics = self.learner.step([d.group for d in deliveries], [d.staleness for d in deliveries])
+        self.counters["groups_trained"] += len(deliveries)
+        l = self.cfg.learner
+        if l.checkpoint_dir and self.learner.version % l.checkpoint_interval == 0:
+            save_checkpoint(self.learner, l.checkpoint_dir, counters=self.counters)
+        self.consumer.commit(deliveries)  # acked only once the step that used them is done
+        publish_learner_version(self.redis, self.run_id, self.learner.version)
+        counts = run_counts(self.redis, self.run_id)
+        return {**metrics, "version": float(self.learner.version), "learner_wait_s": wait_s,
+                "queue_depth": float(queue_depth(self.redis, self.cfg.broker, self.run_id)),
+                **{f"broker_{k}": float(v) for k, v in counts.items()}}
+
+    def send_weights(self, generation: int, world_size: int) -> dict:
+        """One broadcast of the current weights to ranks 1..world_size-1 (the actors) of sync group
+        `generation`, rebuilt when the generation changes."""
+        if generation != self.generation:
+            self.sender.open_group(generation, world_size)
+            self.generation = generation
+        return self.sender.send(self.learner.named_weights(), self.learner.version, self.learner.dtype)
+
+    def save_final(self, path: str) -> str:
+        """The trained weights as a Hugging Face directory (with the tokenizer), for `sparse-rl eval`."""
+        from transformers import AutoTokenizer
+        model = self.learner.engine.module
+        state = dict(self.learner.named_weights())
+        model.save_pretrained(path, state_dict=state)
+        AutoTokenizer.from_pretrained(self.cfg.model).save_pretrained(path)
+        return path

