@@ -1,0 +1,290 @@
+"""Versioned, bucketed weight broadcast from the learner to the actors (shared/ARCHITECTURE.md, "Weight sync").
+
+Learner rank 0 and the actors form their own process group, separate from DeepSpeed's: the learner hosts
+a `TCPStore`; each membership *generation* g rendezvouses under `PrefixStore(f"gen{g}")` and builds a
+`ProcessGroupGloo` (CPU) or `ProcessGroupNCCL` (GPU) with rank 0 = learner, ranks 1..n = actors. Both ends
+live here so actors never import the learner.
+
+One sync, in this order on every rank (every collective has a timeout):
+  1. broadcast int64 [1]: byte length of the manifest
+  2. broadcast uint8 [n]: the manifest (JSON): version, dtype, names and shapes, tied aliases, bucket layout,
+     optional per-tensor checksums
+  3. all_reduce int32 [world_size]: each actor sets its slot to 1 if the manifest does not match its model
+     (the reason goes to the store); if any slot is set, every rank raises and no weight bytes move
+  4. broadcast each bucket: one flat buffer of the tensors of that bucket, cast once to the sync dtype;
+     tied parameters travel once.
+
+Usage (the driver calls both ends concurrently, e.g. through Ray):
+    sender = WeightSender(bucket_mb=64)                  # learner process; sender.port -> actors
+    receiver = WeightReceiver("127.0.0.1", sender.port)  # each actor
+    sender.open_group(generation=0, world_size=3)  ||  receiver.join_group(0, rank=1 or 2, world_size=3)
+    sender.send(learner.named_weights(), version)  ||  version, named = receiver.receive(model)
+    (the actor copies `named` into its model at a batch boundary; receiver.verify(model) with verify mode)
+A new membership (actors joined or left) needs a new, larger generation number on every rank.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import socket
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_backend(backend: str) -> str:
+    """auto -> nccl when CUDA is available, else gloo. Raises ValueError for anything but auto|gloo|nccl."""
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"weight sync backend={backend!r}: expected auto | gloo | nccl")
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return backend
+
+
+def local_address(peer_host: str, peer_port: int) -> str:
+    """The local IP address that routes to peer_host (127.0.0.1 for a loopback peer); gloo binds to it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((peer_host, peer_port))
+        return s.getsockname()[0]
+
+
+def checksum(t: torch.Tensor) -> str:
+    """blake2b hex digest of a tensor's bytes (its dtype as is)."""
+    return hashlib.blake2b(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy(),
+                           digest_size=16).hexdigest()
+
+
+class _GroupMember:
+    """What both ends share: the store connection, the current group and its collectives with timeouts."""
+
+    def __init__(self, host: str, port: int, is_master: bool, backend: str, timeout_s: float):
+        self.backend = resolve_backend(backend)
+        self.timeout = timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False, timeout=self.timeout)
+        self.host, self.port = host, self.store.port
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        self.group = None
+        self.generation, self.rank, self.world_size = -1, -1, 0
+
+    def _build(self, generation: int, rank: int, world_size: int, bind_host: str) -> None:
+        if generation <= self.generation:
+            raise ValueError(f"generation {generation} must be larger than the current one ({self.generation})")
+        store = dist.PrefixStore(f"gen{generation}", self.store)
+        if self.backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout
+            self.group = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        else:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = self.timeout
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+            self.group = dist.ProcessGroupGloo(store, rank, world_size, opts)
+        self.generation, self.rank, self.world_size = generation, rank, world_size
+
+    def _broadcast(self, t: torch.Tensor):
+        if self.group is None:
+            raise RuntimeError("no weight-sync group: call open_group / join_group first")
+        return self.group.broadcast(t, 0)
+
+    def _wait(self, work) -> None:
+        work.wait(self.timeout)
+
+    def _exchange_manifest(self, manifest: dict | None) -> dict:
+        """Rank 0 passes the manifest, the others None; every rank returns it (steps 1-2)."""
+        data = json.dumps(manifest).encode() if manifest is not None else b""
+        length = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        self._wait(self._broadcast(length))
+        buf = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
+        if manifest is not None:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self._wait(self._broadcast(buf))
+        return manifest if manifest is not None else json.loads(bytes(buf.cpu().numpy()))
+
+    def _vote(self, reject: bool) -> list[int]:
+        """Step 3: ranks whose manifest check failed."""
+        votes = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
+        votes[self.rank] = int(reject)
+        self._wait(self.group.allreduce(votes))
+        return [r for r, v in enumerate(votes.tolist()) if v]
+
+    def close(self) -> None:
+        """Drop the current group (the store stays up for a later generation)."""
+        self.group = None
+
+
+class WeightSender(_GroupMember):
+    """Learner side (rank 0). Starts the `TCPStore` on host:port (port 0 = a free port; read `.port`).
+
+    Args:
+        host: address the store and gloo bind to (127.0.0.1 on one machine; the learner's IP on a cluster).
+        backend: auto | gloo | nccl. timeout_s: timeout of the rendezvous and of every collective, seconds.
+        bucket_mb: bucket size in MiB; 0 sends one tensor per bucket. A tensor larger than a bucket travels
+            alone. Settable between sends.
+        verify: put per-tensor checksums into the manifest (receiver checks them and offers `verify(model)`).
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, backend: str = "auto", timeout_s: float = 60.0,
+                 bucket_mb: float = 64.0, verify: bool = False):
+        super().__init__(host, port, True, backend, timeout_s)
+        self.bucket_mb = bucket_mb
+        self.verify = verify
+
+    def open_group(self, generation: int, world_size: int) -> None:
+        """Build the group of `world_size` ranks (1 learner + world_size - 1 actors) for this generation.
+        Blocks until every actor has called `join_group` with the same generation (or times out)."""
+        self._build(generation, 0, world_size, self.host)
+
+    def send(self, named_tensors: list[tuple[str, torch.Tensor]], version: int,
+             dtype: torch.dtype | None = None) -> dict[str, float]:
+        """Broadcast a new weight version to every actor of the group.
+
+        Args:
+            named_tensors: (Hugging Face name, tensor) pairs; a tensor object listed under several names
+                (tied embeddings) is sent once and the other names travel as aliases.
+            version: the weight version the actors will report.
+            dtype: sync dtype (default: the first tensor's); every tensor is cast once, while packing.
+        Returns:
+            {"weight_sync_s": seconds, "weight_sync_bytes": payload bytes, "weight_sync_buckets": count}.
+        Raises:
+            ValueError: an actor rejected the manifest (the message names each rank and tensor); nothing was
+                sent. RuntimeError: no group, or a collective timed out.
+        """
+        t0 = time.perf_counter()
+        dtype = dtype or named_tensors[0][1].dtype
+        dtype_name = str(dtype).removeprefix("torch.")
+        if dtype_name not in DTYPES:
+            raise ValueError(f"weight sync dtype {dtype}: expected one of {list(DTYPES)}")
+        unique, tied, first_name = [], {}, {}
+        for name, t in named_tensors:
+            if id(t) in first_name:
+                tied[name] = first_name[id(t)]
+            else:
+                first_name[id(t)] = name
+                unique.append((name, t))
+        bucket_bytes = self.bucket_mb * 2**20
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        buckets, size = [], math.inf
+        for i, (_, t) in enumerate(unique):
+            nbytes = t.numel() * itemsize
+            if size + nbytes > bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(i)
+            size += nbytes
+        manifest = {"version": version, "dtype": dtype_name, "tied": tied, "buckets": buckets,
+                    "tensors": [{"name": n, "shape": list(t.shape)} for n, t in unique]}
+        if self.verify:
+            manifest["checksums"] = {n: checksum(t.to(dtype)) for n, t in unique}
+        self._exchange_manifest(manifest)
+        rejected = self._vote(False)
+        if rejected:
+            reasons = [f"rank {r}: {self.store.get(f'reject/{self.generation}/{version}/{r}').decode()}"
+                       for r in rejected]
+            raise ValueError(f"weight sync version {version} aborted, manifest rejected by " + "; ".join(reasons))
+
+        works, payload = [], 0
+        for bucket in buckets:   # pack the next bucket while the previous ones are on the wire
+            flat = torch.cat([unique[i][1].detach().reshape(-1).to(self.device, dtype) for i in bucket])
+            payload += flat.numel() * itemsize
+            works.append((self._broadcast(flat), flat))
+        for work, _ in works:
+            self._wait(work)
+        return {"weight_sync_s": time.perf_counter() - t0, "weight_sync_bytes": payload,
+                "weight_sync_buckets": len(buckets)}
+
+
+class WeightReceiver(_GroupMember):
+    """Actor side (rank >= 1): connects to the learner's store at host:port.
+
+    Args:
+        bind_host: local address gloo binds to (default: the one that routes to `host`).
+    """
+
+    def __init__(self, host: str, port: int, backend: str = "auto", timeout_s: float = 60.0,
+                 bind_host: str | None = None):
+        super().__init__(host, port, False, backend, timeout_s)
+        self.bind_host = bind_host or local_address(host, port)
+        self.last_manifest: dict | None = None
+
+    def join_group(self, generation: int, rank: int, world_size: int) -> None:
+        """Join the group of this generation as `rank` (1..world_size-1). Blocks until all ranks joined."""
+        if not 1 <= rank < world_size:
+            raise ValueError(f"actor rank {rank} must be in 1..{world_size - 1}")
+        self._build(generation, rank, world_size, self.bind_host)
+
+    def receive(self, expected: nn.Module | list[tuple[str, tuple[int, ...], torch.dtype]]
+                ) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+        """Receive one weight version into fresh staging tensors (the live model is not touched).
+
+        Args:
+            expected: the actor's model (its `named_parameters(remove_duplicate=False)`) or a list of
+                (name, shape, dtype). The manifest must name exactly these tensors with these shapes and
+                dtypes; this is checked before any weight byte moves.
+        Returns:
+            (version, [(name, tensor)]) for every expected name, in the sync dtype on this rank's device;
+            tied aliases are the same tensor object as their target.
+        Raises:
+            ValueError: manifest mismatch, naming every mismatched tensor (the sender raises too), or another
+                rank's mismatch aborted the sync; or checksum mismatch in verify mode. RuntimeError: timeout.
+        """
+        if isinstance(expected, nn.Module):
+            expected = [(n, tuple(p.shape), p.dtype) for n, p in expected.named_parameters(remove_duplicate=False)]
+        manifest = self._exchange_manifest(None)
+        version, dtype = manifest["version"], DTYPES[manifest["dtype"]]
+        shapes = {t["name"]: tuple(t["shape"]) for t in manifest["tensors"]}
+        for alias, target in manifest["tied"].items():
+            shapes[alias] = shapes[target]
+        want = {name: (tuple(shape), dt) for name, shape, dt in expected}
+        problems = [f"{n}: missing from the manifest" for n in want if n not in shapes]
+        problems += [f"{n}: not in this model" for n in shapes if n not in want]
+        problems += [f"{n}: shape {list(shapes[n])} != model {list(s)}" for n, (s, _) in want.items()
+                     if n in shapes and shapes[n] != s]
+        problems += [f"{n}: dtype {dtype} != model {dt}" for n, (_, dt) in want.items() if n in shapes and dt != dtype]
+        if problems:
+            self.store.set(f"reject/{self.generation}/{version}/{self.rank}", "; ".join(problems))
+        rejected = self._vote(bool(problems))
+        if problems:
+            raise ValueError(f"weight sync version {version}: manifest does not match the model: " + "; ".join(problems))
+        if rejected:
+            raise ValueError(f"weight sync version {version} aborted: rank(s) {rejected} rejected the manifest")
+
+        tensors, works = [None] * len(manifest["tensors"]), []
+        for bucket in manifest["buckets"]:
+            numels = [math.prod(manifest["tensors"][i]["shape"]) for i in bucket]
+            flat = torch.empty(sum(numels), dtype=dtype, device=self.device)
+            works.append(self._broadcast(flat))
+            for i, part in zip(bucket, flat.split(numels)):
+                tensors[i] = part.view(manifest["tensors"][i]["shape"])
+        for work in works:
+            self._wait(work)
+        by_name = {t["name"]: tensors[i] for i, t in enumerate(manifest["tensors"])}
+        by_name.update({alias: by_name[target] for alias, target in manifest["tied"].items()})
+        if "checksums" in manifest:
+            bad = [n for n, c in manifest["checksums"].items() if checksum(by_name[n]) != c]
+            if bad:
+                raise ValueError(f"weight sync version {version}: checksum mismatch after transfer: {bad}")
+        self.last_manifest = manifest
+        return version, [(name, by_name[name]) for name, _, _ in expected]
+
+    def verify(self, model: nn.Module) -> None:
+        """Verify mode, after the swap: compare each model parameter (cast to the sync dtype) with the
+        checksum of the last received version. Raises ValueError naming every mismatched tensor, or when
+        the last sync carried no checksums (the sender's verify is off)."""
+        if not self.last_manifest or "checksums" not in self.last_manifest:
+            raise ValueError("no checksums: the last sync was sent without verify mode")
+        dtype = DTYPES[self.last_manifest["dtype"]]
+        params = dict(model.named_parameters(remove_duplicate=False))
+        bad = [n for n, c in self.last_manifest["checksums"].items()
+               if n not in params or checksum(params[n].to(dtype)) != c]
+        tied = self.last_manifest["tied"]
+        bad += [a for a, t in tied.items() if a in params and t in params and params[a] is not params[t]
+                and not torch.equal(params[a], params[t])]
+        if bad:
+            raise ValueError(f"weight version {self.last_manifest['version']}: model differs from the "
+                             f"broadcast weights in {bad}")
