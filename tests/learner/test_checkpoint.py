@@ -1,0 +1,73 @@
+"""Kill a real learner process after a checkpoint; resume here: version, consumed ids, counters and weights
+continue."""
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from learner.checkpoint import load_checkpoint
+from learner.config import LearnerConfig
+from learner.learner import Learner
+from tests.learner.conftest import make_groups, tiny_llama
+
+CHILD = r"""
+import sys, time, torch
+torch.set_num_threads(1)
+from learner.checkpoint import save_checkpoint
+from learner.config import LearnerConfig
+from learner.learner import Learner
+from tests.learner.conftest import make_groups
+model_dir, ckpt_dir, weights_out = sys.argv[1:4]
+learner = Learner(model_dir, LearnerConfig(lr=1e-2, kl_coef=0.0))
+consumed = []
+for s in range(2):
+    groups = make_groups(seed=s)
+    learner.step(groups, staleness=[0] * len(groups))
+    consumed += [g.group_id for g in groups]
+save_checkpoint(learner, ckpt_dir, consumed, {"stale_dropped": 3, "groups_consumed": len(consumed)})
+torch.save({n: t.clone() for n, t in learner.named_weights()}, weights_out)
+torch.save(torch.rand(4), weights_out + ".rng")
+print("SAVED", learner.engine.global_steps, flush=True)
+while True:                     # keep training until killed
+    learner.step(make_groups(seed=9), staleness=[0, 0])
+    time.sleep(0.1)
+"""
+
+
+def test_kill_after_checkpoint_and_resume(tmp_path):
+    model_dir, ckpt_dir, weights_out = tmp_path / "model", tmp_path / "ckpt", tmp_path / "weights.pt"
+    tiny_llama().save_pretrained(model_dir)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(model_dir), str(ckpt_dir), str(weights_out)],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    try:
+        line = child.stdout.readline()
+        assert line.startswith("SAVED"), line
+        child_global_steps = int(line.split()[1])
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+
+    learner = Learner(str(model_dir), LearnerConfig(lr=1e-2, kl_coef=0.0))
+    consumed, counters = load_checkpoint(learner, ckpt_dir)
+    assert learner.version == 2
+    assert consumed == [g.group_id for s in range(2) for g in make_groups(seed=s)]
+    assert counters == {"stale_dropped": 3, "groups_consumed": 4}
+    assert learner.engine.global_steps == child_global_steps
+    saved = torch.load(weights_out)
+    for name, t in learner.named_weights():
+        assert torch.equal(t, saved[name]), name
+    assert torch.equal(torch.rand(4), torch.load(str(weights_out) + ".rng"))   # RNG continues where it stopped
+    assert learner.step(make_groups(seed=5), staleness=[1, 1])["weight_version"] == 3
+
+
+def test_resume_from_empty_dir_fails(tmp_path):
+    learner = Learner(tiny_llama(), LearnerConfig(kl_coef=0.0))
+    with pytest.raises(FileNotFoundError):
+        load_checkpoint(learner, tmp_path)
