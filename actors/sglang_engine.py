@@ -1,0 +1,337 @@
+"""SGLang rollout engine (GPU clusters): `sglang.Engine` in-process, same interface as `TorchEngine`.
+
+Token ids in (`input_ids`), token ids out (`output_ids`), per-token log-probs from SGLang's sampler
+(`meta_info["output_token_logprobs"]`), so the learner never re-tokenises (shared/ARCHITECTURE.md).
+
+Log-prob semantics (read in sglang 0.5.23 `srt/layers/sampler.py`, `Sampler.forward`; checked by
+tests/sglang at temperature 0.7): for temperature > 0 SGLang divides the logits by the temperature in place,
+takes softmax, samples, and returns `log(probs)` = log_softmax(logits / temperature) -- the learner's
+definition of logp_sparse (SPEC §3 "Temperature"). Temperature 0 is greedy (SGLang sets top_k = 1) and
+returns log_softmax(logits). The environment variable `SGLANG_RETURN_ORIGINAL_LOGPROB=1` switches SGLang to
+untempered log-probs; this engine refuses to start with it set.
+
+Sparse mode (`compressor_cfg.method != "full"`): attention runs in our SGLang attention backend
+`sparse_rl_kv` (actors/sglang_kv_backend.py, registered through SGLang's plugin entry point
+`sglang.srt.plugins`), which compresses each request's KV with `compressors/` every `interval` decode steps,
+per layer and KV head, and gives the evicted KV slots back to SGLang's allocator. See docs/sglang.md.
+
+Weight updates, two paths (docs/sglang.md, "Weight updates"):
+- `load_weights(named_tensors, version)` (the `RolloutEngine` protocol): the actor receives the learner's
+  broadcast with `broker.weight_sync.WeightReceiver` and hands the tensors to SGLang with
+  `update_weights_from_tensor` (CUDA IPC handles on GPU, no copy through the host).
+- `join_weight_group` + `receive_weights_from_distributed`: SGLang joins the learner's collective group
+  itself and receives the broadcast straight into its model (`update_weights_from_distributed`, bucketed),
+  for a learner that drives SGLang's own protocol (`sglang_sender_group` builds the matching group).
+Every update runs inside `begin_weight_update` / `end_weight_update` (required since 0.5.23), flushes the
+prefix cache, and every engine call has a timeout; a failed call raises `RuntimeError` with SGLang's message.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from dataclasses import asdict
+from datetime import timedelta
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from actors.engine import Sample, SamplingParams
+from actors.torch_engine import _check_params
+from compressors import CompressorConfig
+
+SPARSE_BACKEND = "sparse_rl_kv"
+"""Name of our attention backend in SGLang's registry (`attention_backend=` of `sglang.Engine`)."""
+COMPRESSOR_ENV = "SPARSE_RL_KV_COMPRESSOR"
+"""Environment variable carrying the CompressorConfig (JSON) to SGLang's scheduler subprocess."""
+KV_STATS_ENV = "SPARSE_RL_KV_STATS"
+"""Optional file path: the sparse backend writes its measured KV slot usage there (JSON)."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def register_sglang_plugin() -> None:
+    """SGLang general plugin (entry point `sglang.srt.plugins: sparse_rl_kv`): registers the `sparse_rl_kv`
+    attention backend and adds it to SGLang's `--attention-backend` choices. SGLang calls this in every one of
+    its processes before parsing server args; it imports nothing heavy until the backend is built."""
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+
+    if SPARSE_BACKEND not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([SPARSE_BACKEND])
+
+    @register_attention_backend(SPARSE_BACKEND)
+    def _create(runner):
+        from actors.sglang_kv_backend import SparseKVAttnBackend
+
+        return SparseKVAttnBackend(runner, CompressorConfig(**json.loads(os.environ[COMPRESSOR_ENV])))
+
+
+def sparse_engine_kwargs() -> dict:
+    """`sglang.Engine` settings sparse mode needs (docs/sglang.md, "Sparse mode"): our backend; no radix
+    prefix cache (a compressed prefix is not the prefix's KV); no chunked prefill (a prompt is compressed
+    after its whole prefill); page size 1 (slots are freed one token at a time); no CUDA graphs and no overlap
+    scheduling (the backend rewrites request rows and frees slots between steps, with data-dependent shapes)."""
+    return {"attention_backend": SPARSE_BACKEND, "disable_radix_cache": True, "chunked_prefill_size": -1,
+            "page_size": 1, "disable_cuda_graph": True, "disable_overlap_schedule": True}
+
+
+class SGLangEngine:
+    """RolloutEngine on an in-process `sglang.Engine` (sglang >= 0.5.23) for Hugging Face causal LMs.
+
+    model_path: local directory of a Hugging Face model (config, weights, tokenizer); nothing is downloaded.
+    compressor_cfg: `CompressorConfig`; method "full" = dense (SGLang's own attention backend and prefix
+        cache), anything else = sparse mode through the `sparse_rl_kv` backend (validated here).
+    weight_version: version of the weights at `model_path`.
+    timeout_s: limit in seconds on every engine call (generate, each weight-update step).
+    engine_kwargs: passed to `sglang.Engine` (device, dtype, mem_fraction_static, tp_size, ...); in sparse
+        mode `sparse_engine_kwargs()` is applied over them.
+    Raises ValueError on an invalid compressor config or with `SGLANG_RETURN_ORIGINAL_LOGPROB` set;
+        whatever `sglang.Engine` raises if the model cannot be loaded.
+    Must be created under `if __name__ == "__main__":` (SGLang spawns its scheduler subprocess).
+    """
+
+    def __init__(self, model_path: str, compressor_cfg: CompressorConfig | None = None, weight_version: int = 0,
+                 timeout_s: float = 600.0, **engine_kwargs):
+        import sglang
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes"):
+            raise ValueError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return untempered log-probs, "
+                             "but logp_sparse must be log_softmax(logits / temperature); unset it")
+        self.compressor_cfg = compressor_cfg or CompressorConfig(method="full")
+        self.compressor_cfg.validate()
+        self.sparse = self.compressor_cfg.method != "full"
+        self.timeout_s = timeout_s
+        self.weight_version = weight_version
+        kwargs = dict(engine_kwargs)
+        if self.sparse:
+            os.environ[COMPRESSOR_ENV] = json.dumps(asdict(self.compressor_cfg))
+            kwargs.update(sparse_engine_kwargs())
+        kwargs.setdefault("skip_tokenizer_init", False)
+        self.engine = sglang.Engine(model_path=model_path, **kwargs)
+        self.tokenizer = self.engine.tokenizer_manager.tokenizer
+
+        # Manifest of the served model (HF names, shapes, dtype) from its config, on the meta device.
+        hf_config = AutoConfig.from_pretrained(model_path)
+        with torch.device("meta"):
+            meta_model = AutoModelForCausalLM.from_config(hf_config)
+        dtype = DTYPES.get(str(kwargs.get("dtype", "bfloat16")).replace("torch.", ""), torch.bfloat16)
+        if kwargs.get("dtype") in (None, "auto"):
+            dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.bfloat16
+            dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        self.dtype = dtype
+        self.manifest = {name: (tuple(p.shape), dtype) for name, p in meta_model.named_parameters()}
+        self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        self.kv_bytes_per_token = (2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim
+                                   * torch.empty(0, dtype=dtype).element_size())
+        """Bytes of K and V of one token over all layers in SGLang's pool."""
+
+    # ---------------------------------------------------------------- generation
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+        """Sample `params.n` responses per prompt (token ids); one list of n Samples per prompt, in order.
+
+        Each of the n samples is its own SGLang request (prompt-major); with `params.seed` sample j gets
+        `sampling_seed = seed + j`, which SGLang honours only when the engine runs with
+        `enable_deterministic_inference=True` (otherwise its engine-wide `random_seed` decides).
+        finish_reason: "stop" (EOS or a stop string; the token completing it is kept) | "length".
+        kv_retained_tokens / kv_peak_bytes: dense = prompt + response - 1 tokens (the last token's KV is never
+        written); sparse = the same count under the compression schedule (the backend applies exactly this
+        schedule; the measured pool usage of the whole engine is in `kv_pool_stats()`).
+        Raises ValueError on empty prompts or invalid params; RuntimeError if SGLang aborts a request or the
+        call exceeds `timeout_s`.
+        """
+        _check_params(prompts, params)
+        rows = [p for p in prompts for _ in range(params.n)]
+        sampling = []
+        for j in range(len(rows)):
+            sp = {"temperature": params.temperature, "max_new_tokens": params.max_new_tokens,
+                  "top_p": params.top_p, "stop": list(params.stop_strings) or None, "ignore_eos": params.ignore_eos,
+                  "no_stop_trim": True, "skip_special_tokens": False}
+            if params.top_k > 0:
+                sp["top_k"] = params.top_k
+            if params.seed is not None:
+                sp["sampling_seed"] = params.seed + j % params.n
+            sampling.append(sp)
+        outs = self._call(self.engine.async_generate(input_ids=[list(r) for r in rows], sampling_params=sampling,
+                                                     return_logprob=True), "generate")
+        samples = []
+        for row, out in zip(rows, outs):
+            meta = out["meta_info"]
+            reason = meta["finish_reason"]
+            kind = reason.get("type") if isinstance(reason, dict) else reason
+            if kind not in ("stop", "length"):
+                raise RuntimeError(f"SGLang finished a request with finish_reason={reason!r} (expected stop|length)")
+            response = list(out["output_ids"])
+            token_logprobs = meta["output_token_logprobs"]
+            if [t for _, t, _ in token_logprobs] != response:
+                raise RuntimeError("SGLang output_token_logprobs token ids differ from output_ids")
+            retained, peak = self._kv_tokens(len(row), len(response))
+            samples.append(Sample(prompt_ids=list(row), response_ids=response,
+                                  logp_sparse=np.asarray([lp for lp, _, _ in token_logprobs], dtype=np.float32),
+                                  finish_reason=kind, kv_retained_tokens=retained,
+                                  kv_peak_bytes=peak * self.kv_bytes_per_token))
+        return [samples[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+
+    def _kv_tokens(self, prompt_len: int, response_len: int) -> tuple[int, int]:
+        """(tokens in this sequence's KV when it ended, peak tokens it held) under the compression schedule of
+        the sparse backend (prompt compressed at prefill if longer than kv_budget; at decode step s, after the
+        step's attention, compressed to kv_budget if s % interval == 0 and it holds more)."""
+        held = prompt_len
+        if not self.sparse:
+            return held + response_len - 1, held + response_len - 1
+        budget, interval = self.compressor_cfg.kv_budget, self.compressor_cfg.interval
+        peak = held
+        held = min(held, budget)
+        for step in range(1, response_len):
+            held += 1
+            peak = max(peak, held)
+            if step % interval == 0 and held > budget:
+                held = budget
+        return held, peak
+
+    def kv_pool_stats(self) -> dict | None:
+        """Measured KV slot usage written by the sparse backend when `SPARSE_RL_KV_STATS` names a file:
+        {"peak_used_slots", "freed_slots", "compressions", "pool_slots"} (slots = tokens of K and V over all
+        layers); None when not in sparse mode or not enabled."""
+        path = os.environ.get(KV_STATS_ENV)
+        if not self.sparse or not path or not os.path.exists(path):
+            return None
+        with open(path) as f:
+            return json.load(f)
+
+    # ---------------------------------------------------------------- weight updates
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Replace weights by Hugging Face name (tensors on any device; same names/shapes as the model, any
+        float dtype: SGLang casts on load). Checks every name and shape against the model's manifest first and
+        raises ValueError naming all problems before anything is sent. Then begin_weight_update ->
+        update_weights_from_tensor (flush_cache) -> end_weight_update; sets `weight_version = version`.
+        Raises RuntimeError with SGLang's message if any step fails or times out (the weights may then be
+        partly updated: reload or retry)."""
+        named = list(named_tensors)
+        problems = []
+        for name, t in named:
+            if name == "lm_head.weight" and self.tied_embeddings and name not in self.manifest:
+                continue
+            if name not in self.manifest:
+                problems.append(f"unknown parameter {name!r}")
+            elif tuple(t.shape) != self.manifest[name][0]:
+                problems.append(f"{name}: shape {tuple(t.shape)} != model {self.manifest[name][0]}")
+            elif not t.is_floating_point():
+                problems.append(f"{name}: dtype {t.dtype} is not a float dtype")
+        if problems:
+            raise ValueError("load_weights rejected the update (nothing changed): " + "; ".join(problems))
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+
+        tm = self.engine.tokenizer_manager
+        obj = UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=self.engine._serialize_tensors_per_rank(named, None),
+            flush_cache=True, weight_version=str(version))
+        self._weight_session(lambda: tm.update_weights_from_tensor(obj, None), "update_weights_from_tensor")
+        self.weight_version = version
+
+    def join_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                          group_name: str = "sparse_rl_weights", backend: str = "nccl") -> None:
+        """SGLang joins the learner's weight-broadcast group as ranks rank_offset..rank_offset+tp_size-1
+        (`init_weights_update_group`). The learner must be rank 0 of a group built like
+        `sglang_sender_group` (same address, port, world size, group name, backend) at the same time.
+        Raises RuntimeError with SGLang's message on failure or timeout."""
+        from sglang.srt.managers.io_struct import InitWeightsUpdateGroupReqInput
+
+        obj = InitWeightsUpdateGroupReqInput(master_address=master_address, master_port=master_port,
+                                             rank_offset=rank_offset, world_size=world_size,
+                                             group_name=group_name, backend=backend)
+        self._check(self._call(self.engine.tokenizer_manager.init_weights_update_group(obj, None),
+                               "init_weights_update_group"), "init_weights_update_group")
+        self.weight_group = group_name
+
+    def receive_weights_from_distributed(self, buckets: list[list[tuple[str, str, tuple[int, ...]]]],
+                                         version: int) -> None:
+        """Receive one weight sync straight into SGLang's model over the group of `join_weight_group`.
+
+        buckets: per bucket, (name, dtype name e.g. "bfloat16", shape) of each tensor in broadcast order; for
+            each bucket the learner broadcasts the tensors from rank 0 in that order (`dist.broadcast(t, 0,
+            group)`) while this call waits (`update_weights_from_distributed`; the first bucket is received
+            only after `begin_weight_update` returned: start broadcasting once this call is running).
+        Runs begin_weight_update -> one update_weights_from_distributed per bucket (prefix cache flushed with
+        the last) -> end_weight_update and sets `weight_version = version`. Raises ValueError for names or
+        shapes not in the model, RuntimeError with SGLang's message on failure or timeout.
+        """
+        from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
+
+        problems = [f"{n}: {tuple(s)} vs model {self.manifest.get(n, (None,))[0]}" for b in buckets
+                    for n, _, s in b if n in self.manifest and tuple(s) != self.manifest[n][0]]
+        problems += [f"unknown parameter {n!r}" for b in buckets for n, _, _ in b
+                     if n not in self.manifest and not (n == "lm_head.weight" and self.tied_embeddings)]
+        if problems:
+            raise ValueError("receive_weights_from_distributed rejected the manifest: " + "; ".join(problems))
+        tm = self.engine.tokenizer_manager
+
+        async def _all_buckets():
+            for i, bucket in enumerate(buckets):
+                obj = UpdateWeightsFromDistributedReqInput(
+                    names=[n for n, _, _ in bucket], dtypes=[d for _, d, _ in bucket],
+                    shapes=[list(s) for _, _, s in bucket], group_name=self.weight_group,
+                    flush_cache=i == len(buckets) - 1, weight_version=str(version))
+                self._check(await tm.update_weights_from_distributed(obj, None), f"update_weights_from_distributed "
+                            f"(bucket {i})")
+            return True, "ok"
+
+        self._weight_session(_all_buckets, "receive_weights_from_distributed")
+        self.weight_version = version
+
+    def _weight_session(self, make_update, what: str) -> None:
+        """begin_weight_update -> await make_update() -> end_weight_update, each with the timeout; end is
+        attempted even when the update failed, then the first error is raised."""
+        from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput
+
+        tm = self.engine.tokenizer_manager
+        self._check(self._call(tm.begin_weight_update(BeginWeightUpdateReqInput(), None), "begin_weight_update"),
+                    "begin_weight_update")
+        try:
+            self._check(self._call(make_update(), what), what)
+        finally:
+            self._check(self._call(tm.end_weight_update(EndWeightUpdateReqInput(), None), "end_weight_update"),
+                        "end_weight_update")
+
+    def _call(self, coro, what: str):
+        """Run an engine coroutine on SGLang's event loop with `timeout_s`; TimeoutError -> RuntimeError."""
+        try:
+            return self.engine.loop.run_until_complete(asyncio.wait_for(coro, self.timeout_s))
+        except asyncio.TimeoutError as e:
+            raise RuntimeError(f"SGLang {what} did not finish within timeout_s={self.timeout_s}") from e
+
+    @staticmethod
+    def _check(result, what: str) -> None:
+        """Raise RuntimeError with SGLang's message if an engine call reports failure."""
+        if isinstance(result, tuple):
+            ok, message = result[0], result[1] if len(result) > 1 else ""
+        else:
+            ok, message = getattr(result, "success", True), getattr(result, "message", "")
+        if not ok:
+            raise RuntimeError(f"SGLang {what} failed: {message}")
+
+    def shutdown(self) -> None:
+        """Stop SGLang's subprocesses."""
+        self.engine.shutdown()
+
+
+def sglang_sender_group(master_address: str, master_port: int, world_size: int,
+                        group_name: str = "sparse_rl_weights", backend: str = "nccl", timeout_s: float = 600.0):
+    """The learner's end (rank 0) of the group SGLang builds in `init_weights_update_group`: the same
+    rendezvous as SGLang's `init_custom_process_group` -- `tcp://addr:port` (rank 0 hosts the TCPStore), keys
+    under `PrefixStore(group_name)`, torch's `_new_process_group_helper(group_name=group_name)` -- so both
+    ends meet. Returns the ProcessGroup; broadcast with `dist.broadcast(t, src=0, group=pg)`. Depends only on
+    torch (the learner needs no SGLang). Call it concurrently with `SGLangEngine.join_weight_group`."""
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
+                                                    rendezvous)
+
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size,
+                                              timeout=timeout))
+    store.set_timeout(timeout)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                      group_name=group_name, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg

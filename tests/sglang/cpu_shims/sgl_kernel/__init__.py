@@ -1,0 +1,44 @@
+"""CPU-lane stand-in for the CUDA/AMX-only ``sgl_kernel`` package (test lane only, never the product path).
+
+SGLang 0.5.23 with ``SGLANG_USE_CPU_ENGINE=1`` imports a few ``*_cpu`` ops from ``sgl_kernel`` at module
+import time. The real CPU kernels are built from SGLang's source tree (not reachable here) and target AMX
+CPUs. This stand-in implements in torch the one op the dense decode path calls
+(``assign_req_to_token_pool_cpu``) and makes every other name a function that raises
+``NotImplementedError`` when called, so importing works and a missing op fails loudly. Because
+``torch.ops.sgl_kernel.convert_weight_packed`` does not exist, SGLang treats AMX as unavailable and uses its
+torch-native layers. See docs/sglang.md ("CPU test lane").
+"""
+
+import torch
+
+
+def assign_req_to_token_pool_cpu(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start_offset: torch.Tensor,
+    end_offset: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    pool_len: int,
+) -> None:
+    """Write ``out_cache_loc`` slices into ``req_to_token[req, start:end]`` for each request, in order.
+
+    req_pool_indices, start_offset, end_offset: [batch] int; req_to_token: [pool_size, max_context] int32;
+    out_cache_loc: [sum(end - start)] int64. ``pool_len`` is unused (kept for the kernel's signature).
+    """
+    offset = 0
+    for i in range(req_pool_indices.shape[0]):
+        start, end = int(start_offset[i]), int(end_offset[i])
+        n = end - start
+        req_to_token[int(req_pool_indices[i]), start:end] = out_cache_loc[offset : offset + n].to(req_to_token.dtype)
+        offset += n
+
+
+def __getattr__(name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+
+    def _missing(*args, **kwargs):
+        raise NotImplementedError(f"sgl_kernel.{name} is not available in the SGLang CPU test lane's stand-in")
+
+    _missing.__name__ = name
+    return _missing
