@@ -1,0 +1,90 @@
+"""Typed configs of the rollout actor: engine, sampling, prompt data (composed by deploy/config.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from compressors import CompressorConfig
+
+DEFAULT_INSTRUCTION = "Solve the problem step by step. Write the final answer on the last line as '#### <number>'."
+
+
+@dataclass
+class EngineConfig:
+    backend: str = "torch"
+    """Rollout engine: torch (actors/torch_engine.py, CPU or GPU) | sglang (GPU clusters)."""
+    dtype: str = "fp32"
+    """Model and KV-cache dtype: fp32 | bf16."""
+    compressor: CompressorConfig = field(default_factory=CompressorConfig)
+    """KV compression during decoding (shared/SPEC.md §5); method full = dense rollouts."""
+
+    def __post_init__(self):
+        if self.backend not in ("torch", "sglang"):
+            raise ValueError(f"EngineConfig.backend={self.backend!r}: expected torch | sglang")
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"EngineConfig.dtype={self.dtype!r}: expected fp32 | bf16")
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    """Softmax temperature of the sampler; the learner divides its logits by the same value (SPEC §3)."""
+    max_new_tokens: int = 256
+    """Response length limit in tokens."""
+    samples_per_prompt: int = 8
+    """G: responses per prompt (one GRPO group)."""
+    top_p: float = 1.0
+    """Nucleus sampling. Training requires 1.0 (see validate_training_sampling); evaluation may use less."""
+    top_k: int = 0
+    """Top-k sampling, 0 = off. Training requires 0."""
+    stop_strings: list[str] = field(default_factory=list)
+    """A response ends at the first token after which its text contains one of these."""
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"SamplingConfig.temperature={self.temperature}: expected >= 0")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingConfig.max_new_tokens={self.max_new_tokens}: expected >= 1")
+        if self.samples_per_prompt < 1:
+            raise ValueError(f"SamplingConfig.samples_per_prompt={self.samples_per_prompt}: expected >= 1")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingConfig.top_p={self.top_p}: expected in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingConfig.top_k={self.top_k}: expected >= 0 (0 = off)")
+
+
+def validate_training_sampling(sampling) -> None:
+    """Training rollouts sample from the full softmax: truncated sampling makes logp_sparse incomparable with
+    the learner's pi_old (SPEC §3). `sampling`: a SamplingConfig or actors.engine.SamplingParams.
+
+    Raises ValueError naming top_p if it is not 1, top_k if it is not 0, temperature if it is not > 0."""
+    if sampling.top_p != 1.0:
+        raise ValueError(f"top_p={sampling.top_p}: training rollouts require top_p = 1.0 (set it only for evaluation)")
+    if sampling.top_k != 0:
+        raise ValueError(f"top_k={sampling.top_k}: training rollouts require top_k = 0 (off)")
+    if sampling.temperature <= 0:
+        raise ValueError(f"temperature={sampling.temperature}: training rollouts require temperature > 0 "
+                         "(greedy decoding has no sampling distribution to correct)")
+
+
+@dataclass
+class DataConfig:
+    source: str = "reasoning_gym"
+    """Training prompts: reasoning_gym (generated, see `tasks`) | gsm8k_jsonl (a file in GSM8K shape, `path`)."""
+    tasks: list[str] = field(default_factory=lambda: ["basic_arithmetic", "gsm_symbolic"])
+    """reasoning-gym dataset names, mixed in equal parts (e.g. basic_arithmetic, gsm_symbolic)."""
+    path: str = ""
+    """GSM8K-shape JSONL (`question`, `answer` ending in '#### N') for source gsm8k_jsonl."""
+    size: int = 512
+    """Number of training prompts (reasoning_gym: generated; gsm8k_jsonl: first `size` rows, 0 = all)."""
+    instruction: str = DEFAULT_INSTRUCTION
+    """Appended to every question in the user turn of the chat template."""
+
+    def __post_init__(self):
+        if self.source not in ("reasoning_gym", "gsm8k_jsonl"):
+            raise ValueError(f"DataConfig.source={self.source!r}: expected reasoning_gym | gsm8k_jsonl")
+        if self.source == "gsm8k_jsonl" and not self.path:
+            raise ValueError("DataConfig.path is required when DataConfig.source is gsm8k_jsonl")
+        if self.source == "reasoning_gym" and not self.tasks:
+            raise ValueError("DataConfig.tasks must name at least one reasoning-gym dataset")
+        if self.size < 0:
+            raise ValueError(f"DataConfig.size={self.size}: expected >= 0")
