@@ -35,7 +35,7 @@ class CompressorConfig:
         """Raise ValueError naming the field (`compressor.<field>`) for an impossible setting.
 
         Checked: method and selection names; 1 <= window < kv_budget; interval >= 1; 0 <= rkv_lambda <= 1;
-        pool_kernel odd and >= 1 (same padding); -1 <= similarity_threshold <= 1; for h2o
+        pool_kernel odd and >= 1 (same padding); 0 <= similarity_threshold <= 1; for h2o
         window <= h2o_recent < kv_budget; for streamingllm sinks >= 0 and sinks + window <= kv_budget.
         """
         if self.method not in METHODS:
@@ -52,8 +52,8 @@ class CompressorConfig:
             raise ValueError(f"compressor.rkv_lambda={self.rkv_lambda} must be in [0, 1]")
         if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
             raise ValueError(f"compressor.pool_kernel={self.pool_kernel} must be odd and >= 1 (same padding)")
-        if not -1.0 <= self.similarity_threshold <= 1.0:
-            raise ValueError(f"compressor.similarity_threshold={self.similarity_threshold} must be in [-1, 1]")
+        if not 0.0 <= self.similarity_threshold <= 1.0:
+            raise ValueError(f"compressor.similarity_threshold={self.similarity_threshold} must be in [0, 1]")
         if self.method == "h2o":
             if self.h2o_recent < self.window:
                 raise ValueError(

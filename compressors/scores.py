@@ -29,9 +29,9 @@ def window_importance(keys: torch.Tensor, queries: torch.Tensor, valid: torch.Te
     batch, kv_heads, n, head_dim = keys.shape
     q_heads, w = queries.shape[1], queries.shape[2]
     group = q_heads // kv_heads
-    q = queries.float().view(batch, kv_heads, group, w, head_dim)
-    logits = torch.matmul(q, keys.float().unsqueeze(2).transpose(-1, -2)) / math.sqrt(head_dim)
-    logits = logits.amax(dim=2)  # [batch, kv_heads, w, n]
+    q = queries.float().reshape(batch, kv_heads, group * w, head_dim)  # one matmul per KV head, no broadcast copy
+    logits = torch.matmul(q, keys.float().transpose(-1, -2)).view(batch, kv_heads, group, w, n)
+    logits = logits.amax(dim=2) / math.sqrt(head_dim)  # [batch, kv_heads, w, n]
     logits = logits.masked_fill(~valid[:, :, None, :], _NEG)
     importance = logits.softmax(dim=-1).mean(dim=-2)
     return F.max_pool1d(importance, kernel_size=pool_kernel, stride=1, padding=pool_kernel // 2)
@@ -50,16 +50,19 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, similarity_threshold
     """
     seq = keys.shape[2]
     k = keys.float()
-    k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
-    sim = torch.matmul(k, k.transpose(-1, -2))  # [batch, kv_heads, seq, seq]
-    sim.diagonal(dim1=-2, dim2=-1).zero_()
-    sim.mul_((valid[..., :, None] & valid[..., None, :]).to(sim.dtype))
-    similar = sim > similarity_threshold
-    has_similar = similar.any(dim=-1, keepdim=True)
-    last_similar = seq - 1 - similar.flip(-1).to(torch.uint8).argmax(dim=-1, keepdim=True)  # argmax: first max
-    sim.scatter_(-1, last_similar, torch.where(has_similar, 0.0, sim.gather(-1, last_similar)))
-    rows = valid.sum(dim=-1, keepdim=True).clamp(min=1).to(sim.dtype)
-    redundancy = sim.sum(dim=-2) / rows
+    k = k / (k.norm(dim=-1, keepdim=True) + 1e-8) * valid[..., None]  # an invalid key is similar to nothing
+    # Similarity against the keys in reverse order (column c = key seq-1-c), so that the first similar key found
+    # in a row is the most recent one. Only this matrix and one comparison are O(seq^2).
+    sim_rev = torch.matmul(k, k.flip(2).transpose(-1, -2))  # [batch, kv_heads, seq, seq]
+    diag = torch.arange(seq, device=keys.device)
+    sim_rev[..., diag, seq - 1 - diag] = 0.0
+    # max over a row returns the first maximum; it is 1 iff the row has a similar key
+    has_similar, first = (sim_rev > similarity_threshold).view(torch.uint8).max(dim=-1, keepdim=True)
+    zeroed = (sim_rev.gather(-1, first) * has_similar).squeeze(-1)
+    # Column sums of the similarity matrix: k_j . sum_i k_i, minus the diagonal, minus the zeroed entries.
+    column = torch.matmul(k, k.sum(dim=2).unsqueeze(-1)).squeeze(-1) - (k * k).sum(dim=-1)
+    column = column.scatter_add(-1, seq - 1 - first.squeeze(-1), -zeroed)
+    redundancy = column / valid.sum(dim=-1, keepdim=True).clamp(min=1).to(column.dtype)
     return redundancy.masked_fill(~valid, _NEG).softmax(dim=-1)
 
 
