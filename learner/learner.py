@@ -160,11 +160,19 @@ class Learner:
         Returns: logp float32 [len(rows), T] (0 on padding), and the per-token entropy (no grad) or None.
         """
         L = int(batch["seq_len"][rows].max())
-        ids = batch["input_ids"][rows, :L].to(self.device)
-        logits = model(input_ids=ids, attention_mask=batch["attention_mask"][rows, :L].to(self.device)).logits
         index = batch["response_index"][rows].to(self.device)
+        # the lm_head runs only over the window of positions that predict response tokens (HF
+        # `logits_to_keep` with explicit indices): no logits for the prompts, far less memory and time
+        start = int(index[:, 0].min())
+        window = torch.arange(start, max(L - 1, start + 1), device=self.device)
+        logits = model(input_ids=batch["input_ids"][rows, :L].to(self.device),
+                       attention_mask=batch["attention_mask"][rows, :L].to(self.device),
+                       logits_to_keep=window).logits
+        index = (index - start).clamp(0, logits.shape[1] - 1)   # padding slots point anywhere valid
         logits = logits.gather(1, index[:, :, None].expand(-1, -1, logits.shape[-1])).float()
-        logits = logits / batch["temperature"][rows].to(self.device)[:, None, None]
+        temperature = batch["temperature"][rows]
+        if not bool((temperature == 1).all()):
+            logits = logits / temperature.to(self.device)[:, None, None]
         log_probs = torch.log_softmax(logits, dim=-1)
         mask = batch["response_mask"][rows].to(self.device)
         logp = log_probs.gather(2, batch["response_ids"][rows].to(self.device)[:, :, None]).squeeze(2) * mask

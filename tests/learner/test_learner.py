@@ -65,3 +65,26 @@ def test_bad_groups_are_named():
     with pytest.raises(ValueError, match="staleness"):
         learner.step(make_groups(num_groups=2), staleness=[0])
     assert learner.version == 0
+
+
+def test_response_logprobs_match_a_full_forward_at_the_sampler_temperature():
+    model = tiny_llama()
+    learner = Learner(model, LearnerConfig(kl_coef=0.0))
+    groups = make_groups(num_groups=3, temperature=0.7)     # prompts of different lengths
+    groups[1].temperature = 1.3
+    batch = learner.collate(groups)
+    rows = torch.arange(batch["input_ids"].shape[0])
+    with torch.no_grad():
+        logp, entropy = learner.response_logprobs(learner.engine, batch, rows, with_entropy=True)
+        i = 0
+        for g in groups:
+            for s in g.samples:
+                ids = torch.tensor(list(s.prompt_ids) + list(s.response_ids))[None]
+                logits = model(input_ids=ids).logits[0] / g.temperature
+                P, R = len(s.prompt_ids), len(s.response_ids)
+                full = torch.log_softmax(logits[P - 1:P - 1 + R], -1)
+                expected = full[torch.arange(R), torch.tensor(s.response_ids, dtype=torch.long)]
+                torch.testing.assert_close(logp[i, :R], expected, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(entropy[i, :R], -(full.exp() * full).sum(-1), atol=1e-5, rtol=1e-5)
+                assert (logp[i, R:] == 0).all()
+                i += 1

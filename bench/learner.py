@@ -1,0 +1,118 @@
+"""Learner step throughput: our DeepSpeed learner next to a plain torch loop doing the same work (issue 3).
+
+Same random Llama (hidden 256, 4 layers, vocab 8192, fp32, CPU, 1 thread) and the same batch (2 groups x 4
+samples, prompt 32 + response 64 tokens) for both:
+
+    ours:     Learner.step (DeepSpeed ZeRO-1, gloo): collate, no-grad recompute of logp_old over micro-batches
+              of 4, Sparse-RL correction, GRPO loss, forward/backward per micro-batch, gradient clipping,
+              AdamW step, metrics
+    baseline: plain torch: no-grad recompute forward over micro-batches of 4, forward/backward per
+              micro-batch with a policy-gradient loss on the same tokens, clip_grad_norm_, torch AdamW step
+
+    deepspeed_vs_plain_torch = ours tokens/s / baseline tokens/s   (tokens = prompt + response, target >= 0.9)
+
+Steps alternate between the two after one warm-up step each; medians over `--steps`. Prints a table and,
+as the very last line, one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from broker.schema import SampleRecord, TrajectoryGroup  # noqa: E402
+from learner.config import LearnerConfig  # noqa: E402
+from learner.learner import Learner  # noqa: E402
+
+VOCAB, PROMPT, RESPONSE, GROUPS, G, MICRO = 8192, 32, 64, 2, 4, 4
+
+
+def make_model(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=688,
+                                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                                        max_position_embeddings=256, tie_word_embeddings=True))
+
+
+def make_groups(seed: int = 0) -> list[TrajectoryGroup]:
+    rng = np.random.default_rng(seed)
+    groups = []
+    for g in range(GROUPS):
+        prompt = rng.integers(0, VOCAB, PROMPT).astype(np.int32)
+        samples = [SampleRecord(prompt_ids=prompt, response_ids=rng.integers(0, VOCAB, RESPONSE).astype(np.int32),
+                                logp_sparse=np.full(RESPONSE, -np.log(VOCAB), np.float32), finish_reason="stop",
+                                reward=float(i % 2)) for i in range(G)]
+        groups.append(TrajectoryGroup("bench", f"g{g}", f"p{g}", 0, 1.0, "rkv", 512, samples))
+    return groups
+
+
+def plain_torch_step(model, optimizer, ids, advantages) -> None:
+    """Recompute forward (no grad) + forward/backward per micro-batch + clip + AdamW, as a PPO learner does."""
+    targets = ids[:, PROMPT:]
+
+    def logp(rows):
+        logits = model(input_ids=ids[rows]).logits[:, PROMPT - 1:-1].float()
+        return torch.log_softmax(logits, -1).gather(2, targets[rows][:, :, None]).squeeze(2)
+
+    micro = torch.arange(len(ids)).split(MICRO)
+    with torch.no_grad():
+        logp_old = torch.cat([logp(rows) for rows in micro])
+    for rows in micro:
+        ratio = (logp(rows) - logp_old[rows]).exp()
+        loss = -(ratio * advantages[rows, None]).mean(1).sum() / len(ids)
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="5 measured steps each")
+    parser.add_argument("--steps", type=int, default=None)
+    args = parser.parse_args()
+    steps = args.steps or (5 if args.quick else 15)
+    torch.set_num_threads(1)
+
+    cfg = LearnerConfig(lr=1e-5, kl_coef=0.0, micro_batch_size=MICRO, zero_stage=1, dtype="fp32")
+    learner = Learner(make_model(), cfg)
+    plain = make_model()
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-5, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    groups = make_groups()
+    ids = torch.tensor(np.stack([np.concatenate([s.prompt_ids, s.response_ids]) for g in groups for s in g.samples]),
+                       dtype=torch.long)
+    advantages = torch.tensor([1.0, -1.0] * (len(ids) // 2))
+    tokens = ids.numel()
+
+    ours, base = [], []
+    for step in range(steps + 1):          # step 0 warms up
+        t0 = time.perf_counter()
+        learner.step(groups, staleness=[0] * len(groups))
+        t1 = time.perf_counter()
+        plain_torch_step(plain, optimizer, ids, advantages)
+        t2 = time.perf_counter()
+        if step:
+            ours.append(tokens / (t1 - t0))
+            base.append(tokens / (t2 - t1))
+    ours_tps, base_tps = statistics.median(ours), statistics.median(base)
+    print(f"learner step, Llama h256 x4 layers vocab {VOCAB}, {len(ids)} seqs x {PROMPT + RESPONSE} tokens, fp32, "
+          f"1 thread, median of {steps}")
+    print(f"{'':>22} {'tokens/s':>10}")
+    print(f"{'ours (DeepSpeed ZeRO-1)':>22} {ours_tps:>10.1f}")
+    print(f"{'plain torch':>22} {base_tps:>10.1f}")
+    print(json.dumps({"bench": "learner", "tokens_per_step": tokens, "ours_tokens_per_s": round(ours_tps, 2),
+                      "plain_torch_tokens_per_s": round(base_tps, 2),
+                      "deepspeed_vs_plain_torch": round(ours_tps / base_tps, 4), "target": 0.9}))
+
+
+if __name__ == "__main__":
+    main()
