@@ -110,6 +110,7 @@ class TorchEngine:
         self.weight_version = version
 
     # ------------------------------------------------------------------ generation
+    @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
         """Sample `params.n` responses for each prompt (token ids) in one batch; one list of n Samples per prompt.
 
@@ -164,10 +165,9 @@ class TorchEngine:
         # a prompt longer than the budget is compressed layer by layer right after.
         eye = torch.eye(P, dtype=torch.bool, device=dev)
         visible = ((cols[None, :] <= cols[:, None]) & (key_valid[:, None, :] | eye))[:, None]   # [R, 1, P, P]
-        with torch.inference_mode():
-            logits, transient_bytes = self._forward(ids, positions, cache, qwin, evicted_at, n=0, col=P - 1,
-                                                    prefill=(visible, key_valid), compress_now=compress and P > budget,
-                                                    row_ids=torch.arange(R, device=dev))
+        logits, transient_bytes = self._forward(ids, positions, cache, qwin, evicted_at, n=0, col=P - 1,
+                                                prefill=(visible, key_valid), compress_now=compress and P > budget,
+                                                row_ids=torch.arange(R, device=dev))
         n = min(P, budget) if compress else P                               # filled slots, equal for every row
         # Peak K/V bytes per sequence: the buffers plus the largest transient beside them (one layer's prompt
         # K/V at prefill, or one compaction chunk). Validity and scores are not K/V and are not counted.
@@ -213,9 +213,8 @@ class TorchEngine:
 
             step += 1
             compress_now = compress and step % cc.interval == 0 and n + 1 > budget
-            with torch.inference_mode():
-                logits, _ = self._forward(tok[:, None], next_pos[:, None], cache, qwin, evicted_at, n=n,
-                                          col=P + step - 1, prefill=None, compress_now=compress_now, row_ids=row_ids)
+            logits, _ = self._forward(tok[:, None], next_pos[:, None], cache, qwin, evicted_at, n=n,
+                                      col=P + step - 1, prefill=None, compress_now=compress_now, row_ids=row_ids)
             n = budget if compress_now else n + 1
             next_pos = next_pos + 1
 

