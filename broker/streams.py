@@ -1,0 +1,237 @@
+"""Trajectory groups over Redis Streams (shared/ARCHITECTURE.md, "Contracts": acknowledgement, staleness).
+
+Keys of one run (`sparse-rl:{run_id}:...`):
+  `{cfg.stream}`              the stream of groups; holds exactly the unconsumed groups (entries are
+                              XACKed and XDELed together once committed, dropped or dead-lettered)
+  `{cfg.dead_letter_stream}`  messages that failed validation: reason, detail, msg_id, original bytes
+  `consumed`                  set of committed group ids (idempotency: survives a learner restart)
+  `counts`                    hash: produced, consumed, dropped_stale, dead_lettered, duplicates; each
+                              changed in the same MULTI/EXEC as the stream operation it counts, so
+                              produced == consumed + dropped_stale + dead_lettered + duplicates + depth
+  `learner_version`           the learner's current weight version, read by actors and by the consumer
+
+Delivery is at least once; a group is trained at most once because commit() adds its id to `consumed` in
+the same transaction as the XACK, and read() skips ids already there.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+import redis
+
+from broker.config import BrokerConfig
+from broker.schema import SchemaError, TrajectoryGroup, decode_group, encode_group
+
+COUNTERS = ("consumed", "dropped_stale", "dead_lettered", "duplicates", "reclaimed")
+
+
+def key(run_id: str, name: str) -> str:
+    """The Redis key of `name` (a stream name from BrokerConfig, or consumed / counts / learner_version)."""
+    return f"sparse-rl:{run_id}:{name}"
+
+
+def connect(cfg: BrokerConfig) -> redis.Redis:
+    """A redis-py client for cfg.url (redis:// or rediss:// for TLS, passed through to redis-py), with the
+    password taken from the environment variable named by cfg.password_env. Replies are bytes.
+    Raises ValueError when cfg.url is empty or embeds a password (it would end up in logs and params)."""
+    if not cfg.url:
+        raise ValueError("BrokerConfig.url is empty: start broker.redis_server.LocalRedis or give a redis:// URL")
+    if urlparse(cfg.url).password:
+        raise ValueError(f"BrokerConfig.url embeds a password; remove it and export it as ${cfg.password_env}")
+    return redis.Redis.from_url(cfg.url, password=os.environ.get(cfg.password_env) or None)
+
+
+def publish_learner_version(client: redis.Redis, run_id: str, version: int) -> None:
+    """Publish the learner's current weight version (after each weight update)."""
+    client.set(key(run_id, "learner_version"), int(version))
+
+
+def read_learner_version(client: redis.Redis, run_id: str) -> int:
+    """The learner's current weight version; 0 before the first publish. Actors stay within max_staleness
+    of it (generate only while their weight_version >= this - max_staleness)."""
+    return int(client.get(key(run_id, "learner_version")) or 0)
+
+
+def queue_depth(client: redis.Redis, cfg: BrokerConfig, run_id: str) -> int:
+    """Unconsumed groups in the stream (not yet read, or read and not yet committed)."""
+    return client.xlen(key(run_id, cfg.stream))
+
+
+def run_counts(client: redis.Redis, run_id: str) -> dict[str, int]:
+    """The run's persistent counters (all consumers and producers, across restarts): produced, consumed,
+    dropped_stale, dead_lettered, duplicates (0 when never incremented)."""
+    raw = client.hgetall(key(run_id, "counts"))
+    counts = {name: 0 for name in ("produced", "consumed", "dropped_stale", "dead_lettered", "duplicates")}
+    counts.update({k.decode(): int(v) for k, v in raw.items()})
+    return counts
+
+
+class GroupProducer:
+    """Publishes trajectory groups of one run (actor side).
+
+    Backpressure: after each XADD, while the stream holds more than cfg.high_watermark unconsumed groups,
+    publish() waits (polling every cfg.backpressure_poll_s); `backpressure_wait_s` (total seconds) and
+    `backpressure_waits` (times) make the waiting visible. Nothing is ever trimmed from the stream."""
+
+    def __init__(self, client: redis.Redis, cfg: BrokerConfig, run_id: str):
+        self.client, self.cfg, self.run_id = client, cfg, run_id
+        self.stream = key(run_id, cfg.stream)
+        self.backpressure_wait_s = 0.0
+        self.backpressure_waits = 0
+
+    def publish(self, group: TrajectoryGroup) -> str:
+        """Encode (validating) and append `group` to the stream; returns the stream message id.
+        The XADD and the `produced` count happen in one transaction. Raises SchemaError for a bad group
+        (nothing is published), ValueError when group.run_id is not this producer's run."""
+        if group.run_id != self.run_id:
+            raise ValueError(f"group.run_id {group.run_id!r} != producer run_id {self.run_id!r}")
+        data = encode_group(group, self.cfg.max_response_tokens, self.cfg.max_prompt_tokens)
+        if len(data) > self.cfg.max_message_bytes:
+            raise SchemaError("message_too_large", f"group {group.group_id!r}: {len(data)} bytes > "
+                                                   f"max_message_bytes = {self.cfg.max_message_bytes}")
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(self.stream, {"group": data})
+        pipe.hincrby(key(self.run_id, "counts"), "produced", 1)
+        pipe.xlen(self.stream)
+        msg_id, _, depth = pipe.execute()
+        if depth > self.cfg.high_watermark:
+            t0 = time.monotonic()
+            self.backpressure_waits += 1
+            while self.client.xlen(self.stream) > self.cfg.high_watermark:
+                time.sleep(self.cfg.backpressure_poll_s)
+            self.backpressure_wait_s += time.monotonic() - t0
+        return msg_id.decode()
+
+
+@dataclass
+class Delivery:
+    """A validated group taken off the stream. staleness = learner_version (at read) - group.weight_version."""
+    msg_id: str
+    group: TrajectoryGroup
+    staleness: int
+
+
+class GroupConsumer:
+    """Reads trajectory groups of one run for the learner, in consumer group cfg.consumer_group.
+
+    read() returns groups to train on; everything else is settled inside read(): undecodable or invalid
+    messages go to the dead-letter stream, already-consumed group ids (duplicates) and groups staler than
+    cfg.max_staleness are dropped; all three are acked, deleted and counted. commit() is called after the
+    learner step that used the deliveries is committed (checkpointed): it marks the group ids consumed and
+    acks them. A consumer restarted under the same name first gets back its own uncommitted messages;
+    messages of a dead consumer are taken over after cfg.claim_min_idle_ms (XAUTOCLAIM).
+    `counters`: this consumer's consumed, dropped_stale, dead_lettered, duplicates, reclaimed."""
+
+    def __init__(self, client: redis.Redis, cfg: BrokerConfig, run_id: str, consumer_name: str):
+        self.client, self.cfg, self.run_id, self.name = client, cfg, run_id, consumer_name
+        self.stream = key(run_id, cfg.stream)
+        self.counters = {name: 0 for name in COUNTERS}
+        self._in_flight: dict[bytes, str] = {}  # msg_id -> group_id, read and not yet committed
+        self._history_from = b"0"  # own pending messages from an earlier life; None once read
+        self._claim_from = b"0-0"  # XAUTOCLAIM cursor
+        self._next_claim = 0.0  # monotonic time of the next XAUTOCLAIM scan
+        try:
+            client.xgroup_create(self.stream, cfg.consumer_group, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    def _take(self, max_groups: int, block_ms: int) -> list[tuple[bytes, dict]]:
+        """Up to max_groups raw entries: own earlier pending ones, then idle ones of other consumers,
+        then new ones (blocking up to block_ms only when nothing else came)."""
+        entries = []
+        if self._history_from is not None:
+            reply = self.client.xreadgroup(self.cfg.consumer_group, self.name, {self.stream: self._history_from},
+                                           count=max_groups)
+            got = reply[0][1] if reply else []
+            entries += got
+            self._history_from = got[-1][0] if len(got) == max_groups else None
+        if len(entries) < max_groups and time.monotonic() >= self._next_claim:
+            # 6.2 replies [cursor, entries]; 7.x adds a third field: ids deleted from the stream (dropped
+            # from the pending list by the server). Entries deleted under 6.2 come back as (None, None).
+            reply = self.client.xautoclaim(self.stream, self.cfg.consumer_group, self.name,
+                                           min_idle_time=self.cfg.claim_min_idle_ms, start_id=self._claim_from,
+                                           count=max_groups - len(entries))
+            self._claim_from = reply[0]
+            if self._claim_from in (b"0-0", "0-0"):
+                self._next_claim = time.monotonic() + self.cfg.claim_min_idle_ms / 1000
+            claimed = [(m, f) for m, f in reply[1] if m is not None and m not in self._in_flight]
+            self.counters["reclaimed"] += len(claimed)
+            entries += claimed
+        if len(entries) < max_groups:
+            reply = self.client.xreadgroup(self.cfg.consumer_group, self.name, {self.stream: ">"},
+                                           count=max_groups - len(entries), block=None if entries else block_ms)
+            entries += reply[0][1] if reply else []
+        return entries
+
+    def read(self, max_groups: int = 16, block_ms: int | None = None) -> list[Delivery]:
+        """Up to max_groups deliveries to train on; [] when nothing arrived within block_ms (default
+        cfg.block_ms; 0 blocks forever). Never raises for a bad message (it is dead-lettered)."""
+        entries = self._take(max_groups, self.cfg.block_ms if block_ms is None else block_ms)
+        if not entries:
+            return []
+        cfg = self.cfg
+        dead, groups = [], []
+        for msg_id, fields in entries:
+            payload = fields.get(b"group", b"")
+            try:
+                if b"group" not in fields:
+                    raise SchemaError("missing_field", f"message {msg_id!r} has no 'group' field")
+                group = decode_group(payload, cfg.max_message_bytes, cfg.max_response_tokens, cfg.max_prompt_tokens)
+                if group.run_id != self.run_id:
+                    raise SchemaError("run_id_mismatch", f"group.run_id {group.run_id!r} on the stream of "
+                                                         f"run {self.run_id!r}")
+                groups.append((msg_id, group))
+            except SchemaError as e:
+                dead.append((msg_id, e, payload))
+
+        learner_version, consumed = read_learner_version(self.client, self.run_id), []
+        if groups:
+            consumed = self.client.smismember(key(self.run_id, "consumed"), [g.group_id for _, g in groups])
+
+        deliveries, drops = [], {"duplicates": [], "dropped_stale": [], "dead_lettered": [m for m, _, _ in dead]}
+        seen = set(self._in_flight.values())
+        for (msg_id, group), already in zip(groups, consumed):
+            staleness = learner_version - group.weight_version
+            if already or group.group_id in seen:
+                drops["duplicates"].append(msg_id)
+            elif staleness > cfg.max_staleness:
+                drops["dropped_stale"].append(msg_id)
+            else:
+                seen.add(group.group_id)
+                self._in_flight[msg_id] = group.group_id
+                deliveries.append(Delivery(msg_id.decode(), group, staleness))
+
+        if any(drops.values()):
+            pipe = self.client.pipeline(transaction=True)
+            for msg_id, e, payload in dead:
+                pipe.xadd(key(self.run_id, cfg.dead_letter_stream),
+                          {"reason": e.reason, "detail": str(e)[:1000], "msg_id": msg_id, "payload": payload})
+            for name, ids in drops.items():
+                if ids:
+                    pipe.xack(self.stream, cfg.consumer_group, *ids)
+                    pipe.xdel(self.stream, *ids)
+                    pipe.hincrby(key(self.run_id, "counts"), name, len(ids))
+                    self.counters[name] += len(ids)
+            pipe.execute()
+        return deliveries
+
+    def commit(self, deliveries: list[Delivery]) -> None:
+        """Mark the deliveries' groups consumed and ack them, in one transaction. Call only after the
+        learner step that trained on them is committed; a crash before this re-delivers them (to this
+        consumer name on restart, or to another consumer after claim_min_idle_ms)."""
+        if not deliveries:
+            return
+        ids = [d.msg_id for d in deliveries]
+        pipe = self.client.pipeline(transaction=True)
+        pipe.sadd(key(self.run_id, "consumed"), *[d.group.group_id for d in deliveries])
+        pipe.xack(self.stream, self.cfg.consumer_group, *ids)
+        pipe.xdel(self.stream, *ids)
+        pipe.hincrby(key(self.run_id, "counts"), "consumed", len(ids))
+        pipe.execute()
+        for msg_id in ids:
+            self._in_flight.pop(msg_id.encode(), None)
+        self.counters["consumed"] += len(ids)
