@@ -45,8 +45,9 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, similarity_threshold
     zeroed (kept as the representative of its near-duplicates); per-key mean over the valid rows; softmax
     over the valid keys. Rows without any similar key zero nothing (the reference zeroes column 0 there).
 
-    keys: [batch, kv_heads, seq, head_dim]; valid: bool [batch, kv_heads, seq].
+    keys: [batch, kv_heads, seq, head_dim]; valid: bool [batch, kv_heads, seq]; similarity_threshold >= 0.
     Returns float32 [batch, kv_heads, seq] (sums to 1 over the valid keys; higher = more redundant).
+    Transient memory: one float32 [batch, kv_heads, seq, seq] matrix (and a uint8 one of the same shape).
     """
     seq = keys.shape[2]
     k = keys.float()

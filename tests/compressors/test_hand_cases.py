@@ -47,6 +47,14 @@ def test_h2o_accumulates_mass_and_keeps_heavy_hitters_plus_recent():
     assert torch.equal(carried, torch.tensor([[[0.5, 0.9, 0.7, 0.0, 0.0, 0.0]]]))
 
 
+def test_accumulate_attention_groups_query_heads_like_repeat_kv():
+    # 4 query heads on 2 KV heads: query heads 0, 1 belong to KV head 0 and 2, 3 to KV head 1
+    # (transformers' repeat_kv layout). One decode query over 2 slots.
+    probs = torch.tensor([[[[1.0, 0.0]], [[0.5, 0.5]], [[0.0, 1.0]], [[0.25, 0.75]]]])  # [1, 4, 1, 2]
+    mass = accumulate_attention(torch.zeros(1, 2, 0), probs)
+    assert torch.equal(mass, torch.tensor([[[1.5, 0.5], [0.25, 1.75]]]))
+
+
 def snap_keys(xs, d=2):
     """Candidate keys [x, 0] followed by two window keys [0, 1]: logits of the query [1, 0] are x/sqrt(d)."""
     k = torch.zeros(1, 1, len(xs) + 2, d)

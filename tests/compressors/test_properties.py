@@ -31,7 +31,8 @@ def cases(draw, methods=("rkv", "snapkv", "h2o", "streamingllm")):
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     head_dim = 8
     keys = torch.randn(batch, kv_heads, seq, head_dim, generator=g)
-    queries = torch.randn(batch, kv_heads * group, window, head_dim, generator=g)
+    w = draw(st.integers(1, window))  # the engine may hold fewer than `window` queries (short prompt)
+    queries = torch.randn(batch, kv_heads * group, w, head_dim, generator=g)
     valid = torch.arange(seq)[None, :] >= torch.tensor(pads)[:, None]          # left padding
     probs = torch.rand(batch, kv_heads * group, seq, seq, generator=g).masked_fill(~valid[:, None, None, :], 0)
     attn_mass = accumulate_attention(torch.zeros(batch, kv_heads, 0), probs)
