@@ -241,9 +241,13 @@ class Learner:
                     for k in means:
                         means[k] += m[k]
                     micro_steps += 1
+                norm = None
+                if cfg.zero_stage == 0 and cfg.dtype == "fp32":   # DeepSpeed records no norm on this path
+                    norm = torch.nn.utils.get_total_norm(
+                        [p.grad for p in self.engine.module.parameters() if p.grad is not None])
                 self.engine.step()
                 optimizer_steps += 1
-                norm = self.engine.get_global_grad_norm()
+                norm = self.engine.get_global_grad_norm() if norm is None else norm
                 if norm is not None:
                     grad_norms.append(float(norm))
         self.version += 1
