@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 _NEG = torch.finfo(torch.float32).min  # a finite "-inf": a row of only masked logits softmaxes to uniform, not NaN
+_BLOCK_ELEMENTS = 1 << 24  # entries of one block of the R-KV similarity matrix (64 MiB of float32)
 
 
 def window_importance(keys: torch.Tensor, queries: torch.Tensor, valid: torch.Tensor, pool_kernel: int) -> torch.Tensor:
@@ -47,22 +48,30 @@ def key_redundancy(keys: torch.Tensor, valid: torch.Tensor, similarity_threshold
 
     keys: [batch, kv_heads, seq, head_dim]; valid: bool [batch, kv_heads, seq]; similarity_threshold >= 0.
     Returns float32 [batch, kv_heads, seq] (sums to 1 over the valid keys; higher = more redundant).
-    Transient memory: one float32 [batch, kv_heads, seq, seq] matrix (and a uint8 one of the same shape).
+    Cost O(seq^2 * head_dim) per KV head; the similarity matrix is built in row blocks of at most 2^24
+    float32 entries (64 MiB, plus a uint8 copy), so a long prompt does not need [batch, kv_heads, seq, seq].
     """
     seq = keys.shape[2]
     k = keys.float()
     k = k / (k.norm(dim=-1, keepdim=True) + 1e-8) * valid[..., None]  # an invalid key is similar to nothing
-    # Similarity against the keys in reverse order (column c = key seq-1-c), so that the first similar key found
-    # in a row is the most recent one. Only this matrix and one comparison are O(seq^2).
-    sim_rev = torch.matmul(k, k.flip(2).transpose(-1, -2))  # [batch, kv_heads, seq, seq]
-    diag = torch.arange(seq, device=keys.device)
-    sim_rev[..., diag, seq - 1 - diag] = 0.0
-    # max over a row returns the first maximum; it is 1 iff the row has a similar key
-    has_similar, first = (sim_rev > similarity_threshold).view(torch.uint8).max(dim=-1, keepdim=True)
-    zeroed = (sim_rev.gather(-1, first) * has_similar).squeeze(-1)
+    # Per row i: the most recent key j != i with similarity > threshold, and that similarity (zeroed below).
+    # Rows are similarities against the keys in reverse order (column c = key seq-1-c), so that the first
+    # similar key found in a row is the most recent one; row blocks bound the transient memory.
+    k_rev_t = k.flip(2).transpose(-1, -2)
+    rows_per_block = max(1, _BLOCK_ELEMENTS // (k.shape[0] * k.shape[1] * seq))
+    firsts, zeroeds = [], []
+    for r0 in range(0, seq, rows_per_block):
+        rows = torch.arange(r0, min(seq, r0 + rows_per_block), device=keys.device)
+        sim_rev = torch.matmul(k[:, :, r0:r0 + rows_per_block], k_rev_t)  # [batch, kv_heads, rows, seq]
+        sim_rev[..., rows - r0, seq - 1 - rows] = 0.0  # the diagonal
+        # max over a row returns the first maximum; it is 1 iff the row has a similar key
+        has_similar, first = (sim_rev > similarity_threshold).view(torch.uint8).max(dim=-1, keepdim=True)
+        firsts.append(first.squeeze(-1))
+        zeroeds.append((sim_rev.gather(-1, first) * has_similar).squeeze(-1))
+    first, zeroed = torch.cat(firsts, dim=-1), torch.cat(zeroeds, dim=-1)
     # Column sums of the similarity matrix: k_j . sum_i k_i, minus the diagonal, minus the zeroed entries.
     column = torch.matmul(k, k.sum(dim=2).unsqueeze(-1)).squeeze(-1) - (k * k).sum(dim=-1)
-    column = column.scatter_add(-1, seq - 1 - first.squeeze(-1), -zeroed)
+    column = column.scatter_add(-1, seq - 1 - first, -zeroed)
     redundancy = column / valid.sum(dim=-1, keepdim=True).clamp(min=1).to(column.dtype)
     return redundancy.masked_fill(~valid, _NEG).softmax(dim=-1)
 

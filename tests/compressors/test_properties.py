@@ -140,3 +140,23 @@ def test_random_holes_padding_only_fills_short_rows():
                     if any(not valid[b, h, j] for j in kept if j in cands):
                         assert all(j in kept for j in cands if valid[b, h, j]), (trial, method, b, h)
                     assert np.array_equal(sorted(kept), idx[b, h].tolist())
+
+
+def test_rkv_similarity_row_blocks_match_reference(monkeypatch):
+    # Force the R-KV similarity matrix into blocks of a few rows (the default block is 2^24 entries).
+    from compressors import scores
+    g = torch.Generator().manual_seed(1)
+    for block in (1, 2 * 3 * 13, 2 * 3 * 17 * 5):  # rows per block = block // (batch 2 x heads 3 x seq): 1, 1, 5-6
+        monkeypatch.setattr(scores, "_BLOCK_ELEMENTS", block)
+        for seq in (13, 17):
+            cfg = CompressorConfig(method="rkv", kv_budget=8, window=2, similarity_threshold=0.3)
+            keys = torch.randn(2, 3, seq, 4, generator=g)
+            queries = torch.randn(2, 6, 2, 4, generator=g)
+            valid = torch.arange(seq)[None, :] >= torch.tensor([0, 4])[:, None]
+            expected, margins = reference_keep("rkv", keys.double().numpy(), queries.double().numpy(),
+                                               valid[:, None].expand(-1, 3, -1).numpy(), cfg)
+            idx = select(cfg, keys, queries, valid, None)
+            for b, rows in enumerate(expected):
+                for h, row in enumerate(rows):
+                    if not 0 < margins[b][h] < 1e-5:
+                        assert idx[b, h].tolist() == row, (block, seq, b, h)
