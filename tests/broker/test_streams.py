@@ -1,0 +1,274 @@
+"""Producer/consumer over a real redis-server: dead letters, idempotency, staleness, backpressure, crash
+takeover (a consumer process SIGKILLed mid-batch) and a Redis restart with the append-only file."""
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import msgpack
+import pytest
+import redis
+
+from broker.config import BrokerConfig
+from broker.redis_server import LocalRedis
+from broker.schema import encode_group
+from broker.streams import (GroupConsumer, GroupProducer, connect, key, publish_learner_version, queue_depth,
+                            read_learner_version, run_counts)
+
+WORKER = os.path.join(os.path.dirname(__file__), "_worker.py")
+
+
+def read_all(consumer, expected: int, block_ms: int = 100, deadline_s: float = 30.0) -> list:
+    """Read and commit until `expected` groups were delivered (fails after deadline_s: a hang, not a timing)."""
+    got, t_end = [], time.monotonic() + deadline_s
+    while len(got) < expected:
+        assert time.monotonic() < t_end, f"only {len(got)} of {expected} groups arrived"
+        deliveries = consumer.read(min(8, expected - len(got)), block_ms=block_ms)
+        consumer.commit(deliveries)
+        got += deliveries
+    return got
+
+
+def _f4(*values):
+    return ["<f4", [len(values)], struct.pack(f"<{len(values)}f", *values)]
+
+
+def _i4(*values):
+    return ["<i4", [len(values)], struct.pack(f"<{len(values)}i", *values)]
+
+
+BAD_MESSAGES = {  # reason -> edit of a valid group's msgpack map (two samples of 5 tokens), default limits
+    "schema_version": lambda m: m.update(schema_version=99),
+    "missing_field": lambda m: m.pop("group_id"),
+    "bad_field": lambda m: m.update(weight_version="3"),
+    "bad_dtype": lambda m: m["samples"][0]["logp_sparse"].__setitem__(0, ">f4"),
+    "bad_shape": lambda m: m["samples"][0]["response_ids"].__setitem__(1, [6]),
+    "length_mismatch": lambda m: m["samples"][1].update(logp_sparse=_f4(-1, -1, -1, -1)),
+    "too_many_tokens": lambda m: m["samples"][0].update(response_ids=_i4(*[1] * 32769),
+                                                        logp_sparse=_f4(*[-1] * 32769)),
+    "logp_not_finite": lambda m: m["samples"][0].update(logp_sparse=_f4(-1, float("nan"), -1, -2, -3)),
+    "logp_positive": lambda m: m["samples"][0].update(logp_sparse=_f4(-1, 0.25, -1, -2, -3)),
+    "bad_token_id": lambda m: m["samples"][1].update(response_ids=_i4(1, 2, -3, 4, 5)),
+    "reward_not_finite": lambda m: m["samples"][0].update(reward=float("inf")),
+    "no_samples": lambda m: m.update(samples=[]),
+    "run_id_mismatch": lambda m: m.update(run_id="another-run"),
+    "not_msgpack": None,  # not a map at all
+}
+
+
+@pytest.mark.parametrize("reason", BAD_MESSAGES)
+def test_bad_message_goes_to_dead_letters_and_consumer_continues(reason, redis_server, make_group):
+    cfg = BrokerConfig(url=redis_server.url)
+    client = connect(cfg)
+    consumer = GroupConsumer(client, cfg, "run", "learner-0")
+    producer = GroupProducer(client, cfg, "run")
+    msg = msgpack.unpackb(encode_group(make_group("bad")))
+    if BAD_MESSAGES[reason] is None:
+        bad = b"\xc1 not msgpack"
+    else:
+        BAD_MESSAGES[reason](msg)
+        bad = msgpack.packb(msg)
+    producer.publish(make_group("before"))
+    bad_id = client.xadd(key("run", cfg.stream), {"group": bad})
+    producer.publish(make_group("after"))
+
+    deliveries = read_all(consumer, 2)
+    assert [d.group.group_id for d in deliveries] == ["before", "after"]
+    (dead_id, dead), = client.xrange(key("run", cfg.dead_letter_stream))
+    assert dead[b"reason"].decode() == reason
+    assert dead[b"msg_id"] == bad_id and dead[b"payload"] == bad
+    assert consumer.counters["dead_lettered"] == 1 and consumer.counters["consumed"] == 2
+    assert run_counts(client, "run")["dead_lettered"] == 1
+    assert queue_depth(client, cfg, "run") == 0
+
+
+def test_message_without_group_field_is_dead_lettered(redis_server, make_group):
+    cfg = BrokerConfig(url=redis_server.url)
+    client = connect(cfg)
+    consumer = GroupConsumer(client, cfg, "run", "learner-0")
+    client.xadd(key("run", cfg.stream), {"trajectory": b"x"})
+    GroupProducer(client, cfg, "run").publish(make_group("ok"))
+    assert [d.group.group_id for d in read_all(consumer, 1)] == ["ok"]
+    (_, dead), = client.xrange(key("run", cfg.dead_letter_stream))
+    assert dead[b"reason"] == b"missing_field"
+
+
+def test_oversized_message_is_dead_lettered(redis_server, make_group):
+    cfg = BrokerConfig(url=redis_server.url, max_message_bytes=4096)
+    client = connect(cfg)
+    consumer = GroupConsumer(client, cfg, "run", "learner-0")
+    big = encode_group(make_group("big", response_tokens=1000))
+    client.xadd(key("run", cfg.stream), {"group": big})
+    GroupProducer(client, cfg, "run").publish(make_group("small"))
+    assert [d.group.group_id for d in read_all(consumer, 1)] == ["small"]
+    (_, dead), = client.xrange(key("run", cfg.dead_letter_stream))
+    assert dead[b"reason"] == b"message_too_large" and dead[b"payload"] == big
+
+
+def test_same_group_is_never_delivered_twice_even_after_learner_restart(redis_server, make_group):
+    cfg = BrokerConfig(url=redis_server.url)
+    client = connect(cfg)
+    consumer = GroupConsumer(client, cfg, "run", "learner-0")
+    producer = GroupProducer(client, cfg, "run")
+    producer.publish(make_group("a"))
+    producer.publish(make_group("a"))  # an actor retry: same group id, second message
+    producer.publish(make_group("b"))
+    assert [d.group.group_id for d in read_all(consumer, 2)] == ["a", "b"]
+    assert consumer.counters["duplicates"] == 1
+
+    restarted = GroupConsumer(connect(cfg), cfg, "run", "learner-0")  # new process, state only in Redis
+    producer.publish(make_group("a"))
+    producer.publish(make_group("c"))
+    assert [d.group.group_id for d in read_all(restarted, 1)] == ["c"]
+    assert restarted.counters["duplicates"] == 1
+    counts = run_counts(client, "run")
+    assert counts == {"produced": 5, "consumed": 3, "duplicates": 2, "dropped_stale": 0, "dead_lettered": 0}
+
+
+def test_uncommitted_groups_come_back_to_a_restarted_consumer(redis_server, make_group):
+    cfg = BrokerConfig(url=redis_server.url)
+    client = connect(cfg)
+    producer = GroupProducer(client, cfg, "run")
+    for i in range(5):
+        producer.publish(make_group(f"g{i}"))
+    first = GroupConsumer(client, cfg, "run", "learner-0")
+    held = first.read(3, block_ms=100)  # the learner dies before committing these
+    assert [d.group.group_id for d in held] == ["g0", "g1", "g2"]
+
+    restarted = GroupConsumer(client, cfg, "run", "learner-0")
+    again = restarted.read(2, block_ms=100)
+    assert [d.msg_id for d in again] == [d.msg_id for d in held[:2]]
+    restarted.commit(again)
+    rest = read_all(restarted, 3)
+    assert [d.group.group_id for d in rest] == ["g2", "g3", "g4"]
+    assert restarted.counters["reclaimed"] == 0  # own pending entries, not taken from another consumer
+
+
+@pytest.mark.parametrize("max_staleness,trained_versions", [(1, [2, 3]), (0, [3])])
+def test_stale_groups_are_dropped_and_counted(max_staleness, trained_versions, redis_server, make_group):
+    cfg = BrokerConfig(url=redis_server.url, max_staleness=max_staleness)
+    client = connect(cfg)
+    consumer = GroupConsumer(client, cfg, "run", "learner-0")
+    producer = GroupProducer(client, cfg, "run")
+    for v in range(4):  # groups sampled with weight versions 0..3; they wait in the queue
+        producer.publish(make_group(f"v{v}", weight_version=v))
+    publish_learner_version(client, "run", 3)  # the learner moved on meanwhile
+    assert read_learner_version(client, "run") == 3
+
+    deliveries = read_all(consumer, len(trained_versions))
+    assert [d.group.weight_version for d in deliveries] == trained_versions
+    assert [d.staleness for d in deliveries] == [3 - v for v in trained_versions]
+    assert consumer.counters["dropped_stale"] == 4 - len(trained_versions)
+    assert queue_depth(client, cfg, "run") == 0
+    counts = run_counts(client, "run")
+    assert counts["produced"] == counts["consumed"] + counts["dropped_stale"] == 4
+
+
+def test_producer_waits_above_high_watermark_and_nothing_is_trimmed(redis_server, make_group):
+    cfg = BrokerConfig(url=redis_server.url, high_watermark=3, backpressure_poll_s=0.01)
+    client = connect(cfg)
+    consumer = GroupConsumer(client, cfg, "run", "learner-0")
+    producer = GroupProducer(connect(cfg), cfg, "run")
+    thread = threading.Thread(target=lambda: [producer.publish(make_group(f"g{i}")) for i in range(10)])
+    thread.start()
+    t_end = time.monotonic() + 30
+    while producer.backpressure_waits == 0:
+        assert time.monotonic() < t_end, "producer never hit the high watermark"
+        time.sleep(0.01)
+    assert queue_depth(client, cfg, "run") == 4  # the 4th publish went over 3 and the producer is waiting
+    got = read_all(consumer, 10)
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert [d.group.group_id for d in got] == [f"g{i}" for i in range(10)]
+    assert producer.backpressure_waits >= 1 and producer.backpressure_wait_s > 0
+
+
+def test_dead_consumer_process_is_taken_over_exactly_once(any_redis):
+    """Two producer processes; consumer process A commits 3 batches, reads a 4th and is SIGKILLed; consumer B
+    takes over A's pending batch after claim_min_idle_ms. Every group is consumed exactly once."""
+    cfg = BrokerConfig(url=any_redis.url, claim_min_idle_ms=300)
+    client = connect(cfg)
+    GroupConsumer(client, cfg, "run", "B")  # creates the consumer group before anything is produced
+    n = 100
+    producers = [subprocess.Popen([sys.executable, WORKER, "produce", cfg.url, "run", p, str(n)]) for p in "PQ"]
+    a = subprocess.Popen([sys.executable, WORKER, "consume", cfg.url, "run", "A", "3", "10"],
+                         stdout=subprocess.PIPE, text=True)
+    committed_by_a, held_by_a = [], []
+    for line in a.stdout:
+        word, *ids = line.split()
+        (committed_by_a if word == "committed" else held_by_a).extend(ids)
+        if word == "holding":
+            break
+    os.kill(a.pid, signal.SIGKILL)  # mid-batch: read, not committed
+    a.wait()
+    assert held_by_a and len(committed_by_a) > 0
+    for p in producers:
+        assert p.wait(timeout=60) == 0
+
+    b = GroupConsumer(client, cfg, "run", "B")
+    got = [d.group.group_id for d in read_all(b, 2 * n - len(committed_by_a))]
+    everything = {f"{p}-{i}" for p in "PQ" for i in range(n)}
+    assert len(got) == len(set(got)) and not set(got) & set(committed_by_a)
+    assert set(got) | set(committed_by_a) == everything
+    assert set(held_by_a) <= set(got)
+    assert b.counters["reclaimed"] == len(held_by_a) and b.counters["duplicates"] == 0
+    assert run_counts(client, "run") == {"produced": 2 * n, "consumed": 2 * n, "dropped_stale": 0,
+                                         "dead_lettered": 0, "duplicates": 0}
+    assert client.scard(key("run", "consumed")) == 2 * n and queue_depth(client, cfg, "run") == 0
+    assert client.xpending(key("run", cfg.stream), cfg.consumer_group)["pending"] == 0
+
+
+def test_redis_crash_with_aof_loses_nothing_and_redelivers_nothing_acked(redis_binary, make_group):
+    with LocalRedis(appendonly=True, binary=redis_binary) as server:
+        cfg = BrokerConfig(url=server.url)
+        client = connect(cfg)
+        consumer = GroupConsumer(client, cfg, "run", "learner-0")
+        producer = GroupProducer(client, cfg, "run")
+        for i in range(20):
+            producer.publish(make_group(f"g{i}", seed=i))
+        committed = read_all(consumer, 10)
+        held = consumer.read(5, block_ms=100)  # delivered, not acked when Redis dies
+        assert len(held) == 5
+
+        server.restart(hard=True)  # SIGKILL: only what the AOF has survives
+        client = connect(cfg)
+        restarted = GroupConsumer(client, cfg, "run", "learner-0")
+        rest = read_all(restarted, 10)
+        assert [d.group.group_id for d in rest] == [f"g{i}" for i in range(10, 20)]
+        assert {d.msg_id for d in held} <= {d.msg_id for d in rest}
+        assert not {d.group.group_id for d in committed} & {d.group.group_id for d in rest}
+        assert restarted.read(8, block_ms=50) == []
+        assert run_counts(client, "run")["produced"] == run_counts(client, "run")["consumed"] == 20
+
+
+def test_password_comes_from_the_environment(monkeypatch, make_group):
+    with LocalRedis(password="s3cret-pw") as server:
+        cfg = BrokerConfig(url=server.url, password_env="TEST_BROKER_PW")
+        monkeypatch.delenv("TEST_BROKER_PW", raising=False)
+        with pytest.raises(redis.AuthenticationError):
+            connect(cfg).ping()
+        monkeypatch.setenv("TEST_BROKER_PW", "s3cret-pw")
+        client = connect(cfg)
+        GroupProducer(client, cfg, "run").publish(make_group("g"))
+        assert queue_depth(client, cfg, "run") == 1
+    with pytest.raises(ValueError, match="password"):
+        connect(BrokerConfig(url="redis://:s3cret-pw@127.0.0.1:6379/0"))
+
+
+def test_rediss_url_selects_tls():
+    client = connect(BrokerConfig(url="rediss://127.0.0.1:6380/0"))
+    assert client.connection_pool.connection_class is redis.SSLConnection
+
+
+def test_launcher_stops_the_server_after_an_exception():
+    with pytest.raises(KeyError):
+        with LocalRedis() as server:
+            proc, data_dir = server._proc, server.data_dir
+            assert server.client().ping()
+            raise KeyError("boom")
+    assert proc.poll() is not None and not os.path.exists(data_dir)
