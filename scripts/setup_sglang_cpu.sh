@@ -58,7 +58,7 @@ PYEOF
 "${PIP[@]}" install -q -c "$WORK/cons.txt" "torchvision<0.29"
 # The project itself (editable, without its cluster deps) and the test runner.
 "${PIP[@]}" install -q -c "$WORK/cons.txt" --no-deps -e "$ROOT"
-"${PIP[@]}" install -q -c "$WORK/cons.txt" pytest pytest-timeout omegaconf msgpack
+"${PIP[@]}" install -q -c "$WORK/cons.txt" pytest pytest-timeout hypothesis omegaconf msgpack redis
 
 SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 
