@@ -8,9 +8,10 @@ after it returns (so every receiver has its data):
     ours:          WeightSender.send  (manifest, manifest vote, bucket packing + cast, bucketed broadcast)
     flat baseline: group.broadcast of one preallocated flat buffer of the same bytes, same group
 
-    ours_vs_flat_broadcast = ours GB/s / flat GB/s   at the default 64 MiB buckets (target >= 0.8)
+    ours_vs_flat_broadcast = ours GB/s / flat GB/s   at LearnerConfig's default bucket (16 MiB; target >= 0.8)
 
-Rounds alternate between the two; the median of `--reps` rounds is reported. Prints a table and, as the
+Rounds alternate between the two; GB/s are medians over `--reps` rounds, the ratio is the median of the
+per-round ratios (robust to load from other processes). Prints a table and, as the
 very last line, one JSON object.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirna
 import torch  # noqa: E402
 
 from broker.weight_sync import WeightReceiver, WeightSender  # noqa: E402
+from learner.config import LearnerConfig  # noqa: E402
 
 MATRIX = 1024 * 1024   # 4 MiB in fp32
 
@@ -63,12 +65,12 @@ def receiver_main(port: int, rank: int, total_mb: int, buckets: list[float], rep
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="~100 MB, buckets 16/64 MiB, 5 rounds")
+    parser.add_argument("--quick", action="store_true", help="~100 MB, buckets 4/16/64 MiB, 9 rounds")
     parser.add_argument("--reps", type=int, default=None)
     args = parser.parse_args()
     total_mb = 100 if args.quick else 400
-    buckets = [16.0, 64.0] if args.quick else [0.0, 1.0, 16.0, 64.0, 256.0]
-    reps = args.reps or (5 if args.quick else 7)
+    buckets = [4.0, 16.0, 64.0] if args.quick else [0.0, 1.0, 4.0, 16.0, 64.0, 256.0]
+    reps = args.reps or (9 if args.quick else 9)
     torch.set_num_threads(1)
 
     named = synthetic_weights(total_mb)
@@ -85,7 +87,7 @@ def main() -> None:
     version = 0
     for bucket_mb in buckets:
         sender.bucket_mb = bucket_mb
-        ours, base = [], []
+        ours, base, ratios = [], [], []
         for rep in range(reps + 1):          # round 0 warms up
             version += 1
             t0 = time.perf_counter()
@@ -98,9 +100,10 @@ def main() -> None:
             if rep:
                 ours.append(t1 - t0)
                 base.append(t2 - t1)
+                ratios.append((t2 - t1) / (t1 - t0))
         ours_gbs = nbytes / statistics.median(ours) / 1e9
         flat_gbs = nbytes / statistics.median(base) / 1e9
-        rows.append((bucket_mb, ours_gbs, flat_gbs, ours_gbs / flat_gbs))
+        rows.append((bucket_mb, ours_gbs, flat_gbs, statistics.median(ratios)))
     for p in procs:
         p.join(timeout=60)
 
@@ -109,8 +112,8 @@ def main() -> None:
     print(f"{'bucket MiB':>10} {'ours GB/s':>10} {'flat GB/s':>10} {'ratio':>7}")
     for bucket_mb, o, f, r in rows:
         print(f"{bucket_mb:>10g} {o:>10.3f} {f:>10.3f} {r:>7.3f}")
-    default = next(r for r in rows if r[0] == 64.0)
-    print(json.dumps({"bench": "weight_sync", "bytes": nbytes, "receivers": 2, "bucket_mb": 64,
+    default = next(r for r in rows if r[0] == LearnerConfig.weight_sync_bucket_mb)
+    print(json.dumps({"bench": "weight_sync", "bytes": nbytes, "receivers": 2, "bucket_mb": default[0],
                       "ours_gb_per_s": round(default[1], 4), "flat_broadcast_gb_per_s": round(default[2], 4),
                       "ours_vs_flat_broadcast": round(default[3], 4),
                       "by_bucket_mb": {str(b): round(r, 4) for b, _, _, r in rows}, "target": 0.8}))

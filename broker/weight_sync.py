@@ -15,7 +15,7 @@ One sync, in this order on every rank (every collective has a timeout):
      tied parameters travel once.
 
 Usage (the driver calls both ends concurrently, e.g. through Ray):
-    sender = WeightSender(bucket_mb=64)                  # learner process; sender.port -> actors
+    sender = WeightSender(bucket_mb=16)                  # learner process; sender.port -> actors
     receiver = WeightReceiver("127.0.0.1", sender.port)  # each actor
     sender.open_group(generation=0, world_size=3)  ||  receiver.join_group(0, rank=1 or 2, world_size=3)
     sender.send(learner.named_weights(), version)  ||  version, named = receiver.receive(model)
@@ -130,7 +130,7 @@ class WeightSender(_GroupMember):
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, backend: str = "auto", timeout_s: float = 60.0,
-                 bucket_mb: float = 64.0, verify: bool = False):
+                 bucket_mb: float = 16.0, verify: bool = False):
         super().__init__(host, port, True, backend, timeout_s)
         self.bucket_mb = bucket_mb
         self.verify = verify
