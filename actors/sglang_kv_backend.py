@@ -69,8 +69,9 @@ class SparseKVAttnBackend(AttentionBackend):
         self.steps = torch.zeros(rows, dtype=torch.long, device=self.device)
         self.q_count = torch.zeros(rows, dtype=torch.long, device=self.device)
         self.qwin = None                              # [rows, layers, window, q_heads, head_dim], made on first use
-        self.keep_shared = None
-        self.stats = {"peak_used_slots": 0, "freed_slots": 0, "compressions": 0, "pool_slots": self.allocator.size}
+        self.keep_shared = {}
+        self.stats = {"peak_used_slots": 0, "freed_slots": 0, "compressions": 0, "pool_slots": self.allocator.size,
+                      "used_at_last_extend": 0}
         self.stats_path = os.environ.get(KV_STATS_ENV)
         self.forwards = 0
 
@@ -90,7 +91,7 @@ class SparseKVAttnBackend(AttentionBackend):
         fb = forward_batch
         reqs = fb.req_pool_indices.long()
         seq_lens = fb.seq_lens.long()
-        self.keep_shared = None
+        self.keep_shared = {}
         if fb.forward_mode.is_decode():
             self.steps[reqs] += 1
             n_kept, gap_end = self.n_kept[reqs], self.gap_end[reqs]
@@ -108,6 +109,7 @@ class SparseKVAttnBackend(AttentionBackend):
                                    "disable_radix_cache=True and chunked_prefill_size=-1 (sparse_engine_kwargs())")
             self.n_kept[reqs], self.gap_end[reqs], self.steps[reqs], self.q_count[reqs] = 0, 0, 0, 0
             self.due = seq_lens > self.cfg.kv_budget
+            self.stats["used_at_last_extend"] = int(self.allocator.size - self.allocator.available_size())
         self.forwards += 1
         used = self.allocator.size - self.allocator.available_size()
         self.stats["peak_used_slots"] = max(self.stats["peak_used_slots"], int(used))
@@ -188,11 +190,12 @@ class SparseKVAttnBackend(AttentionBackend):
     def _compress(self, layer, k_buf, v_buf, reqs, ks, vs, queries, valid) -> None:
         """Keep `kv_budget` slots per KV head of this layer for requests `reqs` [g] whose retained K/V are
         ks/vs [g, Hkv, n, D] (time order), and pack them into the slots of row positions [0, kv_budget)."""
-        if self.cfg.selection == "shared" and layer.layer_id > 0 and self.keep_shared is not None:
-            keep = self.keep_shared
+        key = tuple(reqs.tolist())
+        if self.cfg.selection == "shared" and layer.layer_id > 0:
+            keep = self.keep_shared[key]                 # selection "shared": layer 0's choice for every layer
         else:
             keep = self.compressor.select(ks, queries, valid)                       # [g, Hkv, B]
-            self.keep_shared = keep
+            self.keep_shared[key] = keep
         budget, hkv = self.cfg.kv_budget, ks.shape[1]
         target = self.req_to_token[reqs, :budget].long()[:, None, :].expand(-1, hkv, budget)
         heads = torch.arange(hkv, device=self.device)[None, :, None]
