@@ -20,7 +20,8 @@ Usage (the driver calls both ends concurrently, e.g. through Ray):
     sender.open_group(generation=0, world_size=3)  ||  receiver.join_group(0, rank=1 or 2, world_size=3)
     sender.send(learner.named_weights(), version)  ||  version, named = receiver.receive(model)
     (the actor copies `named` into its model at a batch boundary; receiver.verify(model) with verify mode)
-A new membership (actors joined or left) needs a new, larger generation number on every rank.
+A new membership (actors joined or left), or any failed/timed-out collective, needs a new, larger
+generation number on every rank: a group whose collective failed is not reused.
 """
 from __future__ import annotations
 
@@ -155,6 +156,8 @@ class WeightSender(_GroupMember):
             ValueError: an actor rejected the manifest (the message names each rank and tensor); nothing was
                 sent. RuntimeError: no group, or a collective timed out.
         """
+        if not named_tensors:
+            raise ValueError("send needs at least one (name, tensor)")
         t0 = time.perf_counter()
         dtype = dtype or named_tensors[0][1].dtype
         dtype_name = str(dtype).removeprefix("torch.")
