@@ -9,26 +9,19 @@ from __future__ import annotations
 import copy
 import importlib
 import os
-import socket
 import time
 
 import numpy as np
 import torch
 from torch import nn
 
+from broker.redis_server import _free_port
 from broker.schema import TrajectoryGroup
 from learner.config import LearnerConfig
 from learner.correction import sparse_correction
 from learner.loss import grpo_advantages, grpo_loss
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_distributed() -> None:
@@ -40,7 +33,7 @@ def init_distributed() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
     import deepspeed
 
     if torch.distributed.is_initialized():
