@@ -1,0 +1,219 @@
+"""GPU check of the SGLang rollout engine (run by bench/gpu_check.sh; issue 6): dense vs sparse (R-KV) on a
+randomly initialised Qwen2.5-1.5B-shaped model, plus the equivalence check against the torch engine.
+
+    bash bench/gpu_check.sh                 # one H200, no network, < 8 minutes
+    python bench/sglang_gpu_check.py --dry-run    # CPU: parse args, build + save the tiny model, print the plan
+    python bench/sglang_gpu_check.py --tiny       # CPU, SGLang lane venv: the whole flow on a tiny model
+
+Steps (each measured in this run, nothing downloaded):
+  1. build Qwen2.5-1.5B's config (28 layers, hidden 1536, 12 heads, 2 KV heads, head_dim 128, vocab 151936,
+     tied embeddings), random weights (bf16) and a word-level tokenizer, saved to --model-dir;
+  2. dense: SGLangEngine (SGLang's default GPU attention backend, CUDA graphs, prefix cache), batch
+     --batch prompts x 1 sample, --response-len new tokens (ignore_eos), temperature 1: tokens/s and KV bytes;
+  3. sparse: the same with R-KV (kv_budget --kv-budget, interval 128, window 8) inside SGLang
+     (`sparse_rl_kv` backend): tokens/s and the peak of KV slots held, measured from SGLang's allocator;
+  4. equivalence: fp32, --eq-prompts prompts, greedy, --eq-len tokens: SGLang sparse vs TorchEngine with the
+     same compressor (token agreement and max |logp_sparse difference| over the common prefix).
+Prints a table, then ONE JSON object as the last line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+# bench/compressors.py would hide the `compressors` package when run as a script: drop bench/ from sys.path.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import torch  # noqa: E402
+
+QWEN25_15B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                  num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+"""Qwen2.5-1.5B's architecture (its config.json), without its weights."""
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, tie_word_embeddings=True,
+            initializer_range=0.2)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-dir", default=os.environ.get("SPARSE_RL_GPU_CHECK_MODEL", "/tmp/sparse-rl-qwen2.5-1.5b-random"))
+    p.add_argument("--batch", type=int, default=64, help="prompts per run (1 sample each)")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--response-len", type=int, default=4096)
+    p.add_argument("--kv-budget", type=int, default=512)
+    p.add_argument("--interval", type=int, default=128)
+    p.add_argument("--window", type=int, default=8)
+    p.add_argument("--eq-prompts", type=int, default=4)
+    p.add_argument("--eq-len", type=int, default=768, help="equivalence response length (> kv_budget)")
+    p.add_argument("--mem-fraction", type=float, default=0.6)
+    p.add_argument("--skip-equivalence", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="tiny model on CPU (SGLang CPU lane): checks the flow")
+    p.add_argument("--dry-run", action="store_true", help="build the model files and print the plan; no SGLang")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.batch, args.prompt_len, args.response_len = 4, 24, 64
+        args.kv_budget, args.interval, args.window, args.eq_prompts, args.eq_len = 16, 8, 4, 2, 40
+        if args.model_dir.startswith("/tmp/sparse-rl-qwen2.5"):
+            args.model_dir = "/tmp/sparse-rl-gpu-check-tiny"
+    if args.eq_len <= args.kv_budget and not args.skip_equivalence:
+        p.error(f"--eq-len={args.eq_len} must exceed --kv-budget={args.kv_budget} so compression happens")
+    return args
+
+
+def model_info(tiny: bool) -> dict:
+    """{"params": parameter count, "kv_bytes_per_token_bf16": K and V bytes of one token over all layers} of
+    the Qwen2.5-1.5B-shaped (or TINY) config, computed on the meta device (no memory)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(**(TINY if tiny else QWEN25_15B))
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    with torch.device("meta"):
+        params = sum(p.numel() for p in Qwen2ForCausalLM(cfg).parameters())
+    return {"params": params, "kv_bytes_per_token_bf16": 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2}
+
+
+def build_model(model_dir: Path, tiny: bool, device: str) -> None:
+    """Save a random Qwen2 (Qwen2.5-1.5B-shaped bf16, or TINY fp32) + word-level tokenizer to model_dir, once
+    (a directory whose config.json exists is reused only if its layer count matches)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(**(TINY if tiny else QWEN25_15B), eos_token_id=0, bos_token_id=None, pad_token_id=None)
+    if (model_dir / "config.json").exists():
+        saved = json.loads((model_dir / "config.json").read_text())
+        if saved.get("num_hidden_layers") != cfg.num_hidden_layers or saved.get("hidden_size") != cfg.hidden_size:
+            raise ValueError(f"--model-dir {model_dir} holds a different model ({saved.get('num_hidden_layers')} "
+                             f"layers, hidden {saved.get('hidden_size')}); pass another --model-dir")
+        return info
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg).to(torch.float32 if tiny else torch.bfloat16)
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(cfg.vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    model_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(model_dir)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w0").save_pretrained(model_dir)
+    del model
+
+
+def engine_kwargs(args, dtype: str, dense: bool) -> dict:
+    if args.tiny:
+        kw = dict(device="cpu", max_total_tokens=4096, mem_fraction_static=0.05, disable_cuda_graph=True,
+                  disable_overlap_schedule=True)
+        if dense:
+            kw["attention_backend"] = "torch_native"
+    else:
+        kw = dict(mem_fraction_static=args.mem_fraction, max_running_requests=max(args.batch, args.eq_prompts),
+                  cuda_graph_max_bs_decode=args.batch)
+    return dict(kw, dtype=dtype, random_seed=0, log_level="error")
+
+
+def run_engine(args, compressor, dtype: str, prompts, params):
+    """Start an SGLangEngine, generate once (timed), shut it down. Returns (samples, seconds, pool stats)."""
+    from actors.sglang_engine import KV_STATS_ENV, SGLangEngine
+
+    stats_path = Path(args.model_dir) / f"kv_stats_{os.getpid()}.json"
+    if stats_path.exists():
+        stats_path.unlink()
+    os.environ[KV_STATS_ENV] = str(stats_path)
+    eng = SGLangEngine(args.model_dir, compressor, timeout_s=400,
+                       **engine_kwargs(args, dtype, dense=compressor.method == "full"))
+    try:
+        t0 = time.perf_counter()
+        out = eng.generate(prompts, params)
+        seconds = time.perf_counter() - t0
+        return [g[0] for g in out], seconds, eng.kv_pool_stats(), eng.kv_bytes_per_token
+    finally:
+        eng.shutdown()
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    from actors.engine import SamplingParams
+    from compressors import CompressorConfig
+
+    device = "cpu" if (args.tiny or args.dry_run or not torch.cuda.is_available()) else "cuda"
+    info = model_info(tiny=args.tiny)
+    t0 = time.perf_counter()
+    if args.dry_run:    # the full-size plan, checked on a tiny model saved to a scratch directory
+        import tempfile
+        build_model(Path(tempfile.mkdtemp(prefix="gpu-check-dry-")), tiny=True, device="cpu")
+    else:
+        build_model(Path(args.model_dir), args.tiny, device)
+    build_s = time.perf_counter() - t0
+    g = torch.Generator().manual_seed(0)
+    vocab = TINY["vocab_size"] if args.tiny else QWEN25_15B["vocab_size"]
+    prompts = torch.randint(1, vocab, (args.batch, args.prompt_len), generator=g).tolist()
+    rkv = CompressorConfig(method="rkv", kv_budget=args.kv_budget, interval=args.interval, window=args.window)
+    plan = {"model_dir": args.model_dir, "params": info["params"], "batch": args.batch,
+            "kv_bytes_per_token_bf16": info["kv_bytes_per_token_bf16"],
+            "prompt_len": args.prompt_len, "response_len": args.response_len, "kv_budget": args.kv_budget,
+            "interval": args.interval, "equivalence": None if args.skip_equivalence else
+            {"prompts": args.eq_prompts, "response_len": args.eq_len, "dtype": "float32"}}
+    if args.dry_run:
+        print(json.dumps({"dry_run": True, "build_s": round(build_s, 2), **plan}))
+        return plan
+
+    dtype = "float32" if args.tiny else "bfloat16"
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.response_len, ignore_eos=True, seed=0)
+    rows = {}
+    for name, comp in (("dense", CompressorConfig(method="full")), ("sparse_rkv", rkv)):
+        samples, seconds, stats, bytes_per_token = run_engine(args, comp, dtype, prompts, params)
+        tokens = sum(len(s.response_ids) for s in samples)
+        if stats is None:   # dense: no eviction, every sequence holds all its tokens at the end (slot counts)
+            kv_peak, how = sum(s.kv_peak_bytes for s in samples), "slots held (prompt + response - 1), counted"
+        else:               # sparse: peak slots in use in SGLang's allocator, measured by the backend
+            kv_peak, how = stats["peak_used_slots"] * bytes_per_token, "allocator peak used slots, measured"
+        rows[name] = {"tokens": tokens, "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 1),
+                      "kv_peak_bytes": int(kv_peak), "kv_peak_how": how,
+                      "freed_slots": None if stats is None else stats["freed_slots"]}
+
+    eq = None
+    if not args.skip_equivalence:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from actors.torch_engine import TorchEngine
+
+        eq_prompts = prompts[:args.eq_prompts]
+        eq_params = SamplingParams(temperature=0.0, max_new_tokens=args.eq_len, ignore_eos=True)
+        got, _, _, _ = run_engine(args, rkv, "float32", eq_prompts, eq_params)
+        model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).to(device).eval()
+        want = [g[0] for g in TorchEngine(model, AutoTokenizer.from_pretrained(args.model_dir), rkv,
+                                          device=device).generate(eq_prompts, eq_params)]
+        agree, max_diff = [], 0.0
+        for a, b in zip(got, want):
+            n = next((i for i, (x, y) in enumerate(zip(a.response_ids, b.response_ids)) if x != y), args.eq_len)
+            agree.append(n)
+            # logp of the first differing token is still computed on the same prefix: include it
+            m = min(n + 1, args.eq_len)
+            max_diff = max(max_diff, float(abs(a.logp_sparse[:m] - b.logp_sparse[:m]).max()))
+        # decode step of the first compression (0: the prompt itself is compressed at prefill)
+        first = 0 if args.prompt_len > args.kv_budget else \
+            ((args.kv_budget - args.prompt_len) // args.interval + 1) * args.interval
+        eq = {"tokens_agreeing_before_divergence": agree, "eq_len": args.eq_len, "max_abs_logp_diff": max_diff,
+              "first_compression_step": first, "compression_reached_before_divergence": min(agree) > first}
+        del model
+
+    print(f"{'run':<12}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}{'KV peak MiB':>14}  how")
+    for name, r in rows.items():
+        print(f"{name:<12}{r['tokens']:>10}{r['seconds']:>10}{r['tokens_per_s']:>12}"
+              f"{r['kv_peak_bytes'] / 2**20:>14.1f}  {r['kv_peak_how']}")
+    if eq is not None:
+        print(f"equivalence (fp32, greedy, {args.eq_prompts} prompts x {args.eq_len}): tokens agreeing "
+              f"{eq['tokens_agreeing_before_divergence']}, max |dlogp| {eq['max_abs_logp_diff']:.2e}")
+    result = {"bench": "sglang_gpu_check", **plan, "build_s": round(build_s, 1), "dense": rows["dense"],
+              "sparse_rkv": rows["sparse_rkv"],
+              "sparse_vs_dense_tokens_per_s": round(rows["sparse_rkv"]["tokens_per_s"] / rows["dense"]["tokens_per_s"], 3),
+              "kv_peak_ratio": round(rows["sparse_rkv"]["kv_peak_bytes"] / rows["dense"]["kv_peak_bytes"], 4),
+              "equivalence": eq}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
