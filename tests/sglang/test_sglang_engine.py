@@ -71,6 +71,16 @@ def perturbed(model, scale: float, seed: int):
     return [(n, p.detach() + scale * torch.randn(p.shape, generator=g)) for n, p in model.named_parameters()]
 
 
+def assert_serves_new_weights(engine, model, new, params, before):
+    """Greedy outputs changed, and their log-probs equal a recompute with the `new` weights."""
+    after = engine.generate(PROMPTS, params)
+    assert any(a[0].response_ids != b[0].response_ids for a, b in zip(after, before))
+    model.load_state_dict(dict(new), strict=False)
+    for group in after:
+        ref = recompute_logp(model, group[0], 0.0)
+        assert torch.allclose(torch.from_numpy(group[0].logp_sparse).double(), ref, atol=2e-5)
+
+
 def test_load_weights_changes_outputs_and_version(engine, tiny_qwen2_dir):
     model = Qwen2ForCausalLM.from_pretrained(tiny_qwen2_dir).eval()
     params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
@@ -83,12 +93,7 @@ def test_load_weights_changes_outputs_and_version(engine, tiny_qwen2_dir):
     new = perturbed(model, 0.2, seed=1)
     engine.load_weights(new, version=4)
     assert engine.weight_version == 4
-    after = engine.generate(PROMPTS, params)
-    assert any(a[0].response_ids != b[0].response_ids for a, b in zip(after, before))
-    model.load_state_dict(dict(new), strict=False)
-    for group in after:
-        ref = recompute_logp(model, group[0], 0.0)
-        assert torch.allclose(torch.from_numpy(group[0].logp_sparse).double(), ref, atol=2e-5)
+    assert_serves_new_weights(engine, model, new, params, before)
 
 
 def test_weight_update_over_gloo_group(engine, tiny_qwen2_dir):
@@ -131,9 +136,4 @@ def test_weight_update_over_gloo_group(engine, tiny_qwen2_dir):
     sender.join(60)
     assert not errors and not sender.is_alive()
     assert engine.weight_version == 5
-    after = engine.generate(PROMPTS, params)
-    assert any(a[0].response_ids != b[0].response_ids for a, b in zip(after, before))
-    model.load_state_dict(dict(new), strict=False)
-    for group_out in after:
-        ref = recompute_logp(model, group_out[0], 0.0)
-        assert torch.allclose(torch.from_numpy(group_out[0].logp_sparse).double(), ref, atol=2e-5)
+    assert_serves_new_weights(engine, model, new, params, before)
