@@ -114,24 +114,25 @@ class SparseKVAttnBackend(AttentionBackend):
         used = self.allocator.size - self.allocator.available_size()
         self.stats["peak_used_slots"] = max(self.stats["peak_used_slots"], int(used))
 
-    def _window(self, layer, q: torch.Tensor) -> None:
+    def _store(self, q, k, v, layer, fb, save_kv_cache):
+        """Write this forward's K/V [tokens, kv_heads, head_dim] into the pool at `fb.out_cache_loc`; return
+        (q as [tokens, q_heads, head_dim], K buffer, V buffer) of this layer. Makes the query window once."""
+        if save_kv_cache:
+            self.kv_pool.set_kv_buffer(layer, KVWriteLoc(fb.out_cache_loc, None), k, v)
+        q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         if self.qwin is None:
             self.qwin = torch.zeros(self.req_to_token.shape[0], self.num_layers, self.cfg.window, *q.shape[1:],
                                     dtype=q.dtype, device=self.device)
+        return q, self.kv_pool.get_key_buffer(layer.layer_id), self.kv_pool.get_value_buffer(layer.layer_id)
 
     # ------------------------------------------------------------------ extend (prefill)
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         """Dense causal attention over each request's prompt; q [tokens, q_heads * head_dim] after RoPE,
         k/v [tokens, kv_heads, head_dim]. Returns o [tokens, q_heads * head_dim]. Prompts longer than
         kv_budget are then compressed (this layer), and after the last layer their evicted slots freed."""
-        fb = forward_batch
-        hq, hkv, hd = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
-        if save_kv_cache:
-            self.kv_pool.set_kv_buffer(layer, KVWriteLoc(fb.out_cache_loc, None), k, v)
-        q = q.reshape(-1, hq, hd)
-        self._window(layer, q)
+        fb, hq, hkv = forward_batch, layer.tp_q_head_num, layer.tp_k_head_num
+        q, k_buf, v_buf = self._store(q, k, v, layer, fb, save_kv_cache)
         o = torch.empty(q.shape[0], hq, layer.v_head_dim, dtype=q.dtype, device=q.device)
-        k_buf, v_buf = self.kv_pool.get_key_buffer(layer.layer_id), self.kv_pool.get_value_buffer(layer.layer_id)
         li, w_max = layer.layer_id, self.cfg.window
         start = 0
         for i, (r, n) in enumerate(zip(fb.req_pool_indices.tolist(), fb.extend_seq_lens_cpu)):
@@ -158,14 +159,9 @@ class SparseKVAttnBackend(AttentionBackend):
         """One query per request over its retained slots (batched, masked); q [batch, q_heads * head_dim].
         Requests due for compression are then compressed (this layer); after the last layer their evicted
         slots are freed."""
-        fb = forward_batch
-        hq, hkv, hd = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
-        if save_kv_cache:
-            self.kv_pool.set_kv_buffer(layer, KVWriteLoc(fb.out_cache_loc, None), k, v)
-        q = q.reshape(-1, hq, hd)
-        self._window(layer, q)
+        fb, hq, hkv = forward_batch, layer.tp_q_head_num, layer.tp_k_head_num
+        q, k_buf, v_buf = self._store(q, k, v, layer, fb, save_kv_cache)
         reqs, li = fb.req_pool_indices.long(), layer.layer_id
-        k_buf, v_buf = self.kv_pool.get_key_buffer(li), self.kv_pool.get_value_buffer(li)
         ks = k_buf[self.live_idx].transpose(1, 2).to(q.dtype)                     # [B, Hkv, S, D]
         vs = v_buf[self.live_idx].transpose(1, 2).to(q.dtype)
         out = F.scaled_dot_product_attention(q[:, :, None], ks, vs, attn_mask=self.live_mask[:, None, None, :],
