@@ -46,8 +46,8 @@ class TrajectoryGroup:
 class SchemaError(ValueError):
     """A trajectory group that cannot go on (or come off) the wire. `reason` is a short code stored with
     the dead letter (schema_version, not_msgpack, missing_field, bad_field, bad_dtype, bad_shape,
-    length_mismatch, too_many_tokens, bad_token_id, message_too_large, logp_not_finite, logp_positive, reward_not_finite,
-    no_samples); the message names the field and sample."""
+    length_mismatch, too_many_tokens, bad_token_id, message_too_large, logp_not_finite, logp_positive,
+    reward_not_finite, no_samples; the consumer adds run_id_mismatch); the message names field and sample."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
@@ -55,115 +55,152 @@ class SchemaError(ValueError):
         self.detail = detail
 
 
-# Wire dtypes (little-endian, whatever the host): token ids int32, log-probs float32.
-_IDS = np.dtype("<i4")
-_LOGP = np.dtype("<f4")
+# Wire layout (one msgpack map per group, columnar so that validation is a few numpy reductions per group):
+#   schema_version, the TrajectoryGroup scalars (_GROUP_FIELDS),
+#   prompt_lens [G], response_lens [G]        sample i owns the i-th slice of each array below
+#   prompt_ids, response_ids, logp_sparse     [dtype str, shape [n]] of the samples' arrays concatenated
+#   data                                      their raw little-endian bytes back to back, in that order
+#   finish_reason, reward, kv_retained_tokens, kv_peak_bytes   lists of G values (_SAMPLE_FIELDS)
+_ARRAYS = {"prompt_ids": np.dtype("<i4"), "response_ids": np.dtype("<i4"), "logp_sparse": np.dtype("<f4")}
+_LENS = {"prompt_ids": "prompt_lens", "response_ids": "response_lens", "logp_sparse": "response_lens"}
 _GROUP_FIELDS = {"run_id": str, "group_id": str, "prompt_id": str, "weight_version": int, "temperature": float,
                  "compressor": str, "kv_budget": int, "actor_id": str, "created_at": float}
 _SAMPLE_FIELDS = {"finish_reason": str, "reward": float, "kv_retained_tokens": int, "kv_peak_bytes": int}
 
 
-def validate_group(group: TrajectoryGroup, max_response_tokens: int = 32768, max_prompt_tokens: int = 32768) -> None:
-    """Check a group against the contract (shared/ARCHITECTURE.md, "Trajectory group message"): at least
-    one sample; per sample 1-D int32 `prompt_ids` [P] and `response_ids` [T], float32 `logp_sparse` [T]
-    with T == len(response_ids), finite and <= 0; P <= max_prompt_tokens, T <= max_response_tokens; a
-    finite reward. Vectorised (numpy), cheap next to the transfer. Raises SchemaError."""
-    if not group.samples:
-        raise SchemaError("no_samples", f"group {group.group_id!r} has no samples")
-    for i, s in enumerate(group.samples):
-        for name, arr, dtype in (("prompt_ids", s.prompt_ids, _IDS), ("response_ids", s.response_ids, _IDS),
-                                 ("logp_sparse", s.logp_sparse, _LOGP)):
-            if not isinstance(arr, np.ndarray) or arr.dtype != dtype:
-                got = arr.dtype if isinstance(arr, np.ndarray) else type(arr).__name__
-                raise SchemaError("bad_dtype", f"samples[{i}].{name}: expected {dtype}, got {got}")
-            if arr.ndim != 1:
-                raise SchemaError("bad_shape", f"samples[{i}].{name}: expected 1-D, got shape {arr.shape}")
-        if len(s.logp_sparse) != len(s.response_ids):
-            raise SchemaError("length_mismatch", f"samples[{i}]: len(logp_sparse) = {len(s.logp_sparse)} != "
-                                                 f"len(response_ids) = {len(s.response_ids)}")
-        if len(s.response_ids) > max_response_tokens or len(s.prompt_ids) > max_prompt_tokens:
-            raise SchemaError("too_many_tokens", f"samples[{i}]: prompt {len(s.prompt_ids)} / response "
-                                                 f"{len(s.response_ids)} tokens, limits {max_prompt_tokens} / "
-                                                 f"{max_response_tokens}")
-        for name, ids in (("prompt_ids", s.prompt_ids), ("response_ids", s.response_ids)):
-            if len(ids) and ids.min() < 0:
-                raise SchemaError("bad_token_id", f"samples[{i}].{name} has negative ids (min {int(ids.min())})")
-        if not np.isfinite(s.logp_sparse).all():
+def _map_header(n: int) -> bytes:
+    """msgpack header of a map with n entries (fixmap up to 15, map16 above)."""
+    return bytes([0x80 | n]) if n < 16 else b"\xde" + n.to_bytes(2, "big")
+
+
+def _sample_at(lens: list[int], flat_index: int) -> int:
+    """Index of the sample holding element `flat_index` of a concatenated array."""
+    return int(np.searchsorted(np.cumsum(lens), flat_index, side="right"))
+
+
+def _validate(lens: dict[str, list[int]], arrays: dict[str, np.ndarray], rewards: list[float],
+              max_response_tokens: int, max_prompt_tokens: int) -> None:
+    """The content rules, on all G samples at once: token counts under the limits, token ids >= 0,
+    logp_sparse finite and <= 0, rewards finite. Raises SchemaError naming the first bad sample."""
+    for name, limit in (("prompt_lens", max_prompt_tokens), ("response_lens", max_response_tokens)):
+        if max(lens[name]) > limit:
+            i = int(np.argmax(lens[name]))
+            raise SchemaError("too_many_tokens", f"samples[{i}]: {lens[name][i]} {name.split('_')[0]} tokens > {limit}")
+    for name in ("prompt_ids", "response_ids"):
+        ids = arrays[name]
+        if ids.size and ids.min() < 0:
+            i = _sample_at(lens[_LENS[name]], int(np.argmin(ids)))
+            raise SchemaError("bad_token_id", f"samples[{i}].{name} has negative ids (min {int(ids.min())})")
+    logp = arrays["logp_sparse"]
+    if logp.size:
+        lo, hi = logp.min(), logp.max()  # both NaN if any element is NaN
+        if not (np.isfinite(lo) and np.isfinite(hi)):
+            i = _sample_at(lens["response_lens"], int(np.argmin(np.isfinite(logp))))
             raise SchemaError("logp_not_finite", f"samples[{i}].logp_sparse has NaN or inf")
-        if not (s.logp_sparse <= 0).all():
-            raise SchemaError("logp_positive", f"samples[{i}].logp_sparse has values > 0 "
-                                               f"(max {float(s.logp_sparse.max())})")
-        if not math.isfinite(s.reward):
-            raise SchemaError("reward_not_finite", f"samples[{i}].reward = {s.reward}")
-
-
-def _pack_array(arr, dtype: np.dtype) -> list:
-    arr = np.ascontiguousarray(arr, dtype=dtype)
-    return [dtype.str, list(arr.shape), memoryview(arr).cast("B")]
+        if hi > 0:
+            i = _sample_at(lens["response_lens"], int(np.argmax(logp)))
+            raise SchemaError("logp_positive", f"samples[{i}].logp_sparse has values > 0 (max {float(hi)})")
+    for i, reward in enumerate(rewards):
+        if not math.isfinite(reward):
+            raise SchemaError("reward_not_finite", f"samples[{i}].reward = {reward}")
 
 
 def encode_group(group: TrajectoryGroup, max_response_tokens: int = 32768, max_prompt_tokens: int = 32768) -> bytes:
-    """TrajectoryGroup -> msgpack bytes. Token ids are cast to int32 and `logp_sparse` to float32 (any
-    integer / float input), arrays travel as [dtype, shape, raw little-endian bytes]; never pickle.
-    The group is validated first (`validate_group`), so a bad group fails at the actor, not the learner.
+    """TrajectoryGroup -> msgpack bytes (layout above); never pickle. Token ids may come as any integer
+    dtype in [0, 2**31) and are sent as int32, `logp_sparse` as any float dtype, sent as float32. The same
+    rules as decode_group are checked first, so a bad group fails at the actor, not at the learner.
     Raises SchemaError."""
-    samples = []
-    for i, s in enumerate(group.samples):
-        for name in ("prompt_ids", "response_ids", "logp_sparse"):
-            arr = np.asarray(getattr(s, name))
-            if arr.size == 0:
-                continue
-            if arr.dtype.kind not in ("f" if name == "logp_sparse" else "iu"):
-                raise SchemaError("bad_dtype", f"samples[{i}].{name}: expected "
-                                               f"{'floats' if name == 'logp_sparse' else 'integers'}, got {arr.dtype}")
-            if arr.dtype.kind in "iu" and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
-                raise SchemaError("bad_token_id", f"samples[{i}].{name}: ids must lie in [0, 2**31), "
-                                                  f"got [{arr.min()}, {arr.max()}]")
-        samples.append(SampleRecord(
-            prompt_ids=np.ascontiguousarray(s.prompt_ids, dtype=_IDS),
-            response_ids=np.ascontiguousarray(s.response_ids, dtype=_IDS),
-            logp_sparse=np.ascontiguousarray(s.logp_sparse, dtype=_LOGP),
-            finish_reason=str(s.finish_reason), reward=float(s.reward),
-            kv_retained_tokens=int(s.kv_retained_tokens), kv_peak_bytes=int(s.kv_peak_bytes)))
-    validate_group(dataclasses.replace(group, samples=samples), max_response_tokens, max_prompt_tokens)
+    if not group.samples:
+        raise SchemaError("no_samples", f"group {group.group_id!r} has no samples")
+    lens, arrays = {"prompt_lens": [], "response_lens": []}, {}
+    for name, dtype in _ARRAYS.items():
+        parts = []
+        for i, s in enumerate(group.samples):
+            a = np.asarray(getattr(s, name))
+            if a.ndim != 1:
+                raise SchemaError("bad_shape", f"samples[{i}].{name}: expected 1-D, got shape {a.shape}")
+            if a.dtype != dtype and a.size:
+                if a.dtype.kind not in ("f" if name == "logp_sparse" else "iu"):
+                    raise SchemaError("bad_dtype", f"samples[{i}].{name}: expected {dtype}, got {a.dtype}")
+                if a.dtype.kind in "iu" and not np.can_cast(a.dtype, dtype) and (a.min() < 0 or a.max() >= 2**31):
+                    raise SchemaError("bad_token_id", f"samples[{i}].{name}: ids must lie in [0, 2**31), "
+                                                      f"got [{a.min()}, {a.max()}]")
+            parts.append(np.ascontiguousarray(a, dtype=dtype))
+        if name != "logp_sparse":
+            lens[_LENS[name]] = [len(a) for a in parts]
+        elif [len(a) for a in parts] != lens["response_lens"]:
+            i = next(i for i, a in enumerate(parts) if len(a) != lens["response_lens"][i])
+            raise SchemaError("length_mismatch", f"samples[{i}]: len(logp_sparse) = {len(parts[i])} != "
+                                                 f"len(response_ids) = {lens['response_lens'][i]}")
+        arrays[name] = parts
+    columns = {name: [kind(getattr(s, name)) for s in group.samples] for name, kind in _SAMPLE_FIELDS.items()}
+    _validate(lens, {name: np.concatenate(parts) for name, parts in arrays.items()}, columns["reward"],
+              max_response_tokens, max_prompt_tokens)
     msg = {name: kind(getattr(group, name)) for name, kind in _GROUP_FIELDS.items()}
-    msg["schema_version"] = SCHEMA_VERSION
-    msg["samples"] = [
-        {"prompt_ids": _pack_array(s.prompt_ids, _IDS), "response_ids": _pack_array(s.response_ids, _IDS),
-         "logp_sparse": _pack_array(s.logp_sparse, _LOGP),
-         **{name: getattr(s, name) for name in _SAMPLE_FIELDS}}
-        for s in samples]
-    return msgpack.packb(msg, use_bin_type=True)
+    msg.update(schema_version=SCHEMA_VERSION, **lens, **columns)
+    for name, dtype in _ARRAYS.items():
+        msg[name] = [dtype.str, [sum(lens[_LENS[name]])]]
+    # The map with "data" as its last entry, written as one join: the arrays' bytes are copied once, straight
+    # into the message (msgpack.packb would copy them twice and reallocate its buffer as it grows).
+    raw = [memoryview(a).cast("B") for parts in arrays.values() for a in parts]
+    nbytes = sum(len(r) for r in raw)
+    header = msgpack.packb(msg, use_bin_type=True)
+    return b"".join([_map_header(len(msg) + 1), header[len(_map_header(len(msg))):], msgpack.packb("data"),
+                     b"\xc6", nbytes.to_bytes(4, "big"), *raw])
 
 
-def _field(d: dict, name: str, kind: type, where: str):
-    if name not in d:
-        raise SchemaError("missing_field", f"{where}{name} is missing")
-    value = d[name]
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+def _field(msg: dict, name: str, kind: type):
+    if name not in msg:
+        raise SchemaError("missing_field", f"{name} is missing")
+    value = msg[name]
+    if kind is float and type(value) is int:
         value = float(value)
     if type(value) is not kind:
-        raise SchemaError("bad_field", f"{where}{name}: expected {kind.__name__}, got {type(value).__name__}")
+        raise SchemaError("bad_field", f"{name}: expected {kind.__name__}, got {type(value).__name__}")
     return value
 
 
-def _unpack_array(value, dtype: np.dtype, where: str) -> np.ndarray:
-    if not (isinstance(value, list) and len(value) == 3 and isinstance(value[2], bytes)):
-        raise SchemaError("bad_field", f"{where}: expected [dtype, shape, bytes]")
-    if value[0] != dtype.str:
-        raise SchemaError("bad_dtype", f"{where}: expected {dtype.str}, got {value[0]!r}")
-    shape, data = value[1], value[2]
-    if not (isinstance(shape, list) and len(shape) == 1 and type(shape[0]) is int
-            and shape[0] * dtype.itemsize == len(data)):
-        raise SchemaError("bad_shape", f"{where}: shape {shape!r} does not match {len(data)} bytes of {dtype.str}")
-    return np.frombuffer(data, dtype=dtype)
+def _column(msg: dict, name: str, kind: type, n: int) -> list:
+    values = _field(msg, name, list)
+    if len(values) != n:
+        raise SchemaError("bad_shape", f"{name}: {len(values)} values for {n} samples")
+    if kind is float:
+        values = [float(v) if type(v) is int else v for v in values]
+    bad = next((v for v in values if type(v) is not kind), None)
+    if bad is not None:
+        raise SchemaError("bad_field", f"{name}: expected {kind.__name__} values, got {type(bad).__name__}")
+    return values
+
+
+def _unpack_arrays(msg: dict) -> dict[str, np.ndarray]:
+    """Read-only views on msg["data"] for the arrays described in msg (layout above)."""
+    data = msg.get("data")
+    if type(data) is not bytes:
+        raise SchemaError("missing_field" if data is None else "bad_field", "data: expected the arrays' bytes")
+    arrays, offset = {}, 0
+    for name, dtype in _ARRAYS.items():
+        value = _field(msg, name, list)
+        if not (len(value) == 2 and type(value[1]) is list and len(value[1]) == 1 and type(value[1][0]) is int
+                and value[1][0] >= 0):
+            raise SchemaError("bad_shape", f"{name}: expected [dtype, [n]], got {value!r}")
+        if value[0] != dtype.str:
+            raise SchemaError("bad_dtype", f"{name}: expected {dtype.str}, got {value[0]!r}")
+        n = value[1][0]
+        if offset + n * dtype.itemsize > len(data):
+            raise SchemaError("bad_shape", f"{name}: shape [{n}] runs past the {len(data)} bytes of data")
+        arrays[name] = np.frombuffer(data, dtype=dtype, count=n, offset=offset)
+        offset += n * dtype.itemsize
+    if offset != len(data):
+        raise SchemaError("bad_shape", f"data holds {len(data)} bytes, the shapes account for {offset}")
+    return arrays
 
 
 def decode_group(data: bytes, max_message_bytes: int = 64 * 1024 * 1024, max_response_tokens: int = 32768,
                  max_prompt_tokens: int = 32768) -> TrajectoryGroup:
     """msgpack bytes -> TrajectoryGroup, validated: size <= max_message_bytes, schema version, every field
-    and its type, dtypes and shapes, then `validate_group`. Arrays are read-only numpy views on the message
-    (copy before writing in place). Raises SchemaError; never unpickles anything."""
+    and its type, dtypes, shapes and len(logp_sparse) == len(response_ids) per sample, then the content
+    rules (token limits, ids >= 0, logp_sparse finite and <= 0, finite rewards). The arrays are read-only
+    numpy views on the message (copy before writing in place). Raises SchemaError; never unpickles."""
     if len(data) > max_message_bytes:
         raise SchemaError("message_too_large", f"{len(data)} bytes > max_message_bytes = {max_message_bytes}")
     try:
@@ -174,17 +211,26 @@ def decode_group(data: bytes, max_message_bytes: int = 64 * 1024 * 1024, max_res
         raise SchemaError("not_msgpack", f"expected a map, got {type(msg).__name__}")
     if msg.get("schema_version") != SCHEMA_VERSION:
         raise SchemaError("schema_version", f"expected {SCHEMA_VERSION}, got {msg.get('schema_version')!r}")
-    fields = {name: _field(msg, name, kind, "") for name, kind in _GROUP_FIELDS.items()}
-    raw_samples = _field(msg, "samples", list, "")
-    samples = []
-    for i, s in enumerate(raw_samples):
-        where = f"samples[{i}]."
-        if not isinstance(s, dict):
-            raise SchemaError("bad_field", f"samples[{i}]: expected a map")
-        arrays = {name: _unpack_array(_field(s, name, list, where), dtype, where + name)
-                  for name, dtype in (("prompt_ids", _IDS), ("response_ids", _IDS), ("logp_sparse", _LOGP))}
-        samples.append(SampleRecord(**arrays, **{name: _field(s, name, kind, where)
-                                                 for name, kind in _SAMPLE_FIELDS.items()}))
-    group = TrajectoryGroup(**fields, samples=samples)
-    validate_group(group, max_response_tokens, max_prompt_tokens)
-    return group
+    fields = {name: _field(msg, name, kind) for name, kind in _GROUP_FIELDS.items()}
+    n = len(_field(msg, "finish_reason", list))
+    if n == 0:
+        raise SchemaError("no_samples", f"group {fields['group_id']!r} has no samples")
+    columns = {name: _column(msg, name, kind, n) for name, kind in _SAMPLE_FIELDS.items()}
+    lens = {name: _column(msg, name, int, n) for name in ("prompt_lens", "response_lens")}
+    if min(lens["prompt_lens"] + lens["response_lens"]) < 0:
+        raise SchemaError("bad_shape", "prompt_lens / response_lens hold a negative length")
+    arrays = _unpack_arrays(msg)
+    for name, a in arrays.items():
+        if len(a) != sum(lens[_LENS[name]]):
+            raise SchemaError("length_mismatch" if name == "logp_sparse" else "bad_shape",
+                              f"{name} holds {len(a)} values, {_LENS[name]} add up to {sum(lens[_LENS[name]])}")
+    _validate(lens, arrays, columns["reward"], max_response_tokens, max_prompt_tokens)
+    samples, p0, r0 = [], 0, 0
+    for i, (p, r) in enumerate(zip(lens["prompt_lens"], lens["response_lens"])):
+        samples.append(SampleRecord(
+            prompt_ids=arrays["prompt_ids"][p0:p0 + p], response_ids=arrays["response_ids"][r0:r0 + r],
+            logp_sparse=arrays["logp_sparse"][r0:r0 + r], finish_reason=columns["finish_reason"][i],
+            reward=columns["reward"][i], kv_retained_tokens=columns["kv_retained_tokens"][i],
+            kv_peak_bytes=columns["kv_peak_bytes"][i]))
+        p0, r0 = p0 + p, r0 + r
+    return TrajectoryGroup(**fields, samples=samples)

@@ -55,13 +55,15 @@ def test_round_trip_is_exact(group):
                (s.finish_reason, s.reward, s.kv_retained_tokens, s.kv_peak_bytes)
 
 
-def test_wire_layout_is_raw_little_endian(make_group):
-    group = make_group("g", response_tokens=3)
+def test_wire_layout_is_raw_little_endian_columns(make_group):
+    group = make_group("g", n_samples=2, response_tokens=3)
     msg = msgpack.unpackb(encode_group(group))
-    dtype, shape, data = msg["samples"][0]["logp_sparse"]
-    assert (dtype, shape) == ("<f4", [3])
-    assert data == group.samples[0].logp_sparse.astype("<f4").tobytes()
-    assert msg["samples"][0]["response_ids"][0] == "<i4"
+    assert msg["prompt_ids"] == ["<i4", [14]] and msg["response_ids"] == ["<i4", [6]]
+    assert msg["logp_sparse"] == ["<f4", [6]]
+    assert msg["prompt_lens"] == [7, 7] and msg["response_lens"] == [3, 3]
+    expected = b"".join(np.concatenate([getattr(s, name) for s in group.samples]).astype(dtype).tobytes()
+                        for name, dtype in (("prompt_ids", "<i4"), ("response_ids", "<i4"), ("logp_sparse", "<f4")))
+    assert msg["data"] == expected
     assert msg["schema_version"] == SCHEMA_VERSION
 
 

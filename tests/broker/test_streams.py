@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import struct
 import subprocess
 import sys
 import threading
 import time
 
 import msgpack
+import numpy as np
 import pytest
 import redis
 
@@ -34,31 +34,39 @@ def read_all(consumer, expected: int, block_ms: int = 100, deadline_s: float = 3
     return got
 
 
-def _f4(*values):
-    return ["<f4", [len(values)], struct.pack(f"<{len(values)}f", *values)]
+def _set_arrays(m, **arrays):
+    """Replace some of prompt_ids / response_ids / logp_sparse (given as lists) in a group's wire map."""
+    current, offset = {}, 0
+    for name in ("prompt_ids", "response_ids", "logp_sparse"):
+        n = m[name][1][0]
+        current[name] = np.frombuffer(m["data"], m[name][0], n, offset)
+        offset += 4 * n
+    current.update({name: np.array(values, dtype=m[name][0]) for name, values in arrays.items()})
+    for name, a in current.items():
+        m[name] = [m[name][0], [len(a)]]
+    m["data"] = b"".join(a.tobytes() for a in current.values())
 
 
-def _i4(*values):
-    return ["<i4", [len(values)], struct.pack(f"<{len(values)}i", *values)]
-
-
-BAD_MESSAGES = {  # reason -> edit of a valid group's msgpack map (two samples of 5 tokens), default limits
+NAN, INF = float("nan"), float("inf")
+BAD_MESSAGES = {  # reason -> edit of a valid group's msgpack map (2 samples of 7 prompt + 5 response tokens)
     "schema_version": lambda m: m.update(schema_version=99),
     "missing_field": lambda m: m.pop("group_id"),
     "bad_field": lambda m: m.update(weight_version="3"),
-    "bad_dtype": lambda m: m["samples"][0]["logp_sparse"].__setitem__(0, ">f4"),
-    "bad_shape": lambda m: m["samples"][0]["response_ids"].__setitem__(1, [6]),
-    "length_mismatch": lambda m: m["samples"][1].update(logp_sparse=_f4(-1, -1, -1, -1)),
-    "too_many_tokens": lambda m: m["samples"][0].update(response_ids=_i4(*[1] * 32769),
-                                                        logp_sparse=_f4(*[-1] * 32769)),
-    "logp_not_finite": lambda m: m["samples"][0].update(logp_sparse=_f4(-1, float("nan"), -1, -2, -3)),
-    "logp_positive": lambda m: m["samples"][0].update(logp_sparse=_f4(-1, 0.25, -1, -2, -3)),
-    "bad_token_id": lambda m: m["samples"][1].update(response_ids=_i4(1, 2, -3, 4, 5)),
-    "reward_not_finite": lambda m: m["samples"][0].update(reward=float("inf")),
-    "no_samples": lambda m: m.update(samples=[]),
+    "bad_dtype": lambda m: m["logp_sparse"].__setitem__(0, ">f4"),
+    "bad_shape": lambda m: m["response_ids"].__setitem__(1, [11]),
+    "length_mismatch": lambda m: _set_arrays(m, logp_sparse=[-1] * 9),
+    "too_many_tokens": lambda m: (m.update(response_lens=[32769, 5]),
+                                  _set_arrays(m, response_ids=[1] * 32774, logp_sparse=[-1] * 32774)),
+    "logp_not_finite": lambda m: _set_arrays(m, logp_sparse=[-1, -1, -1, -1, -1, -1, NAN, -1, -1, -1]),
+    "logp_positive": lambda m: _set_arrays(m, logp_sparse=[-1, 0.25, -1, -1, -1, -1, -1, -1, -1, -1]),
+    "bad_token_id": lambda m: _set_arrays(m, response_ids=[1, 2, 3, 4, 5, 6, 7, -8, 9, 10]),
+    "missing_data": lambda m: m.pop("data"),
+    "reward_not_finite": lambda m: m["reward"].__setitem__(1, INF),
+    "no_samples": lambda m: m.update(finish_reason=[]),
     "run_id_mismatch": lambda m: m.update(run_id="another-run"),
     "not_msgpack": None,  # not a map at all
 }
+REASON = {"missing_data": "missing_field"}
 
 
 @pytest.mark.parametrize("reason", BAD_MESSAGES)
@@ -80,7 +88,7 @@ def test_bad_message_goes_to_dead_letters_and_consumer_continues(reason, redis_s
     deliveries = read_all(consumer, 2)
     assert [d.group.group_id for d in deliveries] == ["before", "after"]
     (dead_id, dead), = client.xrange(key("run", cfg.dead_letter_stream))
-    assert dead[b"reason"].decode() == reason
+    assert dead[b"reason"].decode() == REASON.get(reason, reason)
     assert dead[b"msg_id"] == bad_id and dead[b"payload"] == bad
     assert consumer.counters["dead_lettered"] == 1 and consumer.counters["consumed"] == 2
     assert run_counts(client, "run")["dead_lettered"] == 1
