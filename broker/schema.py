@@ -4,7 +4,7 @@ One message per prompt group: G samples of one prompt, all sampled with one weig
 """
 from __future__ import annotations
 
-import dataclasses
+import io
 import math
 from dataclasses import dataclass, field
 
@@ -55,22 +55,19 @@ class SchemaError(ValueError):
         self.detail = detail
 
 
-# Wire layout (one msgpack map per group, columnar so that validation is a few numpy reductions per group):
+# Wire layout of one group: a msgpack map (the header), then the arrays' raw little-endian bytes back to
+# back (prompt_ids, response_ids, logp_sparse of all samples), described by the header. Columnar, so that
+# validation is a few numpy reductions per group; the arrays are copied once when encoding and are numpy
+# views on the message when decoding. Header entries:
 #   schema_version, the TrajectoryGroup scalars (_GROUP_FIELDS),
-#   prompt_lens [G], response_lens [G]        sample i owns the i-th slice of each array below
+#   prompt_lens [G], response_lens [G]        sample i owns the i-th slice of each array
 #   prompt_ids, response_ids, logp_sparse     [dtype str, shape [n]] of the samples' arrays concatenated
-#   data                                      their raw little-endian bytes back to back, in that order
 #   finish_reason, reward, kv_retained_tokens, kv_peak_bytes   lists of G values (_SAMPLE_FIELDS)
 _ARRAYS = {"prompt_ids": np.dtype("<i4"), "response_ids": np.dtype("<i4"), "logp_sparse": np.dtype("<f4")}
 _LENS = {"prompt_ids": "prompt_lens", "response_ids": "response_lens", "logp_sparse": "response_lens"}
 _GROUP_FIELDS = {"run_id": str, "group_id": str, "prompt_id": str, "weight_version": int, "temperature": float,
                  "compressor": str, "kv_budget": int, "actor_id": str, "created_at": float}
 _SAMPLE_FIELDS = {"finish_reason": str, "reward": float, "kv_retained_tokens": int, "kv_peak_bytes": int}
-
-
-def _map_header(n: int) -> bytes:
-    """msgpack header of a map with n entries (fixmap up to 15, map16 above)."""
-    return bytes([0x80 | n]) if n < 16 else b"\xde" + n.to_bytes(2, "big")
 
 
 def _sample_at(lens: list[int], flat_index: int) -> int:
@@ -106,7 +103,7 @@ def _validate(lens: dict[str, list[int]], arrays: dict[str, np.ndarray], rewards
 
 
 def encode_group(group: TrajectoryGroup, max_response_tokens: int = 32768, max_prompt_tokens: int = 32768) -> bytes:
-    """TrajectoryGroup -> msgpack bytes (layout above); never pickle. Token ids may come as any integer
+    """TrajectoryGroup -> message bytes (msgpack header + raw arrays, layout above); never pickle. Token ids may come as any integer
     dtype in [0, 2**31) and are sent as int32, `logp_sparse` as any float dtype, sent as float32. The same
     rules as decode_group are checked first, so a bad group fails at the actor, not at the learner.
     Raises SchemaError."""
@@ -134,19 +131,15 @@ def encode_group(group: TrajectoryGroup, max_response_tokens: int = 32768, max_p
                                                  f"len(response_ids) = {lens['response_lens'][i]}")
         arrays[name] = parts
     columns = {name: [kind(getattr(s, name)) for s in group.samples] for name, kind in _SAMPLE_FIELDS.items()}
-    _validate(lens, {name: np.concatenate(parts) for name, parts in arrays.items()}, columns["reward"],
-              max_response_tokens, max_prompt_tokens)
     msg = {name: kind(getattr(group, name)) for name, kind in _GROUP_FIELDS.items()}
     msg.update(schema_version=SCHEMA_VERSION, **lens, **columns)
     for name, dtype in _ARRAYS.items():
         msg[name] = [dtype.str, [sum(lens[_LENS[name]])]]
-    # The map with "data" as its last entry, written as one join: the arrays' bytes are copied once, straight
-    # into the message (msgpack.packb would copy them twice and reallocate its buffer as it grows).
-    raw = [memoryview(a).cast("B") for parts in arrays.values() for a in parts]
-    nbytes = sum(len(r) for r in raw)
     header = msgpack.packb(msg, use_bin_type=True)
-    return b"".join([_map_header(len(msg) + 1), header[len(_map_header(len(msg))):], msgpack.packb("data"),
-                     b"\xc6", nbytes.to_bytes(4, "big"), *raw])
+    data = b"".join([header, *(memoryview(a).cast("B") for parts in arrays.values() for a in parts)])
+    _validate(lens, _unpack_arrays(msg, data, len(header)), columns["reward"], max_response_tokens,
+              max_prompt_tokens)
+    return data
 
 
 def _field(msg: dict, name: str, kind: type):
@@ -172,12 +165,9 @@ def _column(msg: dict, name: str, kind: type, n: int) -> list:
     return values
 
 
-def _unpack_arrays(msg: dict) -> dict[str, np.ndarray]:
-    """Read-only views on msg["data"] for the arrays described in msg (layout above)."""
-    data = msg.get("data")
-    if type(data) is not bytes:
-        raise SchemaError("missing_field" if data is None else "bad_field", "data: expected the arrays' bytes")
-    arrays, offset = {}, 0
+def _unpack_arrays(msg: dict, data: bytes, offset: int) -> dict[str, np.ndarray]:
+    """Read-only views on data[offset:] for the arrays described in the header msg (layout above)."""
+    arrays = {}
     for name, dtype in _ARRAYS.items():
         value = _field(msg, name, list)
         if not (len(value) == 2 and type(value[1]) is list and len(value[1]) == 1 and type(value[1][0]) is int
@@ -187,24 +177,25 @@ def _unpack_arrays(msg: dict) -> dict[str, np.ndarray]:
             raise SchemaError("bad_dtype", f"{name}: expected {dtype.str}, got {value[0]!r}")
         n = value[1][0]
         if offset + n * dtype.itemsize > len(data):
-            raise SchemaError("bad_shape", f"{name}: shape [{n}] runs past the {len(data)} bytes of data")
+            raise SchemaError("bad_shape", f"{name}: shape [{n}] runs past the {len(data)} bytes of the message")
         arrays[name] = np.frombuffer(data, dtype=dtype, count=n, offset=offset)
         offset += n * dtype.itemsize
     if offset != len(data):
-        raise SchemaError("bad_shape", f"data holds {len(data)} bytes, the shapes account for {offset}")
+        raise SchemaError("bad_shape", f"the message holds {len(data)} bytes, the header accounts for {offset}")
     return arrays
 
 
 def decode_group(data: bytes, max_message_bytes: int = 64 * 1024 * 1024, max_response_tokens: int = 32768,
                  max_prompt_tokens: int = 32768) -> TrajectoryGroup:
-    """msgpack bytes -> TrajectoryGroup, validated: size <= max_message_bytes, schema version, every field
+    """Message bytes (layout above) -> TrajectoryGroup, validated: size <= max_message_bytes, schema version, every field
     and its type, dtypes, shapes and len(logp_sparse) == len(response_ids) per sample, then the content
     rules (token limits, ids >= 0, logp_sparse finite and <= 0, finite rewards). The arrays are read-only
     numpy views on the message (copy before writing in place). Raises SchemaError; never unpickles."""
     if len(data) > max_message_bytes:
         raise SchemaError("message_too_large", f"{len(data)} bytes > max_message_bytes = {max_message_bytes}")
+    unpacker = msgpack.Unpacker(io.BytesIO(data), raw=False, read_size=16384)  # reads the header only
     try:
-        msg = msgpack.unpackb(data, raw=False)
+        msg = unpacker.unpack()
     except Exception as e:  # msgpack raises several unrelated exception types on garbage
         raise SchemaError("not_msgpack", f"{type(e).__name__}: {e}") from None
     if not isinstance(msg, dict):
@@ -219,7 +210,7 @@ def decode_group(data: bytes, max_message_bytes: int = 64 * 1024 * 1024, max_res
     lens = {name: _column(msg, name, int, n) for name in ("prompt_lens", "response_lens")}
     if min(lens["prompt_lens"] + lens["response_lens"]) < 0:
         raise SchemaError("bad_shape", "prompt_lens / response_lens hold a negative length")
-    arrays = _unpack_arrays(msg)
+    arrays = _unpack_arrays(msg, data, unpacker.tell())
     for name, a in arrays.items():
         if len(a) != sum(lens[_LENS[name]]):
             raise SchemaError("length_mismatch" if name == "logp_sparse" else "bad_shape",

@@ -1,6 +1,7 @@
 """The trajectory-group wire format: exact round trips and one rejection per validation rule."""
 from __future__ import annotations
 
+import io
 import math
 
 import msgpack
@@ -55,16 +56,18 @@ def test_round_trip_is_exact(group):
                (s.finish_reason, s.reward, s.kv_retained_tokens, s.kv_peak_bytes)
 
 
-def test_wire_layout_is_raw_little_endian_columns(make_group):
+def test_wire_layout_is_a_msgpack_header_then_raw_little_endian_arrays(make_group):
     group = make_group("g", n_samples=2, response_tokens=3)
-    msg = msgpack.unpackb(encode_group(group))
-    assert msg["prompt_ids"] == ["<i4", [14]] and msg["response_ids"] == ["<i4", [6]]
-    assert msg["logp_sparse"] == ["<f4", [6]]
-    assert msg["prompt_lens"] == [7, 7] and msg["response_lens"] == [3, 3]
+    data = encode_group(group)
+    unpacker = msgpack.Unpacker(io.BytesIO(data), raw=False)
+    header = unpacker.unpack()
+    assert header["prompt_ids"] == ["<i4", [14]] and header["response_ids"] == ["<i4", [6]]
+    assert header["logp_sparse"] == ["<f4", [6]]
+    assert header["prompt_lens"] == [7, 7] and header["response_lens"] == [3, 3]
+    assert header["schema_version"] == SCHEMA_VERSION
     expected = b"".join(np.concatenate([getattr(s, name) for s in group.samples]).astype(dtype).tobytes()
                         for name, dtype in (("prompt_ids", "<i4"), ("response_ids", "<i4"), ("logp_sparse", "<f4")))
-    assert msg["data"] == expected
-    assert msg["schema_version"] == SCHEMA_VERSION
+    assert data[unpacker.tell():] == expected
 
 
 def test_encode_casts_int64_ids_and_float64_logp(make_group):

@@ -2,6 +2,7 @@
 takeover (a consumer process SIGKILLed mid-batch) and a Redis restart with the append-only file."""
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -35,17 +36,24 @@ def read_all(consumer, expected: int, block_ms: int = 100, deadline_s: float = 3
     return got
 
 
+def split_message(data: bytes) -> tuple[dict, bytes]:
+    """A group message -> (msgpack header, the raw array bytes after it)."""
+    unpacker = msgpack.Unpacker(io.BytesIO(data), raw=False)
+    header = unpacker.unpack()
+    return header, data[unpacker.tell():]
+
+
 def _set_arrays(m, **arrays):
-    """Replace some of prompt_ids / response_ids / logp_sparse (given as lists) in a group's wire map."""
+    """Replace some of prompt_ids / response_ids / logp_sparse (given as lists) in a split message."""
     current, offset = {}, 0
     for name in ("prompt_ids", "response_ids", "logp_sparse"):
         n = m[name][1][0]
-        current[name] = np.frombuffer(m["data"], m[name][0], n, offset)
+        current[name] = np.frombuffer(m["raw"], m[name][0], n, offset)
         offset += 4 * n
     current.update({name: np.array(values, dtype=m[name][0]) for name, values in arrays.items()})
     for name, a in current.items():
         m[name] = [m[name][0], [len(a)]]
-    m["data"] = b"".join(a.tobytes() for a in current.values())
+    m["raw"] = b"".join(a.tobytes() for a in current.values())
 
 
 NAN, INF = float("nan"), float("inf")
@@ -61,13 +69,14 @@ BAD_MESSAGES = {  # reason -> edit of a valid group's msgpack map (2 samples of 
     "logp_not_finite": lambda m: _set_arrays(m, logp_sparse=[-1, -1, -1, -1, -1, -1, NAN, -1, -1, -1]),
     "logp_positive": lambda m: _set_arrays(m, logp_sparse=[-1, 0.25, -1, -1, -1, -1, -1, -1, -1, -1]),
     "bad_token_id": lambda m: _set_arrays(m, response_ids=[1, 2, 3, 4, 5, 6, 7, -8, 9, 10]),
-    "missing_data": lambda m: m.pop("data"),
+    "short_data": lambda m: m.update(raw=m["raw"][:-1]),
+    "long_data": lambda m: m.update(raw=m["raw"] + b"\0"),
     "reward_not_finite": lambda m: m["reward"].__setitem__(1, INF),
     "no_samples": lambda m: m.update(finish_reason=[]),
     "run_id_mismatch": lambda m: m.update(run_id="another-run"),
     "not_msgpack": None,  # not a map at all
 }
-REASON = {"missing_data": "missing_field"}
+REASON = {"short_data": "bad_shape", "long_data": "bad_shape"}
 
 
 @pytest.mark.parametrize("reason", BAD_MESSAGES)
@@ -76,12 +85,13 @@ def test_bad_message_goes_to_dead_letters_and_consumer_continues(reason, redis_s
     client = connect(cfg)
     consumer = GroupConsumer(client, cfg, "run", "learner-0")
     producer = GroupProducer(client, cfg, "run")
-    msg = msgpack.unpackb(encode_group(make_group("bad")))
+    header, raw = split_message(encode_group(make_group("bad")))
     if BAD_MESSAGES[reason] is None:
         bad = b"\xc1 not msgpack"
     else:
+        msg = {**header, "raw": raw}
         BAD_MESSAGES[reason](msg)
-        bad = msgpack.packb(msg)
+        bad = msgpack.packb({k: v for k, v in msg.items() if k != "raw"}) + msg["raw"]
     producer.publish(make_group("before"))
     bad_id = client.xadd(key("run", cfg.stream), {"group": bad})
     producer.publish(make_group("after"))
