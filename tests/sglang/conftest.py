@@ -6,7 +6,21 @@ import os
 import pytest
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-pytest.importorskip("sglang", reason="the SGLang lane needs scripts/setup_sglang_cpu.sh's venv")
+try:
+    import sglang.srt  # noqa: F401  (the real package: this folder is importable as a namespace "sglang" too)
+    HAVE_SGLANG = True
+except ImportError:
+    HAVE_SGLANG = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without SGLang (any venv but the lane's) the lane's tests are skipped, not errors."""
+    if HAVE_SGLANG:
+        return
+    here = os.path.dirname(__file__)
+    for item in items:
+        if str(item.fspath).startswith(here):
+            item.add_marker(pytest.mark.skip(reason="needs the SGLang lane venv: bash scripts/setup_sglang_cpu.sh"))
 
 CPU_ENGINE_KWARGS = dict(device="cpu", dtype="float32", max_total_tokens=4096, mem_fraction_static=0.05,
                          random_seed=0, disable_cuda_graph=True, disable_overlap_schedule=True)
