@@ -8,6 +8,7 @@ Keys of one run (`sparse-rl:{run_id}:...`):
   `counts`                    hash: produced, consumed, dropped_stale, dead_lettered, duplicates; each
                               changed in the same MULTI/EXEC as the stream operation it counts, so
                               produced == consumed + dropped_stale + dead_lettered + duplicates + depth
+                              when every message comes from GroupProducer
   `learner_version`           the learner's current weight version, read by actors and by the consumer
 
 Delivery is at least once; a group is trained at most once because commit() adds its id to `consumed` in
