@@ -7,7 +7,7 @@ receives into a staging copy, which the loop swaps in at the next batch boundary
 """
 from __future__ import annotations
 
-import os
+import logging
 import threading
 import time
 import uuid
@@ -32,7 +32,7 @@ def build_engine(engine_cfg, model_path: str, compressor: CompressorConfig, torc
     torch.set_num_threads(torch_threads)
     if engine_cfg.backend == "sglang":
         from actors.sglang_engine import SGLangEngine
-        return SGLangEngine(model_path, compressor, dtype=engine_cfg.dtype)
+        return SGLangEngine(model_path, compressor, dtype={"fp32": "float32", "bf16": "bfloat16"}[engine_cfg.dtype])
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from actors.torch_engine import TorchEngine
@@ -47,6 +47,7 @@ class RolloutWorker:
         from deploy.config import RunConfig  # plain dict over Ray -> typed config
         from omegaconf import OmegaConf
 
+        logging.getLogger("math_verify").setLevel(logging.ERROR)  # per-call notes about its signal timeout
         self.cfg: RunConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
         self.run_id, self.actor_id = run_id, actor_id
         a = self.cfg.actors
@@ -64,21 +65,28 @@ class RolloutWorker:
         self.idle = threading.Event()
         self.idle.set()
         self.counters = {"groups": 0, "tokens": 0, "gen_s": 0.0, "kv_peak_bytes": 0, "staleness_wait_s": 0.0}
+        self.error = ""
+        self.incarnation = uuid.uuid4().hex  # new after every (re)start: the driver rebuilds the sync group
+        # The loop starts with the process, so an actor restarted by Ray (max_restarts) generates again.
+        self.loop = threading.Thread(target=self._run_safely, name="rollout-loop", daemon=True)
+        self.loop.start()
 
-    def ping(self) -> str:
-        return self.actor_id
+    def ping(self) -> dict:
+        """Liveness: this process's incarnation id, weight version and whether its loop is running."""
+        return {"incarnation": self.incarnation, "weight_version": self.engine.weight_version,
+                "loop_alive": self.loop.is_alive(), "error": self.error}
 
     # -- weights -----------------------------------------------------------------------------------------
-    def receive_weights(self, generation: int, rank: int, world_size: int) -> int:
-        """Join sync group `generation` if it is new, receive one broadcast into a staging copy; the generation
-        loop swaps it in at its next batch boundary. Returns the received version."""
+    def receive_weights(self, address: tuple[str, int], generation: int, rank: int, world_size: int) -> int:
+        """Join sync group `generation` of the learner's store at `address` if it is new, receive one broadcast
+        into a staging copy; the generation loop swaps it in at its next batch boundary. Returns the version."""
         if self.receiver is None:
-            host, port = self.redis.hmget(key(self.run_id, "weight_sync"), "host", "port")
-            self.receiver = WeightReceiver(host.decode(), int(port), backend=self.cfg.learner.weight_sync_backend,
+            self.receiver = WeightReceiver(*address, backend=self.cfg.learner.weight_sync_backend,
                                            timeout_s=self.sync_timeout)
         if self.receiver.generation != generation:
             self.receiver.join_group(generation, rank, world_size)
-        version, tensors = self.receiver.receive(self.engine.manifest())
+        # the model itself where there is one: its names include tied aliases such as lm_head.weight
+        version, tensors = self.receiver.receive(getattr(self.engine, "model", None) or self.engine.manifest())
         with self.lock:
             self.staged = (version, tensors)
         if self.idle.is_set():  # not generating: swap now, so evaluation and waiting loops see it at once
@@ -91,8 +99,20 @@ class RolloutWorker:
         if staged is not None:
             version, tensors = staged
             self.engine.load_weights(tensors, version)
+            if self.cfg.learner.weight_sync_verify:  # per-tensor checksums of the live weights after the swap
+                self.receiver.verify(self.engine.model)
 
     # -- generation loop -----------------------------------------------------------------------------------
+    def _run_safely(self) -> None:
+        try:
+            self.run()
+        except Exception as e:  # reported through ping(); the driver replaces this actor
+            import traceback
+            self.error = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        finally:
+            self.idle.set()
+
     def run(self) -> None:
         """Generate -> score -> publish until stop(); one batch = prompts_per_batch prompts x G samples."""
         a, b = self.cfg.actors, self.cfg.broker
@@ -133,9 +153,9 @@ class RolloutWorker:
             self.idle.set()
 
     def stop_generation(self) -> None:
-        """Finish the current batch (its groups are published), then leave run()."""
+        """Finish the current batch (its groups are published), then leave the loop."""
         self.stopping.set()
-        self.idle.wait()
+        self.loop.join()
 
     def stop(self) -> None:
         """Scale-down: finish the current batch, then exit this actor process."""
@@ -161,4 +181,4 @@ class RolloutWorker:
         e = self.cfg.eval
         return evaluate(self.engine, self.tokenizer, items, mode, self.cfg.actors.engine.compressor,
                         max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p,
-                        batch_size=e.batch_size, seed=self.cfg.seed)
+                        batch_size=e.batch_size, seed=self.cfg.seed, instruction=self.cfg.actors.data.instruction)

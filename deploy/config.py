@@ -140,7 +140,7 @@ def load_config(name_or_path: str, overrides: list[str] = ()) -> RunConfig:
         run = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
-        raise ConfigError(f"config field {key}: {getattr(e, 'msg', e)}" if key else f"config: {e}") from None
+        raise ConfigError(f"config field {key}: {str(getattr(e, 'msg', e)).splitlines()[0]}" if key else f"config: {e}") from None
     except ValueError as e:  # a component's __post_init__ check
         raise ConfigError(f"config: {e}") from None
     validate(run)

@@ -25,6 +25,8 @@ from deploy.model_cache import resolve_model  # noqa: E402
 from deploy.tracking import Tracker  # noqa: E402
 
 SCALE_KEY = "actors_target"
+MAX_LOCAL_ACTORS = 16
+"""A local Ray is given enough logical CPUs for the learner and this many actors (to scale up at run time)."""
 
 
 def train(cfg: RunConfig) -> dict:
@@ -81,7 +83,10 @@ def start_ray(cfg: RunConfig) -> None:
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, log_to_driver=True)
     else:
-        ray.init(num_cpus=cfg.ray.num_cpus or None, include_dashboard=False, log_to_driver=True)
+        # Logical CPUs only: local processes share the machine's cores (torch threads are set per process).
+        need = cfg.train.learner_num_cpus + cfg.actors.num_cpus * max(cfg.actors.count, MAX_LOCAL_ACTORS)
+        ray.init(num_cpus=cfg.ray.num_cpus or max(os.cpu_count() or 1, int(need + 0.999)),
+                 include_dashboard=False, log_to_driver=True)
 
 
 def start_learner(cfg: RunConfig, run_id: str):
@@ -112,8 +117,10 @@ class ActorPool:
         self.actors: dict[int, object] = {}  # actor index -> handle
         self.next_index = 0
         self.generation = 0  # weight-sync group generation; bumped whenever membership changes
-        self.members: list[int] = []
+        self.members: list[tuple[int, str]] = []  # (actor index, incarnation) of the current sync group
+        self.incarnations: dict[int, str] = {}
         self.replaced = 0
+        self.sync_address = ray.get(learner.sync_address.remote())  # (host, port) of the learner's TCPStore
 
     def _start(self):
         from actors.rollout_actor import RolloutWorker
@@ -125,19 +132,23 @@ class ActorPool:
             name=f"{self.run_id}-actor-{index}", num_cpus=a.num_cpus, num_gpus=a.num_gpus, resources=resources,
             max_restarts=a.max_restarts, max_task_retries=0, max_concurrency=4,
         ).remote(to_dict(self.cfg), self.run_id, f"actor-{index}")
-        handle.run.remote()  # the generate -> score -> publish loop, until stop()
-        self.actors[index] = handle
+        self.actors[index] = handle  # its generate -> score -> publish loop starts with the process
 
     def alive(self) -> list[int]:
-        """Indices of actors that answer a ping (a restarting actor answers once it is back)."""
+        """Indices of actors that answer a ping with a running loop (one restarted by Ray answers once it is
+        back, with a new incarnation); the others are killed and forgotten, and scale() starts replacements."""
         pings = {i: h.ping.remote() for i, h in self.actors.items()}
         ok = []
         for i, ref in pings.items():
             try:
-                ray.get(ref, timeout=30)
+                state = ray.get(ref, timeout=self.cfg.learner.weight_sync_timeout_s)
+                if not state["loop_alive"]:
+                    raise RuntimeError(state["error"] or "generation loop stopped")
+                self.incarnations[i] = state["incarnation"]
                 ok.append(i)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                self.actors.pop(i)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, RuntimeError) as e:
+                print(f"rollout actor {i} is gone ({type(e).__name__}: {e}); replacing it")
+                ray.kill(self.actors.pop(i), no_restart=True)
                 self.replaced += 1
         return ok
 
@@ -153,19 +164,22 @@ class ActorPool:
         """One sync round: the learner broadcasts its weights to every live actor over the sync group, rebuilt
         (new generation) when membership changed. An actor that fails the round is dropped and replaced at
         the next scale(); the learner never waits longer than the collective timeout."""
+        self.alive()
         members = sorted(self.actors)
-        if members != self.members:
+        if [(i, self.incarnations.get(i)) for i in members] != self.members:
             self.generation += 1
-            self.members = members
+            self.members = [(i, self.incarnations.get(i)) for i in members]
         world = len(members) + 1
         sends = self.learner.send_weights.remote(self.generation, world)
-        recvs = {i: self.actors[i].receive_weights.remote(self.generation, rank, world)
+        recvs = {i: self.actors[i].receive_weights.remote(self.sync_address, self.generation, rank, world)
                  for rank, i in enumerate(members, start=1)}
         failed = 0
         try:
             stats = ray.get(sends)
-        except ray.exceptions.RayTaskError as e:  # a peer died mid-round: the collective timed out
-            stats = {"weight_sync_error": 1.0}
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, ValueError):  # manifest mismatch: learner and actor models differ
+                raise e.cause
+            stats = {"weight_sync_error": 1.0}  # a peer died mid-round: the collective timed out
             print(f"weight sync failed, membership will be rebuilt: {e}")
         for i, ref in recvs.items():
             try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -19,7 +20,7 @@ class LearnerWorker:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         from broker.streams import GroupConsumer, connect, key, publish_learner_version
         from broker.weight_sync import WeightSender
-        from learner.checkpoint import latest_checkpoint, load_checkpoint
+        from learner.checkpoint import load_checkpoint
         from learner.learner import Learner
 
         self.run_id = run_id
@@ -27,10 +28,13 @@ class LearnerWorker:
         self.redis = connect(self.cfg.broker)
         self.consumer = GroupConsumer(self.redis, self.cfg.broker, run_id, "learner-0")
         self.counters = {"groups_trained": 0}
-        ckpt = latest_checkpoint(self.cfg.learner.checkpoint_dir) if self.cfg.learner.checkpoint_dir else None
-        if ckpt is not None:  # resume: version, counters and RNG continue; consumed ids live in Redis
-            state = load_checkpoint(self.learner, ckpt)
-            self.counters.update(state.get("counters", {}))
+        self.trained_ids: list[str] = []
+        ckpt_dir = self.cfg.learner.checkpoint_dir
+        if ckpt_dir and (Path(ckpt_dir) / "latest").exists():  # resume: version, counters and RNG continue
+            self.trained_ids, counters = load_checkpoint(self.learner, ckpt_dir)
+            self.counters.update(counters)
+            if self.trained_ids:  # the consumed set also survives a Redis that lost its data
+                self.redis.sadd(key(run_id, "consumed"), *self.trained_ids)
         publish_learner_version(self.redis, run_id, self.learner.version)
         host = "127.0.0.1"
         if self.cfg.ray.address:  # on a cluster the actors reach the learner's node address
@@ -38,9 +42,13 @@ class LearnerWorker:
             host = ray.util.get_node_ip_address()
         self.sender = WeightSender(host=host, port=0, backend=self.cfg.learner.weight_sync_backend,
                                    timeout_s=self.cfg.learner.weight_sync_timeout_s,
-                                   bucket_mb=self.cfg.learner.weight_sync_bucket_mb)
-        self.redis.hset(key(run_id, "weight_sync"), mapping={"host": host, "port": self.sender.port})
+                                   bucket_mb=self.cfg.learner.weight_sync_bucket_mb,
+                                   verify=self.cfg.learner.weight_sync_verify)
         self.generation = -1
+
+    def sync_address(self) -> tuple[str, int]:
+        """(host, port) of the weight-sync TCPStore the actors connect to."""
+        return self.sender.host, self.sender.port
 
     def train_step(self) -> dict:
         """Wait for `train.groups_per_step` groups, train one step, then commit them and publish the version.
@@ -58,9 +66,10 @@ class LearnerWorker:
         wait_s = time.monotonic() - start
         metrics = self.learner.step([d.group for d in deliveries], [d.staleness for d in deliveries])
         self.counters["groups_trained"] += len(deliveries)
+        self.trained_ids += [d.group.group_id for d in deliveries]
         l = self.cfg.learner
         if l.checkpoint_dir and self.learner.version % l.checkpoint_interval == 0:
-            save_checkpoint(self.learner, l.checkpoint_dir, counters=self.counters)
+            save_checkpoint(self.learner, l.checkpoint_dir, self.trained_ids, self.counters)
         self.consumer.commit(deliveries)  # acked only once the step that used them is done
         publish_learner_version(self.redis, self.run_id, self.learner.version)
         counts = run_counts(self.redis, self.run_id)

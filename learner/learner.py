@@ -141,7 +141,7 @@ class Learner:
             b["response_ids"][i, :R] = torch.from_numpy(np.asarray(s.response_ids, dtype=np.int64))
             b["response_index"][i, :R] = torch.arange(P - 1, P - 1 + R)
             b["response_mask"][i, :R] = True
-            b["logp_sparse"][i, :R] = torch.from_numpy(np.asarray(s.logp_sparse, dtype=np.float32))
+            b["logp_sparse"][i, :R] = torch.from_numpy(np.array(s.logp_sparse, dtype=np.float32))
             b["seq_len"][i] = P + R
         return b
 

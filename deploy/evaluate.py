@@ -1,0 +1,27 @@
+"""`sparse-rl eval`: score a model directory (e.g. `runs/<run id>/final`) on the config's eval prompt set,
+dense and/or sparse, in this process (no Ray, no Redis)."""
+from __future__ import annotations
+
+import json
+
+from actors.data import load_eval_items
+from actors.evaluate import evaluate
+from actors.rollout_actor import build_engine
+from deploy.config import RunConfig
+from deploy.model_cache import resolve_model
+
+
+def evaluate_model(cfg: RunConfig, model: str, modes: list[str]) -> dict[str, float]:
+    """Prints and returns `eval/<mode>/<metric>` for each mode (accuracy, unparseable, response_length,
+    kv_peak_bytes, n)."""
+    a, e = cfg.actors, cfg.eval
+    engine = build_engine(a.engine, resolve_model(model), a.engine.compressor, a.torch_threads)
+    items = load_eval_items(e.data, e.limit)
+    scores = {}
+    for mode in modes:
+        result = evaluate(engine, engine.tokenizer, items, mode, a.engine.compressor, max_new_tokens=e.max_new_tokens,
+                          temperature=e.temperature, top_p=e.top_p, batch_size=e.batch_size, seed=cfg.seed,
+                          instruction=a.data.instruction)
+        scores.update({f"eval/{mode}/{k}": float(v) for k, v in result.items()})
+    print(json.dumps(scores, indent=1))
+    return scores
