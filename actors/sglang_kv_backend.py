@@ -60,8 +60,11 @@ class SparseKVAttnBackend(AttentionBackend):
         self.req_to_token = runner.req_to_token_pool.req_to_token                 # [rows, max_context] int32
         self.kv_pool = runner.token_to_kv_pool
         self.allocator = runner.token_to_kv_pool_allocator
-        if getattr(self.allocator, "page_size", 1) != 1:
-            raise ValueError(f"sparse_rl_kv needs page_size=1, the allocator has {self.allocator.page_size}")
+        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+        if type(self.allocator) is not TokenToKVPoolAllocator:
+            raise ValueError(f"sparse_rl_kv needs SGLang's TokenToKVPoolAllocator (page_size=1, one full-attention "
+                             f"pool), the engine has {type(self.allocator).__name__}")
         self.num_layers = self.kv_pool.layer_num
         rows = self.req_to_token.shape[0]
         self.n_kept = torch.zeros(rows, dtype=torch.long, device=self.device)
@@ -103,6 +106,9 @@ class SparseKVAttnBackend(AttentionBackend):
             idx = self.req_to_token[reqs[:, None], pos.clamp(max=self.req_to_token.shape[1] - 1)].long()
             self.live_idx, self.live_mask, self.live_len = idx.masked_fill(~mask, 0), mask, live_len
             self.due = (self.steps[reqs] % self.cfg.interval == 0) & (live_len > self.cfg.kv_budget)
+            # Batch rows compressed this step, grouped by retained length (a scored row holds no padding).
+            due = self.due.nonzero().squeeze(1)
+            self.due_groups = [(n, due[live_len[due] == n]) for n in live_len[due].unique().tolist()]
         else:
             if fb.extend_prefix_lens is not None and bool((fb.extend_prefix_lens > 0).any()):
                 raise RuntimeError("sparse_rl_kv got an extend with a cached prefix; it needs "
@@ -169,16 +175,14 @@ class SparseKVAttnBackend(AttentionBackend):
         self.qwin[reqs, li] = torch.cat([self.qwin[reqs, li, 1:], q[:, None]], dim=1)
         if li == 0:
             self.q_count[reqs] = (self.q_count[reqs] + 1).clamp(max=self.cfg.window)
-        due = self.due.nonzero().squeeze(1)
-        if due.numel():
-            # Rows compressed together must hold the same number of slots (no padding inside a scored row).
-            for n in self.live_len[due].unique().tolist():
-                group = due[self.live_len[due] == n]
+        if self.due_groups:
+            for n, group in self.due_groups:
                 w = int(self.q_count[reqs[group]].min())
                 queries = self.qwin[reqs[group], li, self.cfg.window - w:].permute(0, 2, 1, 3)   # [g, Hq, w, D]
                 self._compress(layer, k_buf, v_buf, reqs[group], ks[group, :, :n], vs[group, :, :n], queries,
                                self.live_mask[group, :n])
             if li == self.num_layers - 1:
+                due = torch.cat([group for _, group in self.due_groups])
                 self._release(reqs[due], fb.seq_lens.long()[due])
         return out[:, :, 0].reshape(-1, hq * layer.v_head_dim)
 
