@@ -8,6 +8,7 @@ receives into a staging copy, which the loop swaps in at the next batch boundary
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -73,7 +74,7 @@ class RolloutWorker:
 
     def ping(self) -> dict:
         """Liveness: this process's incarnation id, weight version and whether its loop is running."""
-        return {"incarnation": self.incarnation, "weight_version": self.engine.weight_version,
+        return {"incarnation": self.incarnation, "pid": os.getpid(), "weight_version": self.engine.weight_version,
                 "loop_alive": self.loop.is_alive(), "error": self.error}
 
     # -- weights -----------------------------------------------------------------------------------------
@@ -156,6 +157,7 @@ class RolloutWorker:
         """Finish the current batch (its groups are published), then leave the loop."""
         self.stopping.set()
         self.loop.join()
+        self._swap()  # weights received during the last batch
 
     def stop(self) -> None:
         """Scale-down: finish the current batch, then exit this actor process."""

@@ -18,7 +18,7 @@ import ray  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from broker.redis_server import LocalRedis  # noqa: E402
-from broker.streams import connect, key  # noqa: E402
+from broker.streams import connect, key, queue_depth, run_counts  # noqa: E402
 from deploy.config import RunConfig, new_run_id, to_dict  # noqa: E402
 from deploy.console import Console  # noqa: E402
 from deploy.model_cache import resolve_model  # noqa: E402
@@ -67,16 +67,21 @@ def train(cfg: RunConfig) -> dict:
             tracker.log_metrics(metrics, step)
             console.step(step, cfg.train.steps, metrics)
         ray.get(learner.save_final.remote(str(run_dir / "final")))
+        pool.stop_generation()  # the last batches are published; from here the counts are final
+        accounting = {**run_counts(redis, run_id), "left_in_queue": queue_depth(redis, cfg.broker, run_id),
+                      "learner_version": int(metrics["version"]), "actor_versions": pool.versions()}
 
         scores = pool.evaluate() if cfg.eval.enabled else {}
         tracker.log_metrics(scores, cfg.train.steps)
         console.eval(scores)
         tracker.log_artifact(tracker.plot(run_dir / "training.png"))
-        (run_dir / "summary.json").write_text(json.dumps({"run_id": run_id, **metrics, **scores}, indent=1))
+        summary = {"run_id": run_id, "run_dir": str(run_dir), "mlflow_uri": tracker.uri,
+                   "mlflow_run_id": tracker.run_id, **metrics, **scores, "accounting": accounting}
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         tracker.end()
         done = True
         console.finish(run_dir, tracker.where())
-    return {**metrics, **scores, "run_id": run_id, "run_dir": str(run_dir)}
+    return summary
 
 
 def start_ray(cfg: RunConfig) -> None:
@@ -155,8 +160,12 @@ class ActorPool:
     def scale(self, target: int) -> None:
         live = self.alive()
         while len(live) > target:  # remove the newest: finish the current batch, then stop
-            i = live.pop()
-            ray.get(self.actors.pop(i).stop.remote(), timeout=self.cfg.learner.weight_sync_timeout_s * 5)
+            handle = self.actors.pop(live.pop())
+            try:
+                ray.get(handle.stop.remote(), timeout=self.cfg.learner.weight_sync_timeout_s * 5)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass  # it exited (stop() ends the process) or hangs: make sure it is gone
+            ray.kill(handle, no_restart=True)
         for _ in range(target - len(live)):
             self._start()
 
@@ -201,10 +210,17 @@ class ActorPool:
         keys = {k for r in results for k in r}
         return {k: sum(r.get(k, 0.0) for r in results) / len(results) for k in keys} if results else {}
 
+    def stop_generation(self) -> None:
+        """Every actor finishes and publishes its current batch, then stops generating."""
+        ray.get([h.stop_generation.remote() for h in self.actors.values()])
+
+    def versions(self) -> dict[str, int]:
+        """Weight version each live actor samples with (after its staged weights are swapped in)."""
+        return {f"actor-{i}": ray.get(h.ping.remote())["weight_version"] for i, h in self.actors.items()}
+
     def evaluate(self) -> dict:
-        """Evaluation split over the live actors: each mode's items are sharded across them."""
+        """Evaluation split over the live actors (generation stopped): each mode's items are sharded."""
         handles = list(self.actors.values())
-        ray.get([h.stop_generation.remote() for h in handles])
         from actors.data import load_eval_items
 
         items = load_eval_items(self.cfg.eval.data, self.cfg.eval.limit)
