@@ -70,10 +70,11 @@ def register_sglang_plugin() -> None:
 def sparse_engine_kwargs() -> dict:
     """`sglang.Engine` settings sparse mode needs (docs/sglang.md, "Sparse mode"): our backend; no radix
     prefix cache (a compressed prefix is not the prefix's KV); no chunked prefill (a prompt is compressed
-    after its whole prefill); page size 1 (slots are freed one token at a time); no CUDA graphs and no overlap
+    after its whole prefill; no mixed prefill+decode batches); page size 1 (slots are freed one token at a
+    time); no CUDA graphs and no overlap
     scheduling (the backend rewrites request rows and frees slots between steps, with data-dependent shapes)."""
     return {"attention_backend": SPARSE_BACKEND, "disable_radix_cache": True, "chunked_prefill_size": -1,
-            "page_size": 1, "disable_cuda_graph": True, "disable_overlap_schedule": True}
+            "page_size": 1, "disable_cuda_graph": True, "disable_overlap_schedule": True, "enable_mixed_chunk": False}
 
 
 class SGLangEngine:

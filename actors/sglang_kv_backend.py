@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from compressors import CompressorConfig, build_compressor, gather_kv
 
@@ -92,6 +93,8 @@ class SparseKVAttnBackend(AttentionBackend):
         counters, mark which compress after this step, and build the retained-slot table
         `live_idx` [batch, max_live] (slot ids, 0 where `live_mask` is False)."""
         fb = forward_batch
+        if fb.forward_mode.is_idle():
+            return
         reqs = fb.req_pool_indices.long()
         seq_lens = fb.seq_lens.long()
         self.keep_shared = {}
@@ -110,6 +113,9 @@ class SparseKVAttnBackend(AttentionBackend):
             due = self.due.nonzero().squeeze(1)
             self.due_groups = [(n, due[live_len[due] == n]) for n in live_len[due].unique().tolist()]
         else:
+            if fb.forward_mode != ForwardMode.EXTEND:
+                raise RuntimeError(f"sparse_rl_kv supports extend and decode forwards, got {fb.forward_mode}; "
+                                   "start SGLang with sparse_engine_kwargs() (no mixed chunks, no speculation)")
             if fb.extend_prefix_lens is not None and bool((fb.extend_prefix_lens > 0).any()):
                 raise RuntimeError("sparse_rl_kv got an extend with a cached prefix; it needs "
                                    "disable_radix_cache=True and chunked_prefill_size=-1 (sparse_engine_kwargs())")
