@@ -238,6 +238,31 @@ def test_compose_services_are_wired():
     assert cfg.actors.count == services["actor"]["deploy"]["replicas"]
 
 
+# --- MLflow server ------------------------------------------------------------------------------------------
+
+def test_mlflow_servers_accept_their_service_names_only():
+    """MLflow 3 rejects requests whose Host header is not allowed (DNS-rebinding guard): the driver reaches the
+    server by its service name, the user's browser by 127.0.0.1/localhost, and other names are refused."""
+    from mlflow.server.security_utils import is_allowed_host_header
+
+    def allowed_hosts(command: list[str]) -> list[str]:
+        (flag,) = [a for a in command if a.startswith("--allowed-hosts=")]
+        return flag.split("=", 1)[1].split(",")
+
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    (mlflow,) = [d for d in yaml.safe_load_all((K8S / "base" / "mlflow.yaml").read_text())
+                 if d["kind"] == "Deployment"]
+    cases = {
+        tuple(allowed_hosts(compose["services"]["mlflow"]["command"])): ["mlflow:5000"],
+        tuple(allowed_hosts(mlflow["spec"]["template"]["spec"]["containers"][0]["command"])):
+            ["sparse-rl-mlflow:5000", "sparse-rl-mlflow.research.svc.cluster.local:5000"],
+    }
+    for hosts, service_names in cases.items():
+        for host in service_names + ["127.0.0.1:5000", "localhost:5000"]:
+            assert is_allowed_host_header(list(hosts), host), (hosts, host)
+        assert not is_allowed_host_header(list(hosts), "attacker.example:5000"), hosts
+
+
 # --- Dockerfile and Slurm scripts --------------------------------------------------------------------------
 
 def test_dockerfile_passes_hadolint():
