@@ -136,7 +136,7 @@ def test_overlay_wiring(overlay):
     # the learner and the actors each land only on their own group's nodes
     assert cfg.ray.learner_resource == "learner" and groups["learner"]["resources"] == {"learner": "1"}
     assert cfg.ray.actor_resource == "rollout" and groups["actors"]["resources"] == {"rollout": "1"}
-    assert cluster["enableInTreeAutoscaling"] is True
+    assert cluster["enableInTreeAutoscaling"] is True and cluster["authOptions"] == {"mode": "token"}
     actors = groups["actors"]
     assert actors["minReplicas"] <= actors["replicas"] <= actors["maxReplicas"] and actors["maxReplicas"] > 1
     assert cfg.actors.count <= actors["maxReplicas"]
