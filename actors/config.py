@@ -72,6 +72,9 @@ class DataConfig:
     """Training prompts: reasoning_gym (generated, see `tasks`) | gsm8k_jsonl (a file in GSM8K shape, `path`)."""
     tasks: list[str] = field(default_factory=lambda: ["basic_arithmetic", "gsm_symbolic"])
     """reasoning-gym dataset names, mixed in equal parts (e.g. basic_arithmetic, gsm_symbolic)."""
+    task_options: dict[str, dict] = field(default_factory=dict)
+    """Per reasoning-gym task, keyword arguments of its dataset config, e.g. {basic_arithmetic: {max_terms: 2,
+    max_digits: 2, operators: [+, -]}} for problems a small model can sometimes solve."""
     path: str = ""
     """GSM8K-shape JSONL (`question`, `answer` ending in '#### N') for source gsm8k_jsonl."""
     size: int = 512

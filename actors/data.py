@@ -52,11 +52,15 @@ def read_gsm8k_jsonl(path: str | Path, name: str | None = None, limit: int = 0) 
     return out
 
 
-def reasoning_gym_problems(tasks: list[str], size: int, seed: int) -> list[Prompt]:
-    """`size` problems from reasoning-gym, the tasks interleaved in equal parts (deterministic in seed)."""
+def reasoning_gym_problems(tasks: list[str], size: int, seed: int,
+                           task_options: dict[str, dict] | None = None) -> list[Prompt]:
+    """`size` problems from reasoning-gym, the tasks interleaved in equal parts (deterministic in seed);
+    `task_options[task]` are keyword arguments of that task's dataset config (e.g. max_terms)."""
     import reasoning_gym
 
-    per_task = [reasoning_gym.create_dataset(t, size=-(-size // len(tasks)), seed=seed) for t in tasks]
+    options = task_options or {}
+    per_task = [reasoning_gym.create_dataset(t, size=-(-size // len(tasks)), seed=seed, **dict(options.get(t, {})))
+                for t in tasks]
     out = []
     for i in range(-(-size // len(tasks))):
         for task, ds in zip(tasks, per_task):
@@ -81,7 +85,7 @@ def load_train_prompts(cfg: DataConfig, tokenizer, seed: int = 0) -> list[Prompt
     if cfg.source == "gsm8k_jsonl":
         problems = read_gsm8k_jsonl(cfg.path, limit=cfg.size)
     else:
-        problems = reasoning_gym_problems(list(cfg.tasks), cfg.size, seed)
+        problems = reasoning_gym_problems(list(cfg.tasks), cfg.size, seed, cfg.task_options)
     return tokenize_prompts(problems, tokenizer, cfg.instruction)
 
 

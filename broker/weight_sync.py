@@ -67,7 +67,12 @@ class _GroupMember:
     def __init__(self, host: str, port: int, is_master: bool, backend: str, timeout_s: float):
         self.backend = resolve_backend(backend)
         self.timeout = timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False, timeout=self.timeout)
+        listen_fd = None
+        if is_master:  # bind the store's socket ourselves: TCPStore alone would listen on every interface
+            self._listen_socket = socket.create_server((host, port))
+            port, listen_fd = self._listen_socket.getsockname()[1], self._listen_socket.fileno()
+        self.store = dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False, timeout=self.timeout,
+                                   master_listen_fd=listen_fd)
         self.host, self.port = host, self.store.port
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.group = None

@@ -40,7 +40,11 @@ def init_distributed() -> None:
         return
     if not cuda:
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets on loopback unless told otherwise
+    backend = "nccl" if cuda else "gloo"
+    if os.environ["WORLD_SIZE"] == "1":  # one learner process: an in-memory store, no rendezvous socket
+        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
+    deepspeed.init_distributed(dist_backend=backend)
 
 
 def deepspeed_config(cfg: LearnerConfig) -> dict:
