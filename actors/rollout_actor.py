@@ -135,6 +135,7 @@ class RolloutWorker:
             start = time.monotonic()
             outputs = self.engine.generate([p.prompt_ids for p in batch], params)
             self.counters["gen_s"] += time.monotonic() - start
+            groups = []
             for prompt, samples in zip(batch, outputs):
                 records = []
                 for s in samples:
@@ -145,12 +146,13 @@ class RolloutWorker:
                                                 kv_peak_bytes=s.kv_peak_bytes))
                     self.counters["tokens"] += len(s.response_ids)
                     self.counters["kv_peak_bytes"] = max(self.counters["kv_peak_bytes"], s.kv_peak_bytes)
-                self.producer.publish(TrajectoryGroup(
+                groups.append(TrajectoryGroup(
                     run_id=self.run_id, group_id=uuid.uuid4().hex, prompt_id=prompt.prompt_id,
                     weight_version=version, temperature=params.temperature,
                     compressor=a.engine.compressor.method, kv_budget=a.engine.compressor.kv_budget,
                     samples=records, actor_id=self.actor_id, created_at=time.time()))
-                self.counters["groups"] += 1
+            self.producer.publish_many(groups)  # one transaction for the batch
+            self.counters["groups"] += len(groups)
             self.idle.set()
 
     def stop_generation(self) -> None:

@@ -102,43 +102,57 @@ def _validate(lens: dict[str, list[int]], arrays: dict[str, np.ndarray], rewards
             raise SchemaError("reward_not_finite", f"samples[{i}].reward = {reward}")
 
 
+def _wire_array(a, dtype: np.dtype, where: str) -> np.ndarray:
+    """`a` as a contiguous 1-D array of the wire dtype. Token ids may come as any integer dtype with values in
+    [0, 2**31), logp_sparse as any float dtype. Raises SchemaError (bad_shape, bad_dtype, bad_token_id)."""
+    a = np.asarray(a)
+    if a.ndim != 1:
+        raise SchemaError("bad_shape", f"{where}: expected 1-D, got shape {a.shape}")
+    if a.dtype != dtype and a.size:
+        if a.dtype.kind not in ("f" if dtype.kind == "f" else "iu"):
+            raise SchemaError("bad_dtype", f"{where}: expected {dtype}, got {a.dtype}")
+        if a.dtype.kind in "iu" and not np.can_cast(a.dtype, dtype) and (a.min() < 0 or a.max() >= 2**31):
+            raise SchemaError("bad_token_id", f"{where}: ids must lie in [0, 2**31), got [{a.min()}, {a.max()}]")
+    return np.ascontiguousarray(a, dtype=dtype)
+
+
+def _views(data: bytes, offset: int, counts: dict[str, int]) -> dict[str, np.ndarray]:
+    """Read-only views on the arrays stored back to back in data[offset:], counts[name] elements each."""
+    arrays = {}
+    for name, dtype in _ARRAYS.items():
+        arrays[name] = np.frombuffer(data, dtype=dtype, count=counts[name], offset=offset)
+        offset += counts[name] * dtype.itemsize
+    return arrays
+
+
 def encode_group(group: TrajectoryGroup, max_response_tokens: int = 32768, max_prompt_tokens: int = 32768) -> bytes:
     """TrajectoryGroup -> message bytes (msgpack header + raw arrays, layout above); never pickle. Token ids may come as any integer
     dtype in [0, 2**31) and are sent as int32, `logp_sparse` as any float dtype, sent as float32. The same
-    rules as decode_group are checked first, so a bad group fails at the actor, not at the learner.
-    Raises SchemaError."""
+    rules as decode_group are checked first, so a bad group fails at the actor, not at the learner. The
+    arrays are copied once, into the message. Raises SchemaError."""
     if not group.samples:
         raise SchemaError("no_samples", f"group {group.group_id!r} has no samples")
-    lens, arrays = {"prompt_lens": [], "response_lens": []}, {}
-    for name, dtype in _ARRAYS.items():
-        parts = []
-        for i, s in enumerate(group.samples):
-            a = np.asarray(getattr(s, name))
-            if a.ndim != 1:
-                raise SchemaError("bad_shape", f"samples[{i}].{name}: expected 1-D, got shape {a.shape}")
-            if a.dtype != dtype and a.size:
-                if a.dtype.kind not in ("f" if name == "logp_sparse" else "iu"):
-                    raise SchemaError("bad_dtype", f"samples[{i}].{name}: expected {dtype}, got {a.dtype}")
-                if a.dtype.kind in "iu" and not np.can_cast(a.dtype, dtype) and (a.min() < 0 or a.max() >= 2**31):
-                    raise SchemaError("bad_token_id", f"samples[{i}].{name}: ids must lie in [0, 2**31), "
-                                                      f"got [{a.min()}, {a.max()}]")
-            parts.append(np.ascontiguousarray(a, dtype=dtype))
-        if name != "logp_sparse":
-            lens[_LENS[name]] = [len(a) for a in parts]
-        elif [len(a) for a in parts] != lens["response_lens"]:
-            i = next(i for i, a in enumerate(parts) if len(a) != lens["response_lens"][i])
-            raise SchemaError("length_mismatch", f"samples[{i}]: len(logp_sparse) = {len(parts[i])} != "
-                                                 f"len(response_ids) = {lens['response_lens'][i]}")
-        arrays[name] = parts
+    arrays = {name: [] for name in _ARRAYS}  # name -> the samples' arrays in the wire dtype
+    for i, s in enumerate(group.samples):
+        for name, dtype in _ARRAYS.items():
+            a = getattr(s, name)
+            if not (type(a) is np.ndarray and a.dtype == dtype and a.ndim == 1 and a.flags.c_contiguous):
+                a = _wire_array(a, dtype, f"samples[{i}].{name}")  # convert or reject
+            arrays[name].append(a)
+    lens = {"prompt_lens": [len(a) for a in arrays["prompt_ids"]],
+            "response_lens": [len(a) for a in arrays["response_ids"]]}
+    if [len(a) for a in arrays["logp_sparse"]] != lens["response_lens"]:
+        i = next(i for i, a in enumerate(arrays["logp_sparse"]) if len(a) != lens["response_lens"][i])
+        raise SchemaError("length_mismatch", f"samples[{i}]: len(logp_sparse) = {len(arrays['logp_sparse'][i])} "
+                                             f"!= len(response_ids) = {lens['response_lens'][i]}")
     columns = {name: [kind(getattr(s, name)) for s in group.samples] for name, kind in _SAMPLE_FIELDS.items()}
+    counts = {name: sum(lens[_LENS[name]]) for name in _ARRAYS}
     msg = {name: kind(getattr(group, name)) for name, kind in _GROUP_FIELDS.items()}
     msg.update(schema_version=SCHEMA_VERSION, **lens, **columns)
-    for name, dtype in _ARRAYS.items():
-        msg[name] = [dtype.str, [sum(lens[_LENS[name]])]]
+    msg.update({name: [dtype.str, [counts[name]]] for name, dtype in _ARRAYS.items()})
     header = msgpack.packb(msg, use_bin_type=True)
-    data = b"".join([header, *(memoryview(a).cast("B") for parts in arrays.values() for a in parts)])
-    _validate(lens, _unpack_arrays(msg, data, len(header)), columns["reward"], max_response_tokens,
-              max_prompt_tokens)
+    data = b"".join([header, *(a for parts in arrays.values() for a in parts)])
+    _validate(lens, _views(data, len(header), counts), columns["reward"], max_response_tokens, max_prompt_tokens)
     return data
 
 
@@ -157,17 +171,20 @@ def _column(msg: dict, name: str, kind: type, n: int) -> list:
     values = _field(msg, name, list)
     if len(values) != n:
         raise SchemaError("bad_shape", f"{name}: {len(values)} values for {n} samples")
-    if kind is float:
+    types = set(map(type, values))
+    if kind is float and int in types:
         values = [float(v) if type(v) is int else v for v in values]
-    bad = next((v for v in values if type(v) is not kind), None)
-    if bad is not None:
-        raise SchemaError("bad_field", f"{name}: expected {kind.__name__} values, got {type(bad).__name__}")
+        types = set(map(type, values))
+    if types - {kind}:
+        bad = next(t for t in types if t is not kind)
+        raise SchemaError("bad_field", f"{name}: expected {kind.__name__} values, got {bad.__name__}")
     return values
 
 
-def _unpack_arrays(msg: dict, data: bytes, offset: int) -> dict[str, np.ndarray]:
-    """Read-only views on data[offset:] for the arrays described in the header msg (layout above)."""
-    arrays = {}
+def _array_counts(msg: dict, offset: int, size: int) -> dict[str, int]:
+    """Element counts of the arrays described in the header msg, checked against the message: dtypes, and
+    offset (where the arrays start) + their bytes == size (the message's length)."""
+    counts = {}
     for name, dtype in _ARRAYS.items():
         value = _field(msg, name, list)
         if not (len(value) == 2 and type(value[1]) is list and len(value[1]) == 1 and type(value[1][0]) is int
@@ -175,14 +192,13 @@ def _unpack_arrays(msg: dict, data: bytes, offset: int) -> dict[str, np.ndarray]
             raise SchemaError("bad_shape", f"{name}: expected [dtype, [n]], got {value!r}")
         if value[0] != dtype.str:
             raise SchemaError("bad_dtype", f"{name}: expected {dtype.str}, got {value[0]!r}")
-        n = value[1][0]
-        if offset + n * dtype.itemsize > len(data):
-            raise SchemaError("bad_shape", f"{name}: shape [{n}] runs past the {len(data)} bytes of the message")
-        arrays[name] = np.frombuffer(data, dtype=dtype, count=n, offset=offset)
-        offset += n * dtype.itemsize
-    if offset != len(data):
-        raise SchemaError("bad_shape", f"the message holds {len(data)} bytes, the header accounts for {offset}")
-    return arrays
+        counts[name] = value[1][0]
+        offset += counts[name] * dtype.itemsize
+        if offset > size:
+            raise SchemaError("bad_shape", f"{name}: shape [{counts[name]}] runs past the {size} bytes of the message")
+    if offset != size:
+        raise SchemaError("bad_shape", f"the message holds {size} bytes, the header accounts for {offset}")
+    return counts
 
 
 def decode_group(data: bytes, max_message_bytes: int = 64 * 1024 * 1024, max_response_tokens: int = 32768,
@@ -210,18 +226,20 @@ def decode_group(data: bytes, max_message_bytes: int = 64 * 1024 * 1024, max_res
     lens = {name: _column(msg, name, int, n) for name in ("prompt_lens", "response_lens")}
     if min(lens["prompt_lens"] + lens["response_lens"]) < 0:
         raise SchemaError("bad_shape", "prompt_lens / response_lens hold a negative length")
-    arrays = _unpack_arrays(msg, data, unpacker.tell())
-    for name, a in arrays.items():
-        if len(a) != sum(lens[_LENS[name]]):
+    counts = _array_counts(msg, unpacker.tell(), len(data))
+    for name, count in counts.items():
+        if count != sum(lens[_LENS[name]]):
             raise SchemaError("length_mismatch" if name == "logp_sparse" else "bad_shape",
-                              f"{name} holds {len(a)} values, {_LENS[name]} add up to {sum(lens[_LENS[name]])}")
+                              f"{name} holds {count} values, {_LENS[name]} add up to {sum(lens[_LENS[name]])}")
+    arrays = _views(data, unpacker.tell(), counts)
     _validate(lens, arrays, columns["reward"], max_response_tokens, max_prompt_tokens)
+    prompt_ids, response_ids, logp_sparse = arrays["prompt_ids"], arrays["response_ids"], arrays["logp_sparse"]
     samples, p0, r0 = [], 0, 0
-    for i, (p, r) in enumerate(zip(lens["prompt_lens"], lens["response_lens"])):
+    for p, r, finish_reason, reward, kv_retained_tokens, kv_peak_bytes in zip(
+            lens["prompt_lens"], lens["response_lens"], *(columns[name] for name in _SAMPLE_FIELDS)):
         samples.append(SampleRecord(
-            prompt_ids=arrays["prompt_ids"][p0:p0 + p], response_ids=arrays["response_ids"][r0:r0 + r],
-            logp_sparse=arrays["logp_sparse"][r0:r0 + r], finish_reason=columns["finish_reason"][i],
-            reward=columns["reward"][i], kv_retained_tokens=columns["kv_retained_tokens"][i],
-            kv_peak_bytes=columns["kv_peak_bytes"][i]))
+            prompt_ids=prompt_ids[p0:p0 + p], response_ids=response_ids[r0:r0 + r], logp_sparse=logp_sparse[r0:r0 + r],
+            finish_reason=finish_reason, reward=reward, kv_retained_tokens=kv_retained_tokens,
+            kv_peak_bytes=kv_peak_bytes))
         p0, r0 = p0 + p, r0 + r
     return TrajectoryGroup(**fields, samples=samples)

