@@ -38,7 +38,9 @@ def _convert_smollm2(out: Path) -> None:
     gguf = _smollm2_gguf()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    model = LlamaForCausalLM(src.config)
+    config = src.config
+    del config.quantization_config  # the weights below are plain fp32: nothing is quantized any more
+    model = LlamaForCausalLM(config)
     model.load_state_dict(src.state_dict())
     model.generation_config = src.generation_config
     tmp = out.with_name(out.name + ".tmp")
