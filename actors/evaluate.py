@@ -17,7 +17,7 @@ def evaluate(engine, tokenizer, items: list[Prompt], mode: str, compressor: Comp
 
     Returns n, accuracy (correct / n), unparseable (fraction with no extractable answer, counted apart from
     wrong ones), response_length (mean tokens) and kv_peak_bytes (mean per sequence, bytes).
-    Raises ValueError for a mode other than dense | sparse."""
+    Raises ValueError for a mode other than dense | sparse, or (SGLang) a mode other than the engine's own."""
     if mode not in ("dense", "sparse"):
         raise ValueError(f"mode={mode!r}: expected dense | sparse")
     from actors.torch_engine import TorchEngine
@@ -25,8 +25,9 @@ def evaluate(engine, tokenizer, items: list[Prompt], mode: str, compressor: Comp
     cfg = CompressorConfig(method="full") if mode == "dense" else compressor
     if isinstance(engine, TorchEngine):
         engine = TorchEngine(engine.model, tokenizer, cfg, device=str(engine.device), weight_version=engine.weight_version)
-    else:
-        engine = engine.with_compressor(cfg)
+    elif (engine.compressor_cfg.method == "full") != (mode == "dense"):  # SGLang: the backend is fixed at start
+        raise ValueError(f"mode={mode!r}: this {type(engine).__name__} was started "
+                         f"{'dense' if engine.compressor_cfg.method == 'full' else 'sparse'}; evaluate it in that mode")
     items = tokenize_prompts(items, tokenizer, *([instruction] if instruction else []))
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, n=1, seed=seed)
     statuses, lengths, kv = [], [], []

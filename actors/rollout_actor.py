@@ -43,6 +43,17 @@ def build_engine(engine_cfg, model_path: str, compressor: CompressorConfig, torc
     return TorchEngine(model, AutoTokenizer.from_pretrained(model_path), compressor, device=device)
 
 
+def expected_weights(engine):
+    """What the weight receiver checks a manifest against: the torch engine's model itself (its names include
+    tied aliases such as lm_head.weight), or the SGLang engine's (name, shape, dtype) list."""
+    if hasattr(engine, "model"):
+        return engine.model
+    expected = [(name, shape, dtype) for name, (shape, dtype) in engine.manifest.items()]
+    if engine.tied_embeddings and "lm_head.weight" not in engine.manifest:
+        expected.append(("lm_head.weight", *engine.manifest["model.embed_tokens.weight"]))
+    return expected
+
+
 class RolloutWorker:
     def __init__(self, cfg: dict, run_id: str, actor_id: str):
         from deploy.config import RunConfig  # plain dict over Ray -> typed config
@@ -86,8 +97,7 @@ class RolloutWorker:
                                            timeout_s=self.sync_timeout)
         if self.receiver.generation != generation:
             self.receiver.join_group(generation, rank, world_size)
-        # the model itself where there is one: its names include tied aliases such as lm_head.weight
-        version, tensors = self.receiver.receive(getattr(self.engine, "model", None) or self.engine.manifest())
+        version, tensors = self.receiver.receive(expected_weights(self.engine))
         with self.lock:
             self.staged = (version, tensors)
         if self.idle.is_set():  # not generating: swap now, so evaluation and waiting loops see it at once

@@ -171,6 +171,10 @@ def validate(run: RunConfig) -> None:
     check(run.broker.max_staleness >= 0, f"broker.max_staleness={run.broker.max_staleness}: expected >= 0")
     for mode in run.eval.modes:
         check(mode in ("dense", "sparse"), f"eval.modes: {mode!r} is not one of dense, sparse")
+    if run.actors.engine.backend == "sglang" and run.eval.enabled:
+        own = "dense" if run.actors.engine.compressor.method == "full" else "sparse"
+        check(list(run.eval.modes) == [own], f"eval.modes={list(run.eval.modes)}: the SGLang engine's attention backend "
+              f"is fixed when it starts, so it evaluates in its own mode only: set eval.modes=[{own}]")
 
 
 def new_run_id(run: RunConfig) -> str:

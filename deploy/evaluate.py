@@ -7,6 +7,7 @@ import json
 from actors.data import load_eval_items
 from actors.evaluate import evaluate
 from actors.rollout_actor import build_engine
+from compressors import CompressorConfig
 from deploy.config import RunConfig
 from deploy.model_cache import resolve_model
 
@@ -15,13 +16,15 @@ def evaluate_model(cfg: RunConfig, model: str, modes: list[str]) -> dict[str, fl
     """Prints and returns `eval/<mode>/<metric>` for each mode (accuracy, unparseable, response_length,
     kv_peak_bytes, n)."""
     a, e = cfg.actors, cfg.eval
-    engine = build_engine(a.engine, resolve_model(model), a.engine.compressor, a.torch_threads)
     items = load_eval_items(e.data, e.limit)
     scores = {}
-    for mode in modes:
+    for mode in modes:  # one engine per mode: SGLang fixes its attention backend when it starts
+        compressor = CompressorConfig(method="full") if mode == "dense" else a.engine.compressor
+        engine = build_engine(a.engine, resolve_model(model), compressor, a.torch_threads)
         result = evaluate(engine, engine.tokenizer, items, mode, a.engine.compressor, max_new_tokens=e.max_new_tokens,
                           temperature=e.temperature, top_p=e.top_p, batch_size=e.batch_size, seed=cfg.seed,
                           instruction=a.data.instruction)
         scores.update({f"eval/{mode}/{k}": float(v) for k, v in result.items()})
+        getattr(engine, "shutdown", lambda: None)()  # SGLang: free the GPU before the next mode's engine
     print(json.dumps(scores, indent=1))
     return scores
