@@ -96,7 +96,8 @@ class GroupProducer:
         """Encode (validating) all `groups`, then append them to the stream; returns their stream message ids,
         in order. Each transaction (up to TRANSACTION_BYTES of messages) XADDs its groups, adds their number to
         the `produced` count and reads the depth. Raises SchemaError for a bad group, ValueError when a
-        group's run_id is not this producer's run, and then publishes none of `groups`. Waits on the high
+        group's run_id is not this producer's run, and then publishes none of `groups` (a connection error
+        between two transactions leaves the earlier ones published, each counted exactly). Waits on the high
         watermark afterwards (a batch is not split by it, so one call may take the depth from
         cfg.high_watermark to cfg.high_watermark + len(groups))."""
         chunks, size = [], TRANSACTION_BYTES  # the messages of each transaction
