@@ -80,6 +80,7 @@ class Tracker:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
 
         fig, axes = plt.subplots(1, len(PLOTTED), figsize=(4 * len(PLOTTED), 3.2))
         for ax, key in zip(axes, PLOTTED):
@@ -87,6 +88,7 @@ class Tracker:
             ax.plot([s for s, _ in points], [v for _, v in points], marker="o")
             ax.set_title(key)
             ax.set_xlabel("learner step")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         fig.tight_layout()
         fig.savefig(out, dpi=100)
         plt.close(fig)
