@@ -19,7 +19,7 @@ from actors.data import load_train_prompts
 from actors.engine import SamplingParams
 from actors.reward import math_reward
 from broker.schema import SampleRecord, TrajectoryGroup
-from broker.streams import GroupProducer, connect, key, read_learner_version
+from broker.streams import GroupProducer, connect, key, queue_depth, read_learner_version
 from broker.weight_sync import WeightReceiver
 from compressors import CompressorConfig
 
@@ -67,16 +67,17 @@ class RolloutWorker:
         self.tokenizer = self.engine.tokenizer
         self.prompts = load_train_prompts(a.data, self.tokenizer, seed=self.cfg.seed)
         self.redis = connect(self.cfg.broker)
-        self.producer = GroupProducer(self.redis, self.cfg.broker, run_id)
+        self.stopping = threading.Event()
+        self.producer = GroupProducer(self.redis, self.cfg.broker, run_id, stop=self.stopping)
         l = self.cfg.learner
         self.receiver = None
         self.sync_timeout = l.weight_sync_timeout_s
         self.staged: tuple[int, list] | None = None
         self.lock = threading.Lock()
-        self.stopping = threading.Event()
         self.idle = threading.Event()
         self.idle.set()
-        self.counters = {"groups": 0, "tokens": 0, "gen_s": 0.0, "kv_peak_bytes": 0, "staleness_wait_s": 0.0}
+        self.counters = {"groups": 0, "tokens": 0, "gen_s": 0.0, "kv_peak_bytes": 0, "staleness_wait_s": 0.0,
+                         "queue_wait_s": 0.0}
         self.error = ""
         self.incarnation = uuid.uuid4().hex  # new after every (re)start: the driver rebuilds the sync group
         # The loop starts with the process, so an actor restarted by Ray (max_restarts) generates again.
@@ -137,6 +138,12 @@ class RolloutWorker:
                     return
                 self._swap()
             self.counters["staleness_wait_s"] += time.monotonic() - waited
+            waited = time.monotonic()
+            while queue_depth(self.redis, b, self.run_id) >= b.high_watermark:  # enough groups are waiting
+                if self.stopping.wait(b.backpressure_poll_s):
+                    return
+                self._swap()
+            self.counters["queue_wait_s"] += time.monotonic() - waited
             end = self.redis.incrby(key(self.run_id, PROMPT_CURSOR), a.prompts_per_batch)
             batch = [self.prompts[i % len(self.prompts)] for i in range(end - a.prompts_per_batch, end)]
             self.idle.clear()
@@ -184,7 +191,7 @@ class RolloutWorker:
         c, self.counters = self.counters, {k: 0 if isinstance(v, int) else 0.0 for k, v in self.counters.items()}
         return {"rollout_tokens_per_s": c["tokens"] / c["gen_s"] if c["gen_s"] else 0.0,
                 "rollout_groups": float(c["groups"]), "kv_peak_bytes_per_seq": float(c["kv_peak_bytes"]),
-                "actor_staleness_wait_s": c["staleness_wait_s"],
+                "actor_staleness_wait_s": c["staleness_wait_s"], "actor_queue_wait_s": c["queue_wait_s"],
                 "producer_backpressure_wait_s": float(self.producer.backpressure_wait_s)}
 
     # -- evaluation ------------------------------------------------------------------------------------------

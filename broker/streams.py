@@ -17,6 +17,7 @@ the same transaction as the XACK, and read() skips ids already there.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 from urllib.parse import urlparse
@@ -80,10 +81,12 @@ class GroupProducer:
     Backpressure: after each publish / publish_many, while the stream holds more than cfg.high_watermark
     unconsumed groups, the call waits (polling every cfg.backpressure_poll_s); `backpressure_wait_s` (total
     seconds) and `backpressure_waits` (times) make the waiting visible. Nothing is ever trimmed from the
-    stream."""
+    stream. `stop` (optional threading.Event): setting it ends a backpressure wait early (the groups are
+    already published), so a producer that is shutting down never hangs on a queue nobody reads any more."""
 
-    def __init__(self, client: redis.Redis, cfg: BrokerConfig, run_id: str):
+    def __init__(self, client: redis.Redis, cfg: BrokerConfig, run_id: str, stop: threading.Event | None = None):
         self.client, self.cfg, self.run_id = client, cfg, run_id
+        self.stop = stop or threading.Event()
         self.stream = key(run_id, cfg.stream)
         self.backpressure_wait_s = 0.0
         self.backpressure_waits = 0
@@ -126,7 +129,8 @@ class GroupProducer:
             t0 = time.monotonic()
             self.backpressure_waits += 1
             while self.client.xlen(self.stream) > self.cfg.high_watermark:
-                time.sleep(self.cfg.backpressure_poll_s)
+                if self.stop.wait(self.cfg.backpressure_poll_s):
+                    break
             self.backpressure_wait_s += time.monotonic() - t0
         return [m.decode() for m in msg_ids]
 

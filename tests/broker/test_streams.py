@@ -218,6 +218,24 @@ def test_producer_waits_above_high_watermark_and_nothing_is_trimmed(batch, redis
     assert producer.backpressure_waits >= 1 and producer.backpressure_wait_s > 0
 
 
+def test_stop_event_ends_a_backpressure_wait_without_losing_groups(redis_server, make_group):
+    cfg = BrokerConfig(url=redis_server.url, high_watermark=1, backpressure_poll_s=0.01)
+    stop = threading.Event()
+    producer = GroupProducer(connect(cfg), cfg, "run", stop=stop)
+    thread = threading.Thread(target=producer.publish_many, args=([make_group("g0"), make_group("g1")],))
+    thread.start()
+    t_end = time.monotonic() + 30
+    while producer.backpressure_waits == 0:  # nobody consumes: the producer waits on the watermark
+        assert time.monotonic() < t_end, "producer never hit the high watermark"
+        time.sleep(0.01)
+    assert thread.is_alive()
+    stop.set()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    client = connect(cfg)
+    assert queue_depth(client, cfg, "run") == 2 and run_counts(client, "run")["produced"] == 2
+
+
 @pytest.mark.parametrize("transaction_bytes", [4 << 20, 1])  # the batch in one transaction / one per group
 def test_publish_many_counts_exactly_and_publishes_all_or_nothing(transaction_bytes, redis_server, make_group,
                                                                   monkeypatch):
