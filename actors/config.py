@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from actors.engine import check_sampling
 from compressors import CompressorConfig
 
 DEFAULT_INSTRUCTION = "Solve the problem step by step. Write the final answer on the last line as '#### <number>'."
@@ -40,16 +41,8 @@ class SamplingConfig:
     """A response ends at the first token after which its text contains one of these."""
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"SamplingConfig.temperature={self.temperature}: expected >= 0")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"SamplingConfig.max_new_tokens={self.max_new_tokens}: expected >= 1")
-        if self.samples_per_prompt < 1:
-            raise ValueError(f"SamplingConfig.samples_per_prompt={self.samples_per_prompt}: expected >= 1")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingConfig.top_p={self.top_p}: expected in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError(f"SamplingConfig.top_k={self.top_k}: expected >= 0 (0 = off)")
+        check_sampling("SamplingConfig", temperature=self.temperature, max_new_tokens=self.max_new_tokens,
+                       top_p=self.top_p, top_k=self.top_k, samples_per_prompt=self.samples_per_prompt)
 
 
 def validate_training_sampling(sampling) -> None:

@@ -32,6 +32,22 @@ class SamplingParams:
     """Keep sampling past EOS until max_new_tokens or a stop string (benchmarks of fixed length)."""
 
 
+def check_sampling(owner: str, *, temperature: float, max_new_tokens: int, top_p: float, top_k: int,
+                   **counts: int) -> None:
+    """Range checks shared by SamplingParams and actors.config.SamplingConfig: temperature >= 0,
+    max_new_tokens >= 1, 0 < top_p <= 1, top_k >= 0, and each of `counts` (e.g. n) >= 1.
+
+    Raises ValueError naming every bad field as `owner.field`."""
+    checks = [(temperature >= 0, "temperature", temperature, ">= 0"),
+              (max_new_tokens >= 1, "max_new_tokens", max_new_tokens, ">= 1"),
+              (0 < top_p <= 1, "top_p", top_p, "in (0, 1]"),
+              (top_k >= 0, "top_k", top_k, ">= 0 (0 = off)")]
+    checks += [(value >= 1, name, value, ">= 1") for name, value in counts.items()]
+    bad = [f"{owner}.{name}={value}: expected {rule}" for ok, name, value, rule in checks if not ok]
+    if bad:
+        raise ValueError("; ".join(bad))
+
+
 @dataclass
 class Sample:
     """One generated response. `logp_sparse[t]` is float32, log pi_sparse(response_ids[t] | prefix)."""

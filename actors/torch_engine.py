@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from actors.engine import Sample, SamplingParams
+from actors.engine import Sample, SamplingParams, check_sampling
 from compressors import CompressorConfig, accumulate_attention, build_compressor, gather_kv
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -337,13 +337,5 @@ def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator):
 def _check_params(prompts: list[list[int]], params: SamplingParams) -> None:
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
-    if params.temperature < 0:
-        raise ValueError(f"SamplingParams.temperature={params.temperature} must be >= 0")
-    if params.max_new_tokens < 1:
-        raise ValueError(f"SamplingParams.max_new_tokens={params.max_new_tokens} must be >= 1")
-    if params.n < 1:
-        raise ValueError(f"SamplingParams.n={params.n} must be >= 1")
-    if not 0 < params.top_p <= 1:
-        raise ValueError(f"SamplingParams.top_p={params.top_p} must be in (0, 1]")
-    if params.top_k < 0:
-        raise ValueError(f"SamplingParams.top_k={params.top_k} must be >= 0 (0 = off)")
+    check_sampling("SamplingParams", temperature=params.temperature, max_new_tokens=params.max_new_tokens,
+                   top_p=params.top_p, top_k=params.top_k, n=params.n)
