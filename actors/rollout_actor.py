@@ -76,7 +76,8 @@ class RolloutWorker:
         self.lock = threading.Lock()
         self.idle = threading.Event()
         self.idle.set()
-        self.counters = {"groups": 0, "tokens": 0, "gen_s": 0.0, "kv_peak_bytes": 0, "staleness_wait_s": 0.0,
+        self.counters = {"groups": 0, "samples": 0, "correct": 0, "wrong": 0, "unparseable": 0, "tokens": 0, "gen_s": 0.0,
+                         "kv_peak_bytes": 0, "staleness_wait_s": 0.0,
                          "queue_wait_s": 0.0}
         self.error = ""
         self.incarnation = uuid.uuid4().hex  # new after every (re)start: the driver rebuilds the sync group
@@ -162,6 +163,8 @@ class RolloutWorker:
                                                 reward=reward.reward, kv_retained_tokens=s.kv_retained_tokens,
                                                 kv_peak_bytes=s.kv_peak_bytes))
                     self.counters["tokens"] += len(s.response_ids)
+                    self.counters["samples"] += 1
+                    self.counters[reward.status] += 1
                     self.counters["kv_peak_bytes"] = max(self.counters["kv_peak_bytes"], s.kv_peak_bytes)
                 groups.append(TrajectoryGroup(
                     run_id=self.run_id, group_id=uuid.uuid4().hex, prompt_id=prompt.prompt_id,
@@ -190,7 +193,10 @@ class RolloutWorker:
         """Rollout metrics since the last call: tokens/s, groups, KV peak bytes per sequence, queue waits."""
         c, self.counters = self.counters, {k: 0 if isinstance(v, int) else 0.0 for k, v in self.counters.items()}
         return {"rollout_tokens_per_s": c["tokens"] / c["gen_s"] if c["gen_s"] else 0.0,
-                "rollout_groups": float(c["groups"]), "kv_peak_bytes_per_seq": float(c["kv_peak_bytes"]),
+                "rollout_groups": float(c["groups"]),
+                "accuracy": c["correct"] / c["samples"] if c["samples"] else 0.0,
+                "unparseable_fraction": c["unparseable"] / c["samples"] if c["samples"] else 0.0,
+                "kv_peak_bytes_per_seq": float(c["kv_peak_bytes"]),
                 "actor_staleness_wait_s": c["staleness_wait_s"], "actor_queue_wait_s": c["queue_wait_s"],
                 "producer_backpressure_wait_s": float(self.producer.backpressure_wait_s)}
 

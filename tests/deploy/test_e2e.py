@@ -24,7 +24,8 @@ from deploy.config import load_config  # noqa: E402
 from deploy.driver import request_scale, train  # noqa: E402
 
 STEP_METRICS = ("rejection_rate", "mismatch_kl", "mismatch_kl_k1", "token_mask_fraction", "reward_mean",
-                "grad_norm", "staleness_mean", "learner_tokens_per_s", "weight_sync_s", "queue_depth", "actors_live")
+                "grad_norm", "staleness_mean", "learner_tokens_per_s", "weight_sync_s", "queue_depth", "actors_live",
+                "accuracy", "rollout_tokens_per_s", "kv_peak_bytes_per_seq")
 
 
 def check_accounting(summary: dict, steps: int, groups_per_step: int) -> None:
