@@ -16,7 +16,7 @@ class EngineConfig:
     dtype: str = "fp32"
     """Model and KV-cache dtype: fp32 | bf16."""
     compressor: CompressorConfig = field(default_factory=CompressorConfig)
-    """KV compression during decoding (shared/SPEC.md §5); method full = dense rollouts."""
+    """KV compression during decoding (docs/SPEC.md §5); method full = dense rollouts."""
 
     def __post_init__(self):
         if self.backend not in ("torch", "sglang"):

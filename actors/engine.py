@@ -1,6 +1,6 @@
 """The rollout-engine interface every backend implements (torch now, SGLang on GPU clusters).
 
-Token ids in, token ids out: the learner never re-tokenises text (shared/ARCHITECTURE.md, "Contracts").
+Token ids in, token ids out: the learner never re-tokenises text (docs/ARCHITECTURE.md, "Contracts").
 """
 from __future__ import annotations
 

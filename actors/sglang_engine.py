@@ -1,7 +1,7 @@
 """SGLang rollout engine (GPU clusters): `sglang.Engine` in-process, same interface as `TorchEngine`.
 
 Token ids in (`input_ids`), token ids out (`output_ids`), per-token log-probs from SGLang's sampler
-(`meta_info["output_token_logprobs"]`), so the learner never re-tokenises (shared/ARCHITECTURE.md).
+(`meta_info["output_token_logprobs"]`), so the learner never re-tokenises (docs/ARCHITECTURE.md).
 
 Log-prob semantics (read in sglang 0.5.23 `srt/layers/sampler.py`, `Sampler.forward`; checked by
 tests/sglang at temperature 0.7): for temperature > 0 SGLang divides the logits by the temperature in place,

@@ -1,6 +1,6 @@
-"""Torch rollout engine: batched sampling with a physically bounded, evicting KV cache (shared/SPEC.md §5).
+"""Torch rollout engine: batched sampling with a physically bounded, evicting KV cache (docs/SPEC.md §5).
 
-Our own forward over the Hugging Face submodules (shared/notes/kv_cache.md, option C): embed, rotary
+Our own forward over the Hugging Face submodules (docs/kv_cache.md, option C): embed, rotary
 embedding, and per layer input_layernorm, q/k/v projections, RoPE, attention over our cache, o_proj,
 post_attention_layernorm + MLP; then norm and lm_head. The cache is ours:
 

@@ -1,4 +1,4 @@
-"""Typed config of the trajectory broker (shared/ARCHITECTURE.md, "Contracts")."""
+"""Typed config of the trajectory broker (docs/ARCHITECTURE.md, "Contracts")."""
 from __future__ import annotations
 
 from dataclasses import dataclass

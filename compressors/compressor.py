@@ -1,4 +1,4 @@
-"""Decode-time KV eviction under a fixed budget (shared/SPEC.md §5): which cache slots to keep, and how.
+"""Decode-time KV eviction under a fixed budget (docs/SPEC.md §5): which cache slots to keep, and how.
 
 The engine owns the cache. Every `cfg.interval` decode steps (and after a prefill longer than the budget),
 for each layer whose cache holds more than `cfg.kv_budget` slots, it calls

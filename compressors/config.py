@@ -1,4 +1,4 @@
-"""Typed config of the KV compressors (shared/SPEC.md §5)."""
+"""Typed config of the KV compressors (docs/SPEC.md §5)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

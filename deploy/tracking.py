@@ -4,6 +4,7 @@ and the end-of-run plot. MLflow 3.x; the default store is a sqlite file in the r
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -99,4 +100,5 @@ class Tracker:
 
     def where(self) -> str:
         """How to open this run in the MLflow UI."""
-        return f"mlflow ui --backend-store-uri {self.uri} --host 127.0.0.1 --port 5000   (run id {self.run_id})"
+        mlflow_cli = Path(sys.executable).with_name("mlflow")  # the one installed beside this Python
+        return f"{mlflow_cli} ui --backend-store-uri {self.uri} --host 127.0.0.1 --port 5000   (run id {self.run_id})"

@@ -1,4 +1,4 @@
-"""Typed config of the learner: optimiser, DeepSpeed, correction (shared/SPEC.md §2), loss (§3),
+"""Typed config of the learner: optimiser, DeepSpeed, correction (docs/SPEC.md §2), loss (§3),
 checkpoints and weight sync."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sparsity-aware rejection and reweighting (shared/SPEC.md §2) and the mismatch metrics of §4.
+"""Sparsity-aware rejection and reweighting (docs/SPEC.md §2) and the mismatch metrics of §4.
 
 A pure function of tensors: no model, no engine, testable with hand-made numbers.
 """

@@ -1,5 +1,5 @@
 """The DeepSpeed learner: dense recompute of pi_old (and pi_ref), Sparse-RL correction, GRPO update
-(shared/SPEC.md §1-4). One `step` per batch of trajectory groups; each step advances the weight version.
+(docs/SPEC.md §1-4). One `step` per batch of trajectory groups; each step advances the weight version.
 
 Read `Learner.step` top to bottom: collate -> recompute logp_old/logp_ref -> correction -> advantages ->
 PPO epochs x minibatches x micro-batches -> optimizer steps -> version += 1 -> metrics.
@@ -27,7 +27,7 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def init_distributed() -> None:
     """Initialise DeepSpeed's default process group for a single learner process if nothing did yet:
     sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT (free port) when absent, gloo on CPU (with
-    DeepSpeed's shared-memory op build skipped, shared/ENVIRONMENT.md), nccl on CUDA."""
+    DeepSpeed's shared-memory op build skipped, docs/ENVIRONMENT.md), nccl on CUDA."""
     cuda = torch.cuda.is_available()
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -1,4 +1,4 @@
-"""GRPO advantages and the clipped, corrected policy loss with k3 KL (shared/SPEC.md §3).
+"""GRPO advantages and the clipped, corrected policy loss with k3 KL (docs/SPEC.md §3).
 
 Pure functions of tensors returning `(loss, metrics)`, in the style of prime-rl's loss module.
 """

@@ -16,7 +16,7 @@ PROMPTS = [[5, 17, 33, 4, 90], [7, 8, 9, 10, 11, 12, 13, 14, 15], [100, 3, 44, 2
 
 
 def tiny_model(family: str, layers: int = 2, dtype=torch.float32, seed: int = 0):
-    """Random model as in shared/notes/kv_cache.md (initializer_range 0.2: peaked attention, so eviction shows)."""
+    """Random model as in docs/kv_cache.md (initializer_range 0.2: peaked attention, so eviction shows)."""
     torch.manual_seed(seed)
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.2,

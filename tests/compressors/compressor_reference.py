@@ -1,4 +1,4 @@
-"""A loop-by-loop numpy reference of shared/SPEC.md §5, written from the formulas (float64), used only by tests.
+"""A loop-by-loop numpy reference of docs/SPEC.md §5, written from the formulas (float64), used only by tests.
 
 It shares no code with `compressors`: every (sequence, KV head) row is scored with explicit Python loops.
 """
