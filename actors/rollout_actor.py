@@ -73,9 +73,8 @@ class RolloutWorker:
         self.receiver = None
         self.sync_timeout = l.weight_sync_timeout_s
         self.staged: tuple[int, list] | None = None
-        self.lock = threading.Lock()
-        self.idle = threading.Event()
-        self.idle.set()
+        self.lock = threading.Lock()  # guards `staged`
+        self.generating = threading.Lock()  # held while the engine generates or weights are swapped in
         self.counters = {"groups": 0, "samples": 0, "correct": 0, "wrong": 0, "unparseable": 0, "tokens": 0, "gen_s": 0.0,
                          "kv_peak_bytes": 0, "staleness_wait_s": 0.0,
                          "queue_wait_s": 0.0}
@@ -102,18 +101,23 @@ class RolloutWorker:
         version, tensors = self.receiver.receive(expected_weights(self.engine))
         with self.lock:
             self.staged = (version, tensors)
-        if self.idle.is_set():  # not generating: swap now, so evaluation and waiting loops see it at once
-            self._swap()
+        self._swap(wait=False)  # swapped now if the loop is not generating, else at its next batch boundary
         return version
 
-    def _swap(self) -> None:
-        with self.lock:
-            staged, self.staged = self.staged, None
-        if staged is not None:
-            version, tensors = staged
-            self.engine.load_weights(tensors, version)
-            if self.cfg.learner.weight_sync_verify:  # per-tensor checksums of the live weights after the swap
-                self.receiver.verify(self.engine.model)
+    def _swap(self, wait: bool = True) -> None:
+        """Load the staged weights, if any, between two generate calls (never during one)."""
+        if not self.generating.acquire(blocking=wait):
+            return
+        try:
+            with self.lock:
+                staged, self.staged = self.staged, None
+            if staged is not None:
+                version, tensors = staged
+                self.engine.load_weights(tensors, version)
+                if self.cfg.learner.weight_sync_verify:  # per-tensor checksums of the live weights after the swap
+                    self.receiver.verify(self.engine.model)
+        finally:
+            self.generating.release()
 
     # -- generation loop -----------------------------------------------------------------------------------
     def _run_safely(self) -> None:
@@ -123,8 +127,6 @@ class RolloutWorker:
             import traceback
             self.error = f"{type(e).__name__}: {e}"
             traceback.print_exc()
-        finally:
-            self.idle.set()
 
     def run(self) -> None:
         """Generate -> score -> publish until stop(); one batch = prompts_per_batch prompts x G samples."""
@@ -147,11 +149,11 @@ class RolloutWorker:
             self.counters["queue_wait_s"] += time.monotonic() - waited
             end = self.redis.incrby(key(self.run_id, PROMPT_CURSOR), a.prompts_per_batch)
             batch = [self.prompts[i % len(self.prompts)] for i in range(end - a.prompts_per_batch, end)]
-            self.idle.clear()
-            version = self.engine.weight_version
             params.seed = self.cfg.seed * 1_000_003 + end
             start = time.monotonic()
-            outputs = self.engine.generate([p.prompt_ids for p in batch], params)
+            with self.generating:  # weights stay fixed for the whole batch
+                version = self.engine.weight_version
+                outputs = self.engine.generate([p.prompt_ids for p in batch], params)
             self.counters["gen_s"] += time.monotonic() - start
             groups = []
             for prompt, samples in zip(batch, outputs):
@@ -173,7 +175,6 @@ class RolloutWorker:
                     samples=records, actor_id=self.actor_id, created_at=time.time()))
             self.producer.publish_many(groups)  # one transaction for the batch
             self.counters["groups"] += len(groups)
-            self.idle.set()
 
     def stop_generation(self) -> None:
         """Finish the current batch (its groups are published), then leave the loop."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -44,8 +43,7 @@ def train(cfg: RunConfig) -> dict:
         start_ray(cfg)
         stack.callback(ray.shutdown)
         tracker = Tracker(cfg.mlflow.tracking_uri, cfg.mlflow.experiment, run_id, run_dir)
-        stack.callback(lambda: tracker.end("FAILED") if not done else None)
-        done = False
+        stack.callback(tracker.end, "FAILED")  # no-op once the run ended FINISHED
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         tracker.log_params(to_dict(cfg))
         tracker.log_artifact(run_dir / "config.yaml")
@@ -78,8 +76,7 @@ def train(cfg: RunConfig) -> dict:
         summary = {"run_id": run_id, "run_dir": str(run_dir), "mlflow_uri": tracker.uri,
                    "mlflow_run_id": tracker.run_id, **metrics, **scores, "accounting": accounting}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        tracker.end()
-        done = True
+        tracker.end("FINISHED")
         console.finish(run_dir, tracker.where())
     return summary
 

@@ -56,6 +56,7 @@ class Tracker:
         self.client = MlflowClient(self.uri)
         self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
         self.history: dict[str, list[tuple[int, float]]] = {}
+        self.ended = False
 
     def log_params(self, resolved: dict) -> None:
         params = [Param(k, v) for k, v in public_params(resolved).items()]
@@ -95,8 +96,11 @@ class Tracker:
         plt.close(fig)
         return out
 
-    def end(self, status: str = "FINISHED") -> None:
-        self.client.set_terminated(self.run_id, status)
+    def end(self, status: str) -> None:
+        """Mark the run FINISHED / FAILED / KILLED; only the first call counts."""
+        if not self.ended:
+            self.ended = True
+            self.client.set_terminated(self.run_id, status)
 
     def where(self) -> str:
         """How to open this run in the MLflow UI."""
