@@ -19,8 +19,8 @@ class Console:
         self.out.print(f"run directory: {run_dir}\nredis: {redis_url}\nMLflow: {mlflow_where}")
         self.out.print(f"scale actors while it runs: sparse-rl scale --run {run_id} --actors N --redis {redis_url}")
 
-    def step(self, step: int, total: int, metrics: dict) -> None:
-        parts = [f"[bold]step {step}/{total}[/]"]
+    def step(self, step: int, total: int, version: int, metrics: dict) -> None:
+        parts = [f"[bold]step {step}/{total}[/] (version {version})"]
         for label, name, fmt in COLUMNS:
             if name in metrics:
                 parts.append(f"{label} {fmt.format(metrics[name])}")

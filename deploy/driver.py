@@ -62,15 +62,16 @@ def train(cfg: RunConfig) -> dict:
             pool.scale(int(redis.get(key(run_id, SCALE_KEY)) or cfg.actors.count))  # also replaces dead actors
             metrics.update(pool.sync_weights())
             metrics.update(pool.metrics())
-            tracker.log_metrics(metrics, step)
-            console.step(step, cfg.train.steps, metrics)
+            version = int(metrics["version"])  # MLflow step = weight version: continues after a resume
+            tracker.log_metrics(metrics, version)
+            console.step(step, cfg.train.steps, version, metrics)
         ray.get(learner.save_final.remote(str(run_dir / "final")))
         pool.stop_generation()  # the last batches are published; from here the counts are final
         accounting = {**run_counts(redis, run_id), "left_in_queue": queue_depth(redis, cfg.broker, run_id),
                       "learner_version": int(metrics["version"]), "actor_versions": pool.versions()}
 
         scores = pool.evaluate() if cfg.eval.enabled else {}
-        tracker.log_metrics(scores, cfg.train.steps)
+        tracker.log_metrics(scores, version)
         console.eval(scores)
         tracker.log_artifact(tracker.plot(run_dir / "training.png"))
         summary = {"run_id": run_id, "run_dir": str(run_dir), "mlflow_uri": tracker.uri,
@@ -146,6 +147,8 @@ class ActorPool:
                 state = ray.get(ref, timeout=self.cfg.learner.weight_sync_timeout_s)
                 if not state["loop_alive"]:
                     raise RuntimeError(state["error"] or "generation loop stopped")
+                if self.incarnations.get(i, state["incarnation"]) != state["incarnation"]:
+                    print(f"rollout actor {i} was restarted by Ray (new process); it rejoins at this weight sync")
                 self.incarnations[i] = state["incarnation"]
                 ok.append(i)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, RuntimeError) as e:
