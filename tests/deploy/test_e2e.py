@@ -97,3 +97,16 @@ def test_actors_scaled_and_killed_while_learner_steps(tmp_path, redis_server):
     assert len(summary["accounting"]["actor_versions"]) == 2
     live = [m.value for m in MlflowClient(summary["mlflow_uri"]).get_metric_history(summary["mlflow_run_id"], "actors_live")]
     assert live[0] == 1 and max(live) == 3 and live[-1] == 2
+
+
+@pytest.mark.timeout(900)
+def test_resume_from_checkpoint_continues_versions(tmp_path, redis_server):
+    common = [f"run_dir={tmp_path}", "train.steps=2", "eval.enabled=false", "learner.weight_sync_timeout_s=60"]
+    first = train(load_config("tiny", common + [f"broker.url={redis_server.url}", "learner.checkpoint_interval=1"]))
+    ckpt = f"{first['run_dir']}/checkpoints"
+    second = train(load_config("tiny", common + [f"learner.checkpoint_dir={ckpt}"]))  # embedded Redis this time
+
+    assert second["accounting"]["learner_version"] == 4
+    assert set(second["accounting"]["actor_versions"].values()) == {4}
+    history = MlflowClient(second["mlflow_uri"]).get_metric_history(second["mlflow_run_id"], "rejection_rate")
+    assert [m.step for m in history] == [3, 4]
