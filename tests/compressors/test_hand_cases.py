@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-import pytest
 import torch
 
 from compressor_reference import keep as reference_keep
