@@ -27,7 +27,10 @@ def test_config_errors_name_the_field(fields, name):
 
 
 def test_h2o_and_sinks_fields_only_checked_for_their_method():
-    build_compressor(CompressorConfig(method="snapkv", kv_budget=16, window=8))  # h2o_recent=64 irrelevant
+    # h2o_recent=64 > kv_budget=16 is irrelevant to snapkv, and fatal to h2o
+    assert build_compressor(CompressorConfig(method="snapkv", kv_budget=16, window=8)).cfg.method == "snapkv"
+    with pytest.raises(ValueError, match="h2o_recent"):
+        build_compressor(CompressorConfig(method="h2o", kv_budget=16, window=8))
 
 
 def rkv(**kw):
