@@ -49,13 +49,16 @@ def validate_training_sampling(sampling) -> None:
     """Training rollouts sample from the full softmax: truncated sampling makes logp_sparse incomparable with
     the learner's pi_old (SPEC §3). `sampling`: a SamplingConfig or actors.engine.SamplingParams.
 
-    Raises ValueError naming top_p if it is not 1, top_k if it is not 0, temperature if it is not > 0."""
+    Raises ValueError naming `<class>.top_p` if it is not 1, `<class>.top_k` if it is not 0,
+    `<class>.temperature` if it is not > 0 (<class>: SamplingConfig or SamplingParams)."""
+    owner = type(sampling).__name__
     if sampling.top_p != 1.0:
-        raise ValueError(f"top_p={sampling.top_p}: training rollouts require top_p = 1.0 (set it only for evaluation)")
+        raise ValueError(f"{owner}.top_p={sampling.top_p}: training rollouts require top_p = 1.0 "
+                         "(set it only for evaluation)")
     if sampling.top_k != 0:
-        raise ValueError(f"top_k={sampling.top_k}: training rollouts require top_k = 0 (off)")
+        raise ValueError(f"{owner}.top_k={sampling.top_k}: training rollouts require top_k = 0 (off)")
     if sampling.temperature <= 0:
-        raise ValueError(f"temperature={sampling.temperature}: training rollouts require temperature > 0 "
+        raise ValueError(f"{owner}.temperature={sampling.temperature}: training rollouts require temperature > 0 "
                          "(greedy decoding has no sampling distribution to correct)")
 
 

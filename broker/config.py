@@ -37,3 +37,19 @@ class BrokerConfig:
     max_staleness: int = 1
     """Largest accepted learner_version - weight_version when a group is taken off the stream; older
     groups are dropped and counted. 0 = on-policy only (the paper's synchronous setting)."""
+
+    def __post_init__(self):
+        """Raise ValueError naming every bad field as `BrokerConfig.<field>=<value>: expected ...`."""
+        checks = [
+            (self.max_message_bytes >= 1, "max_message_bytes", "expected >= 1"),
+            (self.max_response_tokens >= 1, "max_response_tokens", "expected >= 1"),
+            (self.max_prompt_tokens >= 1, "max_prompt_tokens", "expected >= 1"),
+            (self.high_watermark >= 1, "high_watermark", "expected >= 1"),
+            (self.backpressure_poll_s > 0, "backpressure_poll_s", "expected > 0"),
+            (self.block_ms >= 0, "block_ms", "expected >= 0 (0 = block until a group arrives)"),
+            (self.claim_min_idle_ms >= 1, "claim_min_idle_ms", "expected >= 1"),
+            (self.max_staleness >= 0, "max_staleness", "expected >= 0"),
+        ]
+        errors = [f"BrokerConfig.{name}={getattr(self, name)!r}: {rule}" for ok, name, rule in checks if not ok]
+        if errors:
+            raise ValueError("; ".join(errors))

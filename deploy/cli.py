@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="run the actor-learner training job")
-    train.add_argument("--config", default="smollm2-gsm8k", help="preset name in configs/ or a YAML path")
+    train.add_argument("--config", default="smollm2-gsm8k", help="preset name in deploy/configs/ or a YAML path")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actors.count=3 learner.lr=2e-6")
 
     ev = sub.add_parser("eval", help="score a model or checkpoint on a prompt set, dense or sparse")
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     scale.add_argument("--redis", default="", help="Redis URL of the run (printed by `sparse-rl train`)")
 
     args = parser.parse_args(argv)
-    from deploy.config import ConfigError, load_config
+    from deploy.config import ConfigError, check_model, load_config
 
     try:
         if args.command == "train":
@@ -43,8 +43,10 @@ def main(argv: list[str] | None = None) -> int:
             run_train(load_config(args.config, args.overrides))
         elif args.command == "eval":
             from deploy.evaluate import evaluate_model
-            cfg = load_config(args.config, args.overrides)
-            evaluate_model(cfg, args.model, args.mode or list(cfg.eval.modes))
+            cfg = load_config(args.config, args.overrides, check_files=False)  # the model is --model
+            cfg.model = os.path.expanduser(args.model)
+            check_model(cfg.model)
+            evaluate_model(cfg, cfg.model, args.mode or list(cfg.eval.modes))
         else:
             from deploy.driver import request_scale
             request_scale(args.run, args.actors, args.redis)

@@ -6,7 +6,10 @@ validated at start with errors that name the field.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import time
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,9 +18,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 from actors.config import DataConfig, EngineConfig, SamplingConfig
 from broker.config import BrokerConfig
+from deploy.model_cache import SMOLLM2, TINY_LLAMA
 from learner.config import LearnerConfig
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+"""The YAML presets, shipped inside the package (the repository's top-level `configs` links here)."""
+PRESET_MODELS = (SMOLLM2, TINY_LLAMA)
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 class ConfigError(ValueError):
@@ -105,7 +112,11 @@ class RunConfig:
     run_dir: str = "runs"
     """Parent directory of run directories (checkpoints, mlflow.db, plots, the resolved config)."""
     model: str = MISSING
-    """Hugging Face directory, or a preset model built on first use: smollm2-135m-instruct | tiny-llama."""
+    """A local Hugging Face model directory (with config.json; `~` is expanded), or a preset model built on
+    first use: smollm2-135m-instruct | tiny-llama. Checked at start: a path that does not exist or has no
+    config.json fails naming `model`. A value shaped like a hub id, `org/name` (no leading '/', '.' or '~',
+    exactly one '/', and no such local path), is let through unchecked for clusters with hub access:
+    transformers downloads it on every node that loads it, and fails there when the hub is unreachable."""
     seed: int = 0
     """Seed of prompt order and sampling."""
     ray: RayConfig = field(default_factory=RayConfig)
@@ -117,8 +128,34 @@ class RunConfig:
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
 
+def _mount_points(cls: type = RunConfig, prefix: str = "") -> dict[type, str]:
+    """{component config class: its dotted path in RunConfig}, e.g. {LearnerConfig: "learner",
+    SamplingConfig: "actors.sampling", CompressorConfig: "actors.engine.compressor", ...}."""
+    hints = typing.get_type_hints(cls)
+    found: dict[type, str] = {}
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            found[kind] = f"{prefix}{f.name}"  # each component class is mounted once
+            found.update(_mount_points(kind, f"{prefix}{f.name}."))
+    return found
+
+
+# How components name their fields in errors -> the dotted path the user types. Components do not know where
+# they are mounted: they write `LearnerConfig.eps=...`; CompressorConfig.validate writes `compressor.<field>`.
+_FIELD_OWNERS = {cls.__name__: path for cls, path in _mount_points().items()}
+_FIELD_OWNERS["compressor"] = _FIELD_OWNERS["CompressorConfig"]
+_FIELD_OWNER = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, _FIELD_OWNERS)) + r")\.(?=\w)")
+
+
+def dotted_names(message: str) -> str:
+    """A component's error message with its field names as the user types them:
+    "LearnerConfig.eps=-1.0: expected 0 < eps < 1" -> "learner.eps=-1.0: expected 0 < eps < 1"."""
+    return _FIELD_OWNER.sub(lambda m: _FIELD_OWNERS[m.group(1)] + ".", message)
+
+
 def preset_path(name_or_path: str) -> Path:
-    """A YAML path, or the name of a preset in configs/ ("tiny", "smollm2-gsm8k", "qwen2.5-math")."""
+    """A YAML path, or the name of a preset in deploy/configs/ ("tiny", "smollm2-gsm8k", "qwen2.5-math")."""
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") and path.exists():
         return path
@@ -129,10 +166,12 @@ def preset_path(name_or_path: str) -> Path:
     raise ConfigError(f"config {name_or_path!r}: no such file, and not a preset (presets: {', '.join(names)})")
 
 
-def load_config(name_or_path: str, overrides: list[str] = ()) -> RunConfig:
+def load_config(name_or_path: str, overrides: list[str] = (), *, check_files: bool = True) -> RunConfig:
     """Compose RunConfig defaults <- preset YAML <- dotted overrides, then validate every section.
 
-    Raises ConfigError naming the field (unknown key, wrong type, value out of range)."""
+    check_files=False skips the checks of files the run reads (the model directory): for composing a config
+    meant for another machine (the presets and manifests of a cluster).
+    Raises ConfigError naming the dotted field (unknown key, wrong type, value out of range, missing model)."""
     try:
         cfg = OmegaConf.structured(RunConfig)
         cfg = OmegaConf.merge(cfg, OmegaConf.load(preset_path(name_or_path)))
@@ -142,13 +181,35 @@ def load_config(name_or_path: str, overrides: list[str] = ()) -> RunConfig:
         key = getattr(e, "full_key", None)
         raise ConfigError(f"config field {key}: {str(getattr(e, 'msg', e)).splitlines()[0]}" if key else f"config: {e}") from None
     except ValueError as e:  # a component's __post_init__ check
-        raise ConfigError(f"config: {e}") from None
-    validate(run)
+        raise ConfigError(dotted_names(str(e))) from None
+    run.model = os.path.expanduser(run.model)
+    validate(run, check_files=check_files)
     return run
 
 
-def validate(run: RunConfig) -> None:
-    """Checks that span components; each component validates its own fields on construction."""
+def check_model(model: str) -> None:
+    """Raise ConfigError naming `model` unless it is a preset model, a directory with config.json, or shaped
+    like a hub id (see RunConfig.model)."""
+    if model in PRESET_MODELS:
+        return
+    expected = f"expected a local Hugging Face model directory containing config.json, or a preset model " \
+               f"({' | '.join(PRESET_MODELS)})"
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return
+        raise ConfigError(f"model={model!r}: the directory has no config.json; {expected}")
+    if path.exists():
+        raise ConfigError(f"model={model!r}: a file, not a directory; {expected}")
+    if not model.startswith(("/", ".", "~")) and _HUB_ID.fullmatch(model):
+        return  # a hub id (org/name), for clusters with hub access
+    raise ConfigError(f"model={model!r}: no such directory; {expected}, or a hub id org/name on a machine with "
+                      "Hugging Face hub access")
+
+
+def validate(run: RunConfig, *, check_files: bool = True) -> None:
+    """Checks that span components, and the model (unless check_files=False, see load_config); each
+    component validates its own fields on construction."""
     from actors.config import validate_training_sampling
     from compressors import build_compressor
 
@@ -156,19 +217,17 @@ def validate(run: RunConfig) -> None:
         if not ok:
             raise ConfigError(message)
 
+    if check_files:
+        check_model(run.model)
     try:
         build_compressor(run.actors.engine.compressor)
-    except ValueError as e:
-        raise ConfigError(f"actors.engine.compressor: {e}") from None
-    try:
         validate_training_sampling(run.actors.sampling)
     except ValueError as e:
-        raise ConfigError(f"actors.sampling: {e}") from None
+        raise ConfigError(dotted_names(str(e))) from None
     check(run.actors.count >= 1, f"actors.count={run.actors.count}: expected >= 1")
     check(run.actors.prompts_per_batch >= 1, f"actors.prompts_per_batch={run.actors.prompts_per_batch}: expected >= 1")
     check(run.train.steps >= 1, f"train.steps={run.train.steps}: expected >= 1")
     check(run.train.groups_per_step >= 1, f"train.groups_per_step={run.train.groups_per_step}: expected >= 1")
-    check(run.broker.max_staleness >= 0, f"broker.max_staleness={run.broker.max_staleness}: expected >= 0")
     for mode in run.eval.modes:
         check(mode in ("dense", "sparse"), f"eval.modes: {mode!r} is not one of dense, sparse")
     if run.actors.engine.backend == "sglang" and run.eval.enabled:

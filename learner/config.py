@@ -86,23 +86,23 @@ class LearnerConfig:
     """Seed of the minibatch shuffling generator."""
 
     def __post_init__(self):
+        """Raise ValueError naming every bad field as `LearnerConfig.<field>=<value>: expected ...`."""
         checks = [
-            (self.rejection in REJECTIONS, f"rejection={self.rejection!r}: expected one of {REJECTIONS}"),
-            (self.correction in CORRECTIONS, f"correction={self.correction!r}: expected one of {CORRECTIONS}"),
-            (self.dtype in DTYPES, f"dtype={self.dtype!r}: expected one of {DTYPES}"),
-            (self.weight_sync_backend in BACKENDS,
-             f"weight_sync_backend={self.weight_sync_backend!r}: expected one of {BACKENDS}"),
-            (self.zero_stage in (0, 1, 2, 3), f"zero_stage={self.zero_stage}: expected 0, 1, 2 or 3"),
-            (self.ppo_epochs >= 1, f"ppo_epochs={self.ppo_epochs}: expected >= 1"),
-            (self.micro_batch_size >= 1, f"micro_batch_size={self.micro_batch_size}: expected >= 1"),
-            (self.minibatch_size >= 0, f"minibatch_size={self.minibatch_size}: expected >= 0"),
-            (self.kl_coef >= 0, f"kl_coef={self.kl_coef}: expected >= 0"),
-            (0 < self.eps < 1, f"eps={self.eps}: expected 0 < eps < 1"),
-            (self.tis_cap > 0, f"tis_cap={self.tis_cap}: expected > 0"),
-            (self.token_mask_bounds[0] < self.token_mask_bounds[1],
-             f"token_mask_bounds={self.token_mask_bounds}: expected low < high"),
-            (self.geo_bounds[0] < self.geo_bounds[1], f"geo_bounds={self.geo_bounds}: expected low < high"),
+            (self.lr >= 0, "lr", "expected >= 0"),
+            (self.rejection in REJECTIONS, "rejection", f"expected one of {REJECTIONS}"),
+            (self.correction in CORRECTIONS, "correction", f"expected one of {CORRECTIONS}"),
+            (self.dtype in DTYPES, "dtype", f"expected one of {DTYPES}"),
+            (self.weight_sync_backend in BACKENDS, "weight_sync_backend", f"expected one of {BACKENDS}"),
+            (self.zero_stage in (0, 1, 2, 3), "zero_stage", "expected 0, 1, 2 or 3"),
+            (self.ppo_epochs >= 1, "ppo_epochs", "expected >= 1"),
+            (self.micro_batch_size >= 1, "micro_batch_size", "expected >= 1"),
+            (self.minibatch_size >= 0, "minibatch_size", "expected >= 0"),
+            (self.kl_coef >= 0, "kl_coef", "expected >= 0"),
+            (0 < self.eps < 1, "eps", "expected 0 < eps < 1"),
+            (self.tis_cap > 0, "tis_cap", "expected > 0"),
+            (self.token_mask_bounds[0] < self.token_mask_bounds[1], "token_mask_bounds", "expected low < high"),
+            (self.geo_bounds[0] < self.geo_bounds[1], "geo_bounds", "expected low < high"),
         ]
-        errors = [msg for ok, msg in checks if not ok]
+        errors = [f"LearnerConfig.{name}={getattr(self, name)!r}: {rule}" for ok, name, rule in checks if not ok]
         if errors:
-            raise ValueError("LearnerConfig: " + "; ".join(errors))
+            raise ValueError("; ".join(errors))

@@ -57,15 +57,16 @@ def test_gsm8k_jsonl_source_and_bad_rows(tmp_path, tokenizer):
 
 def test_training_sampling_rejects_truncation():
     validate_training_sampling(SamplingConfig())
-    with pytest.raises(ValueError, match="top_p"):
+    with pytest.raises(ValueError, match=r"^SamplingConfig\.top_p=0\.95: "):
         validate_training_sampling(SamplingConfig(top_p=0.95))
-    with pytest.raises(ValueError, match="top_k"):
+    with pytest.raises(ValueError, match=r"^SamplingParams\.top_k=50: "):
         validate_training_sampling(SamplingParams(top_k=50))
-    with pytest.raises(ValueError, match="temperature"):
+    with pytest.raises(ValueError, match=r"^SamplingConfig\.temperature=0\.0: "):
         validate_training_sampling(SamplingConfig(temperature=0.0))
-    with pytest.raises(ValueError, match="samples_per_prompt"):
+    # every component message names the field as <Class>.<field>; deploy/config.py maps it to the dotted key
+    with pytest.raises(ValueError, match=r"^SamplingConfig\.samples_per_prompt=0: "):
         SamplingConfig(samples_per_prompt=0)
-    with pytest.raises(ValueError, match="backend"):
+    with pytest.raises(ValueError, match=r"^EngineConfig\.backend='vllm': "):
         EngineConfig(backend="vllm")
-    with pytest.raises(ValueError, match="path"):
+    with pytest.raises(ValueError, match=r"^DataConfig\.path is required"):
         DataConfig(source="gsm8k_jsonl")

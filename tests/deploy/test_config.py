@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,8 +12,15 @@ from deploy.config import CONFIG_DIR, ConfigError, load_config
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
 def test_every_preset_loads(preset):
-    cfg = load_config(preset)
+    cfg = load_config(preset, check_files=False)  # the qwen presets name /models/..., a cluster's volume
     assert cfg.model and cfg.actors.count >= 1
+
+
+def test_presets_ship_in_the_package():
+    import deploy
+
+    assert CONFIG_DIR == Path(deploy.__file__).parent / "configs"
+    assert {"tiny", "smollm2-gsm8k", "qwen2.5-math"} <= {p.stem for p in CONFIG_DIR.glob("*.yaml")}
 
 
 def test_overrides_apply():
@@ -41,6 +49,68 @@ def test_main_job_defaults():
 def test_bad_config_names_the_field(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         load_config("tiny", [override])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("learner.eps=-1", "learner.eps=-1.0: expected 0 < eps < 1"),
+    ("learner.lr=-1e-6", "learner.lr=-1e-06: expected >= 0"),
+    ("actors.sampling.temperature=-1", "actors.sampling.temperature=-1.0: expected >= 0"),
+    ("actors.sampling.temperature=0", "actors.sampling.temperature=0.0: training rollouts require temperature > 0"),
+    ("actors.sampling.top_p=0.9", "actors.sampling.top_p=0.9: training rollouts require top_p = 1.0"),
+    ("actors.engine.dtype=fp16", "actors.engine.dtype='fp16': expected fp32 | bf16"),
+    ("actors.data.source=hf", "actors.data.source='hf': expected reasoning_gym | gsm8k_jsonl"),
+    ("actors.data.source=gsm8k_jsonl", "actors.data.path is required when actors.data.source is gsm8k_jsonl"),
+    ("broker.high_watermark=0", "broker.high_watermark=0: expected >= 1"),
+    ("broker.max_staleness=-1", "broker.max_staleness=-1: expected >= 0"),
+    ("actors.engine.compressor.kv_budget=8",
+     "actors.engine.compressor.kv_budget=8 must be > actors.engine.compressor.window=8"),
+])
+def test_component_errors_name_the_dotted_field(override, message):
+    """Components name their own fields (LearnerConfig.eps, compressor.kv_budget); the run config reports
+    the dotted name the user typed, and no class name."""
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", [override])
+    assert str(err.value).startswith(message)
+    assert "Config" not in str(err.value) and "SamplingParams" not in str(err.value)
+
+
+def test_lr_zero_is_allowed():
+    assert load_config("tiny", ["learner.lr=0"]).learner.lr == 0  # a control run: the weights stay fixed
+
+
+@pytest.mark.parametrize("model, reason", [
+    ("/missing/path", "no such directory"),
+    ("./missing", "no such directory"),
+    ("~/no-such-sparse-rl-model", "no such directory"),
+    ("tiny_llama", "no such directory"),  # a misspelt preset is not a hub id (no org/)
+    ("runs/x/final", "no such directory"),
+    ("{empty_dir}", "no config.json"),
+    ("{file}", "not a directory"),
+])
+def test_bad_model_names_the_field(model, reason, tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "weights.bin").write_bytes(b"")
+    model = model.format(empty_dir=tmp_path / "empty", file=tmp_path / "weights.bin")
+    with pytest.raises(ConfigError, match=f"^model=.*{reason}.*config.json, or a preset model "
+                                          r"\(smollm2-135m-instruct \| tiny-llama\)"):
+        load_config("tiny", [f"model={model}"])
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "smollm2-135m-instruct", "{hf_dir}", "Qwen/Qwen2.5-1.5B"])
+def test_good_model_passes(model, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    model = model.format(hf_dir=tmp_path)
+    assert load_config("tiny", [f"model={model}"]).model == model
+
+
+@pytest.mark.parametrize("command", [["train", "--config", "tiny", "model=/missing/path"],
+                                     ["eval", "--config", "qwen2.5-math", "--model", "/missing/path"]])
+def test_cli_missing_model_exits_2_before_starting_anything(command, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "deploy.cli", *command, f"run_dir={tmp_path / 'runs'}"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "sparse-rl: bad config: model='/missing/path': no such directory" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "runs").exists()
 
 
 def test_cli_bad_config_exits_2_naming_the_field():

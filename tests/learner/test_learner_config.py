@@ -1,0 +1,24 @@
+"""LearnerConfig checks its fields on construction, naming each bad one as `LearnerConfig.<field>`."""
+from __future__ import annotations
+
+import pytest
+
+from learner.config import LearnerConfig
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(lr=-1e-6), "LearnerConfig.lr=-1e-06: expected >= 0"),
+    (dict(eps=0.0), "LearnerConfig.eps=0.0: expected 0 < eps < 1"),
+    (dict(dtype="fp16"), "LearnerConfig.dtype='fp16': expected one of ('fp32', 'bf16')"),
+    (dict(geo_bounds=(2.0, 0.5)), "LearnerConfig.geo_bounds=(2.0, 0.5): expected low < high"),
+    (dict(eps=2.0, zero_stage=4),
+     "LearnerConfig.zero_stage=4: expected 0, 1, 2 or 3; LearnerConfig.eps=2.0: expected 0 < eps < 1"),
+])
+def test_bad_field_is_named(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        LearnerConfig(**kwargs)
+    assert str(err.value) == message
+
+
+def test_lr_zero_is_allowed():
+    assert LearnerConfig(lr=0.0).lr == 0.0  # a control run: the weights stay fixed
