@@ -65,12 +65,20 @@ def validate_training_sampling(sampling) -> None:
 @dataclass
 class DataConfig:
     source: str = "reasoning_gym"
-    """Training prompts: reasoning_gym (generated, see `tasks`) | gsm8k_jsonl (a file in GSM8K shape, `path`)."""
+    """Training prompts: reasoning_gym (generated, see `tasks`) | gsm8k_jsonl (a file in GSM8K shape, `path`) |
+    function (a task generator of your own, `function`)."""
     tasks: list[str] = field(default_factory=lambda: ["basic_arithmetic", "gsm_symbolic"])
     """reasoning-gym dataset names, mixed in equal parts (e.g. basic_arithmetic, gsm_symbolic)."""
     task_options: dict[str, dict] = field(default_factory=dict)
     """Per reasoning-gym task, keyword arguments of its dataset config, e.g. {basic_arithmetic: {max_terms: 2,
     max_digits: 2, operators: [+, -]}} for problems a small model can sometimes solve."""
+    function: str = ""
+    """For source function: "package.module:function", called as `function(size=..., seed=..., **function_options)`
+    and returning a list of dicts with `question` and `answer` (str) and optional `metadata` (dict, passed to
+    the reward function with the item) and `id`. Synthetic tasks shipped: actors.tasks:copy_numbers,
+    actors.tasks:digits (see actors/tasks.py)."""
+    function_options: dict = field(default_factory=dict)
+    """Keyword arguments of `function` (e.g. {count: 12})."""
     path: str = ""
     """GSM8K-shape JSONL (`question`, `answer` ending in '#### N') for source gsm8k_jsonl."""
     size: int = 512
@@ -79,8 +87,10 @@ class DataConfig:
     """Appended to every question in the user turn of the chat template."""
 
     def __post_init__(self):
-        if self.source not in ("reasoning_gym", "gsm8k_jsonl"):
-            raise ValueError(f"DataConfig.source={self.source!r}: expected reasoning_gym | gsm8k_jsonl")
+        if self.source not in ("reasoning_gym", "gsm8k_jsonl", "function"):
+            raise ValueError(f"DataConfig.source={self.source!r}: expected reasoning_gym | gsm8k_jsonl | function")
+        if self.source == "function" and not self.function:
+            raise ValueError("DataConfig.function is required when DataConfig.source is function")
         if self.source == "gsm8k_jsonl" and not self.path:
             raise ValueError("DataConfig.path is required when DataConfig.source is gsm8k_jsonl")
         if self.source == "reasoning_gym" and not self.tasks:

@@ -1,11 +1,13 @@
 """Prompt data in the GSM8K shape (`question`, `answer` ending in '#### N'), chat-templated to token ids.
 
 Sources: a GSM8K JSONL file (e.g. the 100 real GSM8K test items vendored in actors/data/gsm8k_test.jsonl,
-see actors/data/SOURCE.md) and reasoning-gym generators (basic_arithmetic, gsm_symbolic, ...), whose items are
-converted to the same shape. Nothing is downloaded.
+see actors/data/SOURCE.md), reasoning-gym generators (basic_arithmetic, gsm_symbolic, ...), whose items are
+converted to the same shape, and a user's own task generator (`DataConfig.function`, e.g. the synthetic tasks
+in actors/tasks.py). Nothing is downloaded.
 """
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +30,8 @@ class Prompt:
     """Gold final answer (the text after '####', commas removed), compared by actors.reward.math_reward."""
     prompt_ids: list[int] = field(default_factory=list)
     """Chat-templated token ids of the question + instruction ([] until `tokenize_prompts`)."""
+    metadata: dict = field(default_factory=dict)
+    """Task-specific data for a custom reward function (e.g. the list of numbers to copy); {} otherwise."""
 
 
 def read_gsm8k_jsonl(path: str | Path, name: str | None = None, limit: int = 0) -> list[Prompt]:
@@ -70,6 +74,62 @@ def reasoning_gym_problems(tasks: list[str], size: int, seed: int,
     return out
 
 
+def load_task_function(spec: str):
+    """The task generator named by `spec` ("package.module:function").
+
+    Raises ValueError starting with `data.function=<spec>:` if it cannot be imported or is not callable."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"data.function={spec!r}: expected 'package.module:function'")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr, None)
+    except Exception as e:
+        raise ValueError(f"data.function={spec!r}: cannot import module {module_name!r} ({type(e).__name__}: {e})") from None
+    if not callable(fn):
+        raise ValueError(f"data.function={spec!r}: module {module_name!r} has no callable {attr!r}")
+    return fn
+
+
+def task_problems(spec: str, size: int, seed: int, options: dict | None = None) -> list[Prompt]:
+    """`size` problems from a task generator `fn(size: int, seed: int, **options) -> list[dict]`, each dict with
+    `question` (str), `answer` (str) and optionally `metadata` (dict) and `id` (str).
+
+    Raises ValueError naming the function and item for an item without a string question and answer."""
+    fn = load_task_function(spec)
+    out = []
+    for i, item in enumerate(fn(size=size, seed=seed, **dict(options or {}))):
+        if not isinstance(item.get("question"), str) or not isinstance(item.get("answer"), str):
+            raise ValueError(f"data.function={spec!r}: item {i} needs string fields 'question' and 'answer'")
+        pid = item.get("id") or f"{spec.rpartition(':')[2]}-s{seed}-{i:04d}"
+        out.append(Prompt(pid, item["question"], item["answer"], metadata=dict(item.get("metadata") or {})))
+    return out
+
+
+def _problems(cfg: DataConfig, size: int, seed: int) -> list[Prompt]:
+    if cfg.source == "gsm8k_jsonl":
+        return read_gsm8k_jsonl(cfg.path, limit=size)
+    if cfg.source == "function":
+        return task_problems(cfg.function, size, seed, cfg.function_options)
+    return reasoning_gym_problems(list(cfg.tasks), size, seed, cfg.task_options)
+
+
+def held_out_problems(cfg: DataConfig, size: int, seed: int) -> list[Prompt]:
+    """`size` problems of the training task that are not among the training prompts: drawn with another seed
+    (seed + 1_000_003) and filtered against the training questions (the first `cfg.size` of `seed`).
+
+    Raises ValueError for a gsm8k_jsonl source (a file has no held-out part: give eval.data a file), or when
+    the generator cannot produce `size` new questions (a task space too small)."""
+    if cfg.source == "gsm8k_jsonl":
+        raise ValueError("eval.data=train_task needs a generated training task (actors.data.source reasoning_gym "
+                         "or function); for a JSONL training set give eval.data a held-out JSONL file")
+    seen = {p.question for p in _problems(cfg, cfg.size, seed)}
+    fresh = [p for p in _problems(cfg, 2 * size + 16, seed + 1_000_003) if p.question not in seen]
+    if len(fresh) < size:
+        raise ValueError(f"eval.data=train_task: only {len(fresh)} of {size} held-out problems are not training "
+                         "prompts; lower eval.limit or actors.data.size")
+    return fresh[:size]
+
+
 def tokenize_prompts(prompts: list[Prompt], tokenizer, instruction: str = DEFAULT_INSTRUCTION) -> list[Prompt]:
     """Fill `prompt_ids` with the tokenizer's chat template (one user turn: question + instruction, then the
     assistant header). Returns the same list."""
@@ -82,16 +142,17 @@ def tokenize_prompts(prompts: list[Prompt], tokenizer, instruction: str = DEFAUL
 
 def load_train_prompts(cfg: DataConfig, tokenizer, seed: int = 0) -> list[Prompt]:
     """Training prompts described by `cfg`, tokenized with the chat template."""
-    if cfg.source == "gsm8k_jsonl":
-        problems = read_gsm8k_jsonl(cfg.path, limit=cfg.size)
-    else:
-        problems = reasoning_gym_problems(list(cfg.tasks), cfg.size, seed, cfg.task_options)
-    return tokenize_prompts(problems, tokenizer, cfg.instruction)
+    return tokenize_prompts(_problems(cfg, cfg.size, seed), tokenizer, cfg.instruction)
 
 
-def load_eval_items(name: str, limit: int = 0) -> list[Prompt]:
-    """An evaluation set by name (see EVAL_SETS) or a path to a GSM8K JSONL; `limit` > 0 keeps the first rows.
+def load_eval_items(name: str, limit: int = 0, train: DataConfig | None = None, seed: int = 0) -> list[Prompt]:
+    """An evaluation set: "train_task" (`limit` held-out problems of the training task `train`, see
+    `held_out_problems`), a name in EVAL_SETS, or a path to a GSM8K JSONL; `limit` > 0 keeps the first rows.
     Not tokenized (call `tokenize_prompts`). Raises ValueError for an unknown name that is not a file."""
+    if name == "train_task":
+        if train is None:
+            raise ValueError("eval.data=train_task needs the training data config")
+        return held_out_problems(train, limit or 100, seed)
     path = EVAL_SETS.get(name, Path(name))
     if not path.is_file():
         raise ValueError(f"eval data {name!r}: not one of {sorted(EVAL_SETS)} and not a file")

@@ -1,4 +1,5 @@
-"""Math reward for GSM8K-style answers, verified by `math-verify` (parse + verify, Apache-2.0).
+"""Rewards: the math reward for GSM8K-style answers, verified by `math-verify` (parse + verify, Apache-2.0),
+and users' own reward functions (`RewardConfig.function`, loaded by `RewardScorer`).
 
 Where the answer is: the text after the last `####` marker (GSM8K's format, up to the end of that line), else
 whatever math-verify extracts from the whole response (`\\boxed{}` first, then the last number/expression).
@@ -6,22 +7,26 @@ math-verify handles `\\boxed{}`, commas in numbers, `$`, units, percentages, neg
 """
 from __future__ import annotations
 
+import importlib
+import math
 import re
 import threading
 from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 from math_verify import parse, verify
 
-STATUSES = ("correct", "wrong", "unparseable")
+STATUSES = ("correct", "wrong", "unparseable", "error")
 _ANSWER_LINE = re.compile(r"####\s*([^\n]*)")
 
 
 @dataclass(frozen=True)
 class RewardResult:
     reward: float
-    """1.0 if the extracted answer equals the gold answer, else 0.0."""
+    """Math reward: 1.0 if the extracted answer equals the gold answer, else 0.0; custom: the function's value."""
     status: str
-    """correct | wrong | unparseable (no answer could be extracted; counted apart from wrong ones)."""
+    """correct | wrong | unparseable (no answer could be extracted; counted apart from wrong ones) | error (a
+    custom reward function raised on this sample)."""
     extracted: str
     """The answer string math-verify extracted ('' if unparseable), for logs."""
 
@@ -51,3 +56,65 @@ def math_reward(response: str, gold: str) -> RewardResult:
         return RewardResult(0.0, "unparseable", "")
     ok = verify(gold_parsed, pred, timeout_seconds=timeout)
     return RewardResult(1.0 if ok else 0.0, "correct" if ok else "wrong", str(pred[-1]))
+
+
+# -- custom (user) reward functions ----------------------------------------------------------------------------
+@dataclass
+class RewardConfig:
+    function: str = ""
+    """The verifiable reward of training and evaluation. "" = the math reward (math-verify of the response's
+    final answer against the item's `answer`). Otherwise "package.module:function", a user's own reward (as
+    verl's `custom_reward_function.path`, slime's `--custom-rm-path`, TRL's `reward_funcs`), called once per
+    sample as `function(response: str, response_ids: list[int], item: actors.data.Prompt) -> float`; `item`
+    carries `question`, `answer`, `prompt_id` and the task's `metadata` dict. A value >= 1 counts as correct
+    in `accuracy`. A function that raises on a sample scores that sample 0 and is counted in `reward_errors`."""
+
+
+RewardFn = Callable[[str, Sequence[int], Any], float]
+
+
+def load_reward_function(spec: str) -> RewardFn | None:
+    """The callable named by `spec` ("package.module:function"), or None for "" (the math reward).
+
+    Raises ValueError starting with `reward.function=<spec>:` when the module cannot be imported, the
+    attribute does not exist or is not callable, or `spec` is not of the form module:function."""
+    if not spec:
+        return None
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward.function={spec!r}: expected 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, or the module itself fails while importing
+        raise ValueError(f"reward.function={spec!r}: cannot import module {module_name!r} "
+                         f"({type(e).__name__}: {e})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward.function={spec!r}: module {module_name!r} has no callable {attr!r}")
+    return fn
+
+
+class RewardScorer:
+    """Scores samples with the configured reward: `scorer(text, response_ids, item) -> RewardResult`.
+
+    Math reward: status correct | wrong | unparseable. Custom function: status correct (value >= 1) | wrong,
+    or error when it raised or returned something that is not a finite number (reward 0; `last_error` keeps
+    the message). Raises ValueError at construction for a function that cannot be loaded (see
+    `load_reward_function`)."""
+
+    def __init__(self, cfg: RewardConfig):
+        self.fn = load_reward_function(cfg.function)
+        self.name = cfg.function or "math"
+        self.last_error = ""
+
+    def __call__(self, text: str, response_ids: Sequence[int], item) -> RewardResult:
+        if self.fn is None:
+            return math_reward(text, item.answer)
+        try:
+            value = float(self.fn(text, list(response_ids), item))
+            if not math.isfinite(value):
+                raise ValueError(f"returned {value}")
+        except Exception as e:  # a user's function failing on one sample must not stop the actor
+            self.last_error = f"{self.name} on {getattr(item, 'prompt_id', '?')}: {type(e).__name__}: {e}"
+            return RewardResult(0.0, "error", "")
+        return RewardResult(value, "correct" if value >= 1.0 else "wrong", "")

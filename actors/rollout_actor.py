@@ -17,9 +17,9 @@ import torch
 
 from actors.data import load_train_prompts
 from actors.engine import SamplingParams
-from actors.reward import math_reward
+from actors.reward import RewardScorer
 from broker.schema import SampleRecord, TrajectoryGroup
-from broker.streams import GroupProducer, connect, key, queue_depth, read_learner_version
+from broker.streams import PAUSED, GroupProducer, connect, key, queue_depth, read_learner_version
 from broker.weight_sync import WeightReceiver
 from compressors import CompressorConfig
 
@@ -66,6 +66,7 @@ class RolloutWorker:
         self.engine = build_engine(a.engine, self.cfg.model, a.engine.compressor, a.torch_threads)
         self.tokenizer = self.engine.tokenizer
         self.prompts = load_train_prompts(a.data, self.tokenizer, seed=self.cfg.seed)
+        self.reward = RewardScorer(a.reward)
         self.redis = connect(self.cfg.broker)
         self.stopping = threading.Event()
         self.producer = GroupProducer(self.redis, self.cfg.broker, run_id, stop=self.stopping)
@@ -75,7 +76,7 @@ class RolloutWorker:
         self.staged: tuple[int, list] | None = None
         self.lock = threading.Lock()  # guards `staged`
         self.generating = threading.Lock()  # held while the engine generates or weights are swapped in
-        self.counters = {"groups": 0, "samples": 0, "correct": 0, "wrong": 0, "unparseable": 0, "tokens": 0, "gen_s": 0.0,
+        self.counters = {"groups": 0, "samples": 0, "correct": 0, "wrong": 0, "unparseable": 0, "error": 0, "tokens": 0, "gen_s": 0.0,
                          "kv_peak_bytes": 0, "staleness_wait_s": 0.0,
                          "queue_wait_s": 0.0}
         self.error = ""
@@ -135,6 +136,9 @@ class RolloutWorker:
                                 n=a.sampling.samples_per_prompt, stop_strings=list(a.sampling.stop_strings))
         while not self.stopping.is_set():
             self._swap()
+            if self.redis.exists(key(self.run_id, PAUSED)):
+                self.stopping.wait(0.1)
+                continue
             waited = time.monotonic()
             while read_learner_version(self.redis, self.run_id) - self.engine.weight_version > b.max_staleness:
                 if self.stopping.wait(0.05):  # our weights are too old: wait for the next sync round
@@ -159,7 +163,10 @@ class RolloutWorker:
             for prompt, samples in zip(batch, outputs):
                 records = []
                 for s in samples:
-                    reward = math_reward(self.tokenizer.decode(s.response_ids, skip_special_tokens=True), prompt.answer)
+                    reward = self.reward(self.tokenizer.decode(s.response_ids, skip_special_tokens=True),
+                                         s.response_ids, prompt)
+                    if reward.status == "error" and not self.counters["error"]:
+                        print(f"{self.actor_id}: reward function failed (sample scored 0): {self.reward.last_error}")
                     records.append(SampleRecord(prompt_ids=s.prompt_ids, response_ids=s.response_ids,
                                                 logp_sparse=s.logp_sparse, finish_reason=s.finish_reason,
                                                 reward=reward.reward, kv_retained_tokens=s.kv_retained_tokens,
@@ -197,16 +204,18 @@ class RolloutWorker:
                 "rollout_groups": float(c["groups"]),
                 "accuracy": c["correct"] / c["samples"] if c["samples"] else 0.0,
                 "unparseable_fraction": c["unparseable"] / c["samples"] if c["samples"] else 0.0,
+                "reward_errors": float(c["error"]),
                 "kv_peak_bytes_per_seq": float(c["kv_peak_bytes"]),
                 "actor_staleness_wait_s": c["staleness_wait_s"], "actor_queue_wait_s": c["queue_wait_s"],
                 "producer_backpressure_wait_s": float(self.producer.backpressure_wait_s)}
 
     # -- evaluation ------------------------------------------------------------------------------------------
     def evaluate(self, items: list, mode: str) -> dict:
-        """Score this actor's weights on `items` (GSM8K-shaped) with the full cache (dense) or the run's
-        compressor (sparse); see actors.evaluate."""
+        """Score this actor's weights on `items` with the run's reward, with the full cache (dense) or the run's
+        compressor (sparse); see actors.evaluate. Waits for the current batch (weights stay fixed meanwhile)."""
         from actors.evaluate import evaluate
         e = self.cfg.eval
-        return evaluate(self.engine, self.tokenizer, items, mode, self.cfg.actors.engine.compressor,
-                        max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p,
-                        batch_size=e.batch_size, seed=self.cfg.seed, instruction=self.cfg.actors.data.instruction)
+        with self.generating:
+            return evaluate(self.engine, self.tokenizer, items, mode, self.cfg.actors.engine.compressor, reward=self.reward,
+                            max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p,
+                            batch_size=e.batch_size, seed=self.cfg.seed, instruction=self.cfg.actors.data.instruction)

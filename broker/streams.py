@@ -34,6 +34,11 @@ one MULTI/EXEC of 16 x 2 MB groups was measured 1.5x slower per group than one p
 16 x 16 KB in one transaction is ~2x faster than one per group."""
 
 
+PAUSED = "generation_paused"
+"""Key name: while `key(run_id, PAUSED)` exists, rollout actors start no new batch (the driver evaluates the
+initial weights first). A key rather than an actor argument, so an actor restarted by Ray obeys it too."""
+
+
 def key(run_id: str, name: str) -> str:
     """The Redis key of `name` (a stream name from BrokerConfig, or consumed / counts / learner_version)."""
     return f"sparse-rl:{run_id}:{name}"

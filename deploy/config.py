@@ -17,13 +17,14 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from actors.config import DataConfig, EngineConfig, SamplingConfig
+from actors.reward import RewardConfig
 from broker.config import BrokerConfig
-from deploy.model_cache import SMOLLM2, TINY_LLAMA
+from deploy.model_cache import SMOLLM2, TINY_CHAR, TINY_LLAMA
 from learner.config import LearnerConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 """The YAML presets, shipped inside the package (the repository's top-level `configs` links here)."""
-PRESET_MODELS = (SMOLLM2, TINY_LLAMA)
+PRESET_MODELS = (SMOLLM2, TINY_LLAMA, TINY_CHAR)
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
@@ -61,6 +62,7 @@ class ActorsConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
 
 
 @dataclass
@@ -81,8 +83,12 @@ class TrainConfig:
 class EvalConfig:
     enabled: bool = True
     """Score the final weights on `data` after training, once per mode."""
+    before: bool = False
+    """Also score the initial weights before training (logged at the initial weight version; the console
+    prints a before/after table)."""
     data: str = "gsm8k_test"
-    """Prompt set: a GSM8K-shaped JSONL path, or "gsm8k_test" (the 100 shipped GSM8K test items)."""
+    """Prompt set: "train_task" (`limit` held-out problems of the training task, scored with the training
+    reward), a GSM8K-shaped JSONL path, or "gsm8k_test" (the 100 shipped GSM8K test items)."""
     limit: int = 100
     """First N items of the prompt set (0 = all)."""
     modes: list[str] = field(default_factory=lambda: ["dense", "sparse"])
@@ -224,6 +230,15 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
         validate_training_sampling(run.actors.sampling)
     except ValueError as e:
         raise ConfigError(dotted_names(str(e))) from None
+    if check_files:  # user code named in the config is imported here, so a typo fails before anything starts
+        from actors.data import load_task_function
+        from actors.reward import load_reward_function
+        try:
+            load_reward_function(run.actors.reward.function)
+            if run.actors.data.source == "function":
+                load_task_function(run.actors.data.function)
+        except ValueError as e:
+            raise ConfigError(f"actors.{e}") from None
     check(run.actors.count >= 1, f"actors.count={run.actors.count}: expected >= 1")
     check(run.actors.prompts_per_batch >= 1, f"actors.prompts_per_batch={run.actors.prompts_per_batch}: expected >= 1")
     check(run.train.steps >= 1, f"train.steps={run.train.steps}: expected >= 1")

@@ -26,14 +26,18 @@ class Console:
                 parts.append(f"{label} {fmt.format(metrics[name])}")
         self.out.print("  ".join(parts))
 
-    def eval(self, scores: dict) -> None:
+    def eval(self, scores: dict, before: dict | None = None) -> None:
+        """The evaluation as a table: one row per mode and metric, with the initial weights' score beside the
+        final one when `before` (same keys, eval/<mode>/<metric>) is given."""
         if not scores:
             return
-        table = Table(title="evaluation")
-        table.add_column("metric")
-        table.add_column("value", justify="right")
+        table = Table(title="evaluation (held-out items)" if before else "evaluation")
+        for column in ("mode", "metric", *(("before",) if before else ()), "after"):
+            table.add_column(column, justify="left" if column in ("mode", "metric") else "right")
         for name, value in sorted(scores.items()):
-            table.add_row(name, f"{value:.4g}")
+            _, mode, metric = name.split("/", 2)
+            row = [mode, metric] + ([f"{before[name]:.4g}" if name in before else "-"] if before else [])
+            table.add_row(*row, f"{value:.4g}")
         self.out.print(table)
 
     def finish(self, run_dir, mlflow_where) -> None:

@@ -2,7 +2,7 @@
 
     services (Ray, Redis, MLflow) -> learner + N rollout actors (Ray actors)
     for step: learner consumes groups and steps -> actors rescaled/replaced -> weights broadcast -> log
-    -> evaluation dense and sparse -> plot and artifacts -> everything shut down (also on Ctrl-C / error)
+    (evaluation of the initial weights first, if eval.before) -> evaluation dense and sparse -> plot and artifacts -> everything shut down (also on Ctrl-C / error)
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import ray  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from broker.redis_server import LocalRedis  # noqa: E402
-from broker.streams import connect, key, queue_depth, run_counts  # noqa: E402
+from broker.streams import PAUSED, connect, key, queue_depth, run_counts  # noqa: E402
 from deploy.config import RunConfig, new_run_id, to_dict  # noqa: E402
 from deploy.console import Console  # noqa: E402
 from deploy.model_cache import resolve_model  # noqa: E402
@@ -52,10 +52,19 @@ def train(cfg: RunConfig) -> dict:
         redis = connect(cfg.broker)
         redis.set(key(run_id, SCALE_KEY), cfg.actors.count)
         learner = start_learner(cfg, run_id)
+        before = cfg.eval.enabled and cfg.eval.before
+        if before:
+            redis.set(key(run_id, PAUSED), 1)  # actors start, load weights, and wait for the first evaluation
         pool = ActorPool(cfg, run_id, learner)
         stack.callback(pool.shutdown)
         pool.scale(cfg.actors.count)
-        pool.sync_weights()  # version 0 to everyone: one code path for initial and later weights
+        pool.sync_weights()  # initial weights to everyone: one code path for initial and later weights
+        version = int(ray.get(learner.version.remote()))
+        scores_before = {}
+        if before:
+            scores_before = pool.evaluate()
+            tracker.log_metrics(scores_before, version)  # eval/* at the initial version, again at the last
+            redis.delete(key(run_id, PAUSED))
 
         for step in range(1, cfg.train.steps + 1):
             metrics = ray.get(learner.train_step.remote())  # blocks until groups_per_step groups are trained
@@ -72,10 +81,12 @@ def train(cfg: RunConfig) -> dict:
 
         scores = pool.evaluate() if cfg.eval.enabled else {}
         tracker.log_metrics(scores, version)
-        console.eval(scores)
+        console.eval(scores, scores_before)
         tracker.log_artifact(tracker.plot(run_dir / "training.png"))
         summary = {"run_id": run_id, "run_dir": str(run_dir), "mlflow_uri": tracker.uri,
-                   "mlflow_run_id": tracker.run_id, **metrics, **scores, "accounting": accounting}
+                   "mlflow_run_id": tracker.run_id, **metrics, **scores,
+                   **{k.replace("eval/", "eval_before/", 1): v for k, v in scores_before.items()},
+                   "accounting": accounting}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         tracker.end("FINISHED")
         console.finish(run_dir, tracker.where())
@@ -223,13 +234,13 @@ class ActorPool:
         handles = list(self.actors.values())
         from actors.data import load_eval_items
 
-        items = load_eval_items(self.cfg.eval.data, self.cfg.eval.limit)
+        items = load_eval_items(self.cfg.eval.data, self.cfg.eval.limit, train=self.cfg.actors.data, seed=self.cfg.seed)
         scores = {}
         for mode in self.cfg.eval.modes:
             shards = [items[i::len(handles)] for i in range(len(handles))]
             parts = ray.get([h.evaluate.remote(shard, mode) for h, shard in zip(handles, shards) if shard])
             n = sum(p["n"] for p in parts)
-            for name in ("accuracy", "unparseable", "response_length", "kv_peak_bytes"):
+            for name in ("reward", "accuracy", "unparseable", "response_length", "kv_peak_bytes"):
                 scores[f"eval/{mode}/{name}"] = sum(p[name] * p["n"] for p in parts) / max(n, 1)
             scores[f"eval/{mode}/n"] = float(n)
         return scores

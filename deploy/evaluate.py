@@ -6,6 +6,7 @@ import json
 
 from actors.data import load_eval_items
 from actors.evaluate import evaluate
+from actors.reward import RewardScorer
 from actors.rollout_actor import build_engine
 from compressors import CompressorConfig
 from deploy.config import RunConfig
@@ -13,17 +14,17 @@ from deploy.model_cache import resolve_model
 
 
 def evaluate_model(cfg: RunConfig, model: str, modes: list[str]) -> dict[str, float]:
-    """Prints and returns `eval/<mode>/<metric>` for each mode (accuracy, unparseable, response_length,
+    """Prints and returns `eval/<mode>/<metric>` for each mode (reward, accuracy, unparseable, response_length,
     kv_peak_bytes, n)."""
     a, e = cfg.actors, cfg.eval
-    items = load_eval_items(e.data, e.limit)
+    items = load_eval_items(e.data, e.limit, train=a.data, seed=cfg.seed)
     scores = {}
     for mode in modes:  # one engine per mode: SGLang fixes its attention backend when it starts
         compressor = CompressorConfig(method="full") if mode == "dense" else a.engine.compressor
         engine = build_engine(a.engine, resolve_model(model), compressor, a.torch_threads)
         result = evaluate(engine, engine.tokenizer, items, mode, a.engine.compressor, max_new_tokens=e.max_new_tokens,
                           temperature=e.temperature, top_p=e.top_p, batch_size=e.batch_size, seed=cfg.seed,
-                          instruction=a.data.instruction)
+                          instruction=a.data.instruction, reward=RewardScorer(a.reward))
         scores.update({f"eval/{mode}/{k}": float(v) for k, v in result.items()})
         getattr(engine, "shutdown", lambda: None)()  # SGLang: free the GPU before the next mode's engine
     print(json.dumps(scores, indent=1))

@@ -46,6 +46,10 @@ class LearnerWorker:
                                    verify=self.cfg.learner.weight_sync_verify)
         self.generation = -1
 
+    def version(self) -> int:
+        """The learner's weight version (0 at start, the checkpoint's after a resume)."""
+        return self.learner.version
+
     def sync_address(self) -> tuple[str, int]:
         """(host, port) of the weight-sync TCPStore the actors connect to."""
         return self.sender.host, self.sender.port

