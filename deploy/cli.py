@@ -1,6 +1,6 @@
 """`sparse-rl` command line: train, eval, scale.
 
-    sparse-rl train [--config smollm2-gsm8k] [dotted.key=value ...]
+    sparse-rl train [--config smollm2-copy] [dotted.key=value ...]
     sparse-rl eval --model runs/<run id>/final [--mode dense|sparse] [--config ...] [dotted.key=value ...]
     sparse-rl scale --run <run id> --actors N [--redis redis://127.0.0.1:6379/0]
 """
@@ -19,14 +19,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="run the actor-learner training job")
-    train.add_argument("--config", default="smollm2-gsm8k", help="preset name in deploy/configs/ or a YAML path")
+    train.add_argument("--config", default="smollm2-copy", help="preset name in deploy/configs/ or a YAML path")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actors.count=3 learner.lr=2e-6")
 
     ev = sub.add_parser("eval", help="score a model or checkpoint on a prompt set, dense or sparse")
     ev.add_argument("--model", required=True, help="Hugging Face directory (e.g. runs/<run id>/final) or preset model")
     ev.add_argument("--mode", choices=["dense", "sparse"], action="append",
                     help="KV cache mode; repeat for both (default: the config's eval.modes)")
-    ev.add_argument("--config", default="smollm2-gsm8k", help="preset or YAML giving the compressor and eval settings")
+    ev.add_argument("--config", default="smollm2-copy", help="preset or YAML giving the compressor and eval settings")
     ev.add_argument("overrides", nargs="*")
 
     scale = sub.add_parser("scale", help="change the number of rollout actors of a running job")

@@ -29,10 +29,17 @@ def test_overrides_apply():
 
 
 def test_main_job_defaults():
-    cfg = load_config("smollm2-gsm8k")
+    import inspect
+
+    from deploy import cli
+    assert 'default="smollm2-copy"' in inspect.getsource(cli)   # `sparse-rl train` without --config
+    cfg = load_config("smollm2-copy")
     assert cfg.model == "smollm2-135m-instruct"
     assert cfg.actors.engine.compressor.method == "rkv" and cfg.actors.count == 2
-    assert cfg.eval.data == "gsm8k_test" and cfg.eval.limit == 100 and list(cfg.eval.modes) == ["dense", "sparse"]
+    assert cfg.actors.reward.function == "actors.tasks:copy_reward"
+    assert cfg.eval.data == "train_task" and cfg.eval.before and list(cfg.eval.modes) == ["dense", "sparse"]
+    gsm8k = load_config("smollm2-gsm8k")   # GSM8K evaluation stays available as a preset
+    assert gsm8k.eval.data == "gsm8k_test" and gsm8k.eval.limit == 100 and gsm8k.actors.reward.function == ""
 
 
 @pytest.mark.parametrize("override, field", [
