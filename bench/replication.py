@@ -15,7 +15,7 @@ one run per arm and seed. The command is resumable: a finished (arm, seed) run (
 skipped when the command is run again, and the plot and JSON are rebuilt from what exists.
 
     python bench/replication.py --quick                       # tiny-learn, 16 steps x 2 seeds, ~5 min on 2 cores
-    python bench/replication.py                               # smollm2-copy, 20 steps x 2 seeds (hours on 2 cores)
+    python bench/replication.py                               # smollm2-copy at budget 48, 20 steps x 2 seeds (hours)
     python bench/replication.py --config qwen2.5-math ray.address=auto   # a GPU cluster, the paper's setting
 
 Writes <out>/replication.png (reward per step, mean and min-max over seeds, per arm; rejection rate; mismatch
@@ -49,6 +49,9 @@ PLOTTED = ("reward_mean", "rejection_rate", "mismatch_kl", "kv_retained_ratio", 
 EDGE = 3
 """Steps averaged at each end of training for the reward gain and the final reward."""
 ROOT = Path(__file__).resolve().parent.parent
+CPU_DEFAULT = ("smollm2-copy", ["actors.engine.compressor.kv_budget=48"])
+"""The default (CPU-scale) comparison: the main job's task and model with a 48-token budget, so the sparse arms'
+training rollouts keep under half of their KV (kv_retained_ratio ~0.4); overrides on the command line follow."""
 
 
 def parse_args(argv=None):
@@ -65,7 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--only-report", action="store_true", help="rebuild the plot and JSON from finished runs only")
     p.add_argument("overrides", nargs="*", help="dotted overrides applied to every arm, e.g. ray.address=auto")
     args = p.parse_args(argv)
-    args.config = args.config or ("tiny-learn" if args.quick else "smollm2-copy")
+    if args.config is None and not args.quick:
+        args.config, args.overrides = CPU_DEFAULT[0], [*CPU_DEFAULT[1], *args.overrides]
+    args.config = args.config or "tiny-learn"
     args.steps = args.steps or (16 if args.quick else 20)
     args.arms = [a for a in args.arms.split(",") if a]
     unknown = [a for a in args.arms if a not in ARMS]
@@ -124,7 +129,7 @@ def report(args) -> dict:
     runs = {arm: {s: v for s, v in seeds.items() if v} for arm, seeds in runs.items()}
     hist = {arm: {s: histories(args.out, v) for s, v in seeds.items()} for arm, seeds in runs.items()}
     walls = json.loads((args.out / "wall_s.json").read_text()) if (args.out / "wall_s.json").exists() else {}
-    result: dict = {"config": args.config, "steps": args.steps, "seeds": args.seeds,
+    result: dict = {"config": args.config, "overrides": args.overrides, "steps": args.steps, "seeds": args.seeds,
                     "runs_finished": {arm: sorted(seeds) for arm, seeds in runs.items()},
                     "complete": all(len(s) == args.seeds for s in runs.values())}
 

@@ -87,6 +87,9 @@ class LearnerConfig:
 
     def __post_init__(self):
         """Raise ValueError naming every bad field as `LearnerConfig.<field>=<value>: expected ...`."""
+        # YAML 1.1 (omegaconf, also for dotted overrides) reads a bare on/off as a boolean, which reaches this str
+        # field as "True"/"False": `learner.correction=on` means "on".
+        self.correction = {"True": "on", "False": "off"}.get(str(self.correction), self.correction)
         checks = [
             (self.lr >= 0, "lr", "expected >= 0"),
             (self.rejection in REJECTIONS, "rejection", f"expected one of {REJECTIONS}"),

@@ -110,3 +110,18 @@ def test_resume_from_checkpoint_continues_versions(tmp_path, redis_server):
     assert set(second["accounting"]["actor_versions"].values()) == {4}
     history = MlflowClient(second["mlflow_uri"]).get_metric_history(second["mlflow_run_id"], "rejection_rate")
     assert [m.step for m in history] == [3, 4]
+
+
+@pytest.mark.timeout(600)
+def test_a_failing_reward_function_is_counted_and_the_run_goes_on(tmp_path, redis_server):
+    """copy_reward on the digits task: its items have no metadata["numbers"], so every call raises KeyError."""
+    cfg = load_config("tiny-learn", [f"run_dir={tmp_path}", f"broker.url={redis_server.url}", "train.steps=2",
+                                     "actors.reward.function=actors.tasks:copy_reward",
+                                     "learner.weight_sync_timeout_s=60"])
+    summary = train(cfg)
+
+    assert summary["accounting"]["learner_version"] == 2
+    client = MlflowClient(summary["mlflow_uri"])
+    errors = sum(m.value for m in client.get_metric_history(summary["mlflow_run_id"], "reward_errors"))
+    assert errors >= 2 * cfg.train.groups_per_step * cfg.actors.sampling.samples_per_prompt * 0.5
+    assert all(m.value == 0 for m in client.get_metric_history(summary["mlflow_run_id"], "reward_mean"))

@@ -22,3 +22,10 @@ def test_bad_field_is_named(kwargs, message):
 
 def test_lr_zero_is_allowed():
     assert LearnerConfig(lr=0.0).lr == 0.0  # a control run: the weights stay fixed
+
+
+def test_bare_on_off_override_means_the_string():
+    """YAML 1.1 reads on/off as booleans; `learner.correction=on` must still mean correction "on"."""
+    from deploy.config import load_config
+    assert load_config("tiny", ["learner.correction=on"]).learner.correction == "on"
+    assert load_config("tiny", ["learner.correction=off"]).learner.correction == "off"
