@@ -49,9 +49,10 @@ PLOTTED = ("reward_mean", "rejection_rate", "mismatch_kl", "kv_retained_ratio", 
 EDGE = 3
 """Steps averaged at each end of training for the reward gain and the final reward."""
 ROOT = Path(__file__).resolve().parent.parent
-CPU_DEFAULT = ("smollm2-copy", ["actors.engine.compressor.kv_budget=48"])
+CPU_DEFAULT = ("smollm2-copy", ["actors.engine.compressor.kv_budget=48", "train.learner_num_cpus=2"])
 """The default (CPU-scale) comparison: the main job's task and model with a 48-token budget, so the sparse arms'
-training rollouts keep under half of their KV (kv_retained_ratio ~0.4); overrides on the command line follow."""
+training rollouts keep under half of their KV (kv_retained_ratio ~0.4), and a learner with 2 torch threads
+(with max_staleness 0 the actors are idle while it steps); overrides on the command line follow."""
 
 
 def parse_args(argv=None):

@@ -52,11 +52,21 @@ class Tracker:
         mlflow.set_tracking_uri(self.uri)
         exp = mlflow.get_experiment_by_name(experiment)
         exp_id = exp.experiment_id if exp else mlflow.create_experiment(
-            experiment, artifact_location=(Path(run_dir).resolve() / "artifacts").as_uri() if not tracking_uri else None)
+            experiment, artifact_location=self._local_artifacts(tracking_uri, run_dir))
         self.client = MlflowClient(self.uri)
         self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
         self.history: dict[str, list[tuple[int, float]]] = {}
         self.ended = False
+
+    @staticmethod
+    def _local_artifacts(tracking_uri: str, run_dir: Path) -> str | None:
+        """Where a new experiment keeps artifacts: beside a local sqlite store (the run directory, or the folder
+        of the given sqlite file); None lets a tracking server decide."""
+        if not tracking_uri:
+            return (Path(run_dir).resolve() / "artifacts").as_uri()
+        if tracking_uri.startswith("sqlite:///"):
+            return (Path(tracking_uri[len("sqlite:///"):]).resolve().parent / "artifacts").as_uri()
+        return None
 
     def log_params(self, resolved: dict) -> None:
         params = [Param(k, v) for k, v in public_params(resolved).items()]
