@@ -186,7 +186,7 @@ def plot(args, hist, path: Path) -> None:
             line, = ax.plot(steps, stack.mean(0), label=f"{arm} ({len(series)} seed{'s' * (len(series) > 1)})")
             if len(series) > 1:
                 ax.fill_between(steps, stack.min(0), stack.max(0), color=line.get_color(), alpha=0.15)
-        ax.set_title(name + (" (mean, min-max over seeds)" if name == "reward_mean" else " (mean over seeds)"))
+        ax.set_title(f"{name} (mean; band: min-max over seeds)", fontsize=10)
         ax.set_xlabel("learner step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.flat[0].legend(fontsize=8)
