@@ -53,12 +53,12 @@ def _convert_smollm2(out: Path) -> None:
     tmp.rename(out)
 
 
-def _make_tiny_llama(out: Path) -> None:
-    """A 2-layer random Llama (hidden 64, 4 heads, 2 KV heads) with SmolLM2's tokenizer and chat template."""
+def _save_tiny_llama(tok, out: Path) -> None:
+    """A 2-layer random Llama (hidden 64, 4 heads, 2 KV heads, tied embeddings, seed 0) over `tok`'s vocabulary,
+    saved with `tok` to `out` (written to a temporary folder first, then renamed)."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(resolve_model(SMOLLM2))
     config = LlamaConfig(
         vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
@@ -72,13 +72,20 @@ def _make_tiny_llama(out: Path) -> None:
     tmp.rename(out)
 
 
+def _make_tiny_llama(out: Path) -> None:
+    """A 2-layer random Llama (hidden 64, 4 heads, 2 KV heads) with SmolLM2's tokenizer and chat template."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model(SMOLLM2))
+    _save_tiny_llama(tok, out)
+
+
 def _make_tiny_char(out: Path) -> None:
     """A 2-layer random Llama (hidden 64) over a 52-token character vocabulary (`CHAR_VOCAB` + 3 specials),
     with a chat template: small enough that RL on a 2-core CPU changes its behaviour within a minute (the
     learning test). The tokenizer is a `tokenizers` WordLevel model over single characters."""
-    import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + list(CHAR_VOCAB))}, unk_token="?"))
@@ -88,17 +95,7 @@ def _make_tiny_char(out: Path) -> None:
                                   pad_token="<|endoftext|>", unk_token="?", additional_special_tokens=specials)
     tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'][0] }}:{{ m['content'] }}<|im_end|>"
                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>a:{% endif %}")
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    tmp = out.with_name(out.name + ".tmp")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    tmp.rename(out)
+    _save_tiny_llama(tok, out)
 
 
 def resolve_model(name_or_path: str) -> str:
