@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     scale.add_argument("--redis", default="", help="Redis URL of the run (printed by `sparse-rl train`)")
 
     args = parser.parse_args(argv)
-    from deploy.config import ConfigError, check_model, load_config
+    from deploy.config import ConfigError, check_eval_data, check_model, load_config
 
     try:
         if args.command == "train":
@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = load_config(args.config, args.overrides, check_files=False)  # the model is --model
             cfg.model = os.path.expanduser(args.model)
             check_model(cfg.model)
+            check_eval_data(cfg)
             evaluate_model(cfg, cfg.model, args.mode or list(cfg.eval.modes))
         else:
             from deploy.driver import request_scale

@@ -175,12 +175,14 @@ def preset_path(name_or_path: str) -> Path:
 def load_config(name_or_path: str, overrides: list[str] = (), *, check_files: bool = True) -> RunConfig:
     """Compose RunConfig defaults <- preset YAML <- dotted overrides, then validate every section.
 
-    check_files=False skips the checks of files the run reads (the model directory): for composing a config
-    meant for another machine (the presets and manifests of a cluster).
-    Raises ConfigError naming the dotted field (unknown key, wrong type, value out of range, missing model)."""
+    check_files=False skips the checks of files the run reads (the model directory, eval.data, actors.data.path,
+    user code) and of the services it names (broker.url, ray.address): for composing a config meant for another
+    machine (the presets and manifests of a cluster).
+    Raises ConfigError naming the dotted field (unknown key, wrong type, value out of range, missing model or
+    file, unreachable service, YAML syntax error); nothing has started when it does."""
     try:
         cfg = OmegaConf.structured(RunConfig)
-        cfg = OmegaConf.merge(cfg, OmegaConf.load(preset_path(name_or_path)))
+        cfg = OmegaConf.merge(cfg, load_yaml(preset_path(name_or_path)))
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
         run = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
@@ -191,6 +193,19 @@ def load_config(name_or_path: str, overrides: list[str] = (), *, check_files: bo
     run.model = os.path.expanduser(run.model)
     validate(run, check_files=check_files)
     return run
+
+
+def load_yaml(path: Path):
+    """OmegaConf.load, with a YAML syntax error as one ConfigError line: file, line, column, problem."""
+    import yaml
+
+    try:
+        return OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise ConfigError(f"config file {where}: YAML syntax error: {problem}") from None
 
 
 def check_model(model: str) -> None:
@@ -214,8 +229,8 @@ def check_model(model: str) -> None:
 
 
 def validate(run: RunConfig, *, check_files: bool = True) -> None:
-    """Checks that span components, and the model (unless check_files=False, see load_config); each
-    component validates its own fields on construction."""
+    """Checks that span components, and the files and services the run needs (unless check_files=False, see
+    load_config); each component validates its own fields on construction."""
     from actors.config import validate_training_sampling
     from compressors import build_compressor
 
@@ -239,6 +254,13 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
                 load_task_function(run.actors.data.function)
         except ValueError as e:
             raise ConfigError(f"actors.{e}") from None
+    if run.eval.enabled:
+        check_eval_data(run, check_files=check_files)
+    if check_files:
+        if run.actors.data.source == "gsm8k_jsonl":
+            check(Path(run.actors.data.path).expanduser().is_file(),
+                  f"actors.data.path={run.actors.data.path!r}: no such file (source gsm8k_jsonl reads a GSM8K JSONL)")
+        check_services(run)
     check(run.actors.count >= 1, f"actors.count={run.actors.count}: expected >= 1")
     check(run.actors.prompts_per_batch >= 1, f"actors.prompts_per_batch={run.actors.prompts_per_batch}: expected >= 1")
     check(run.train.steps >= 1, f"train.steps={run.train.steps}: expected >= 1")
@@ -249,6 +271,64 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
         own = "dense" if run.actors.engine.compressor.method == "full" else "sparse"
         check(list(run.eval.modes) == [own], f"eval.modes={list(run.eval.modes)}: the SGLang engine's attention backend "
               f"is fixed when it starts, so it evaluates in its own mode only: set eval.modes=[{own}]")
+
+
+def check_eval_data(run: RunConfig, *, check_files: bool = True) -> None:
+    """eval.data is "train_task" (not with a gsm8k_jsonl training source: a file has no held-out part), a name
+    in actors.data.EVAL_SETS, or (check_files) an existing file."""
+    from actors.data import EVAL_SETS
+
+    name = run.eval.data
+    if name == "train_task":
+        if run.actors.data.source == "gsm8k_jsonl":
+            raise ConfigError("eval.data='train_task': actors.data.source=gsm8k_jsonl has no held-out problems; "
+                              "give eval.data a GSM8K JSONL file")
+        return
+    if name in EVAL_SETS or not check_files or Path(name).expanduser().is_file():
+        return
+    raise ConfigError(f"eval.data={name!r}: no such file, and not train_task or one of {', '.join(sorted(EVAL_SETS))}")
+
+
+REACH_TIMEOUT_S = 2.0
+"""How long the start-time check waits for the given Redis and Ray head to answer, seconds."""
+
+
+def check_services(run: RunConfig) -> None:
+    """The services the config names answer: one PING to broker.url (when given), one TCP connect to
+    ray.address (when given and not "auto"). The password (from broker.password_env) is never printed."""
+    from urllib.parse import urlparse
+
+    if run.broker.url:
+        url = run.broker.url
+        try:
+            parsed = urlparse(url)
+            if parsed.password:
+                raise ConfigError(f"broker.url: embeds a password; remove it and export it as ${run.broker.password_env}")
+            parsed.port  # noqa: B018 (raises ValueError for a bad port)
+        except ValueError as e:
+            raise ConfigError(f"broker.url={url!r}: not a redis:// URL ({e})") from None
+        import redis
+
+        password = os.environ.get(run.broker.password_env) or None
+        try:
+            redis.Redis.from_url(url, password=password, socket_connect_timeout=REACH_TIMEOUT_S,
+                                 socket_timeout=REACH_TIMEOUT_S).ping()
+        except (redis.RedisError, ValueError, OSError) as e:
+            reason = " ".join(str(e).split())
+            if password:
+                reason = reason.replace(password, "***")
+            raise ConfigError(f"broker.url={url!r}: Redis does not answer ({type(e).__name__}: {reason})") from None
+    address = run.ray.address
+    if address and address != "auto":
+        import socket
+
+        host, _, port = address.split("://", 1)[-1].rstrip("/").rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=REACH_TIMEOUT_S).close()
+        except ValueError:
+            raise ConfigError(f"ray.address={address!r}: expected \"auto\", host:port or ray://host:port") from None
+        except OSError as e:
+            raise ConfigError(f"ray.address={address!r}: cannot connect to {host}:{port} ({e})") from None
 
 
 def new_run_id(run: RunConfig) -> str:
