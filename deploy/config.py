@@ -302,11 +302,11 @@ def check_services(run: RunConfig) -> None:
         url = run.broker.url
         try:
             parsed = urlparse(url)
-            if parsed.password:
-                raise ConfigError(f"broker.url: embeds a password; remove it and export it as ${run.broker.password_env}")
             parsed.port  # noqa: B018 (raises ValueError for a bad port)
         except ValueError as e:
-            raise ConfigError(f"broker.url={url!r}: not a redis:// URL ({e})") from None
+            raise ConfigError(f"broker.url: not a redis:// URL ({e})") from None
+        if parsed.password:  # the URL itself is not printed: it holds the password
+            raise ConfigError(f"broker.url: embeds a password; remove it and export it as ${run.broker.password_env}")
         import redis
 
         password = os.environ.get(run.broker.password_env) or None

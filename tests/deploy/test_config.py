@@ -1,8 +1,10 @@
 """Run config: presets load, overrides apply, bad values fail at start naming the field (also via the CLI)."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -99,7 +101,7 @@ def test_bad_model_names_the_field(model, reason, tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"")
     model = model.format(empty_dir=tmp_path / "empty", file=tmp_path / "weights.bin")
     with pytest.raises(ConfigError, match=f"^model=.*{reason}.*config.json, or a preset model "
-                                          r"\(smollm2-135m-instruct \| tiny-llama\)"):
+                                          r"\(smollm2-135m-instruct \| tiny-llama \| tiny-char\)"):
         load_config("tiny", [f"model={model}"])
 
 
@@ -130,3 +132,99 @@ def test_cli_bad_config_exits_2_naming_the_field():
 def test_unknown_preset_lists_presets():
     with pytest.raises(ConfigError, match="smollm2-gsm8k"):
         load_config("no-such-preset")
+
+
+# --- every checkable input is checked at start (files, data sets, services, YAML syntax) -------------------------
+
+def test_eval_data_is_checked_at_start(tmp_path):
+    with pytest.raises(ConfigError, match=r"^eval\.data='/nonexistent\.jsonl': no such file, and not train_task or "
+                                          r"one of gsm8k_test"):
+        load_config("tiny", ["eval.data=/nonexistent.jsonl"])
+    with pytest.raises(ConfigError, match=r"^eval\.data='train_task': actors\.data\.source=gsm8k_jsonl"):
+        load_config("tiny", ["eval.data=train_task", "actors.data.source=gsm8k_jsonl", f"actors.data.path={__file__}"])
+    data = tmp_path / "items.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "2"}\n')
+    for good in ("train_task", "gsm8k_test", str(data)):
+        assert load_config("tiny", [f"eval.data={good}"]).eval.data == good
+    assert load_config("tiny", ["eval.data=/nonexistent.jsonl", "eval.enabled=false"])  # not evaluated: not read
+    assert load_config("tiny", ["eval.data=/nonexistent.jsonl"], check_files=False)  # a cluster's file
+
+
+def test_training_data_file_is_checked_at_start():
+    with pytest.raises(ConfigError, match=r"^actors\.data\.path='/nope\.jsonl': no such file"):
+        load_config("tiny", ["actors.data.source=gsm8k_jsonl", "actors.data.path=/nope.jsonl", "eval.data=gsm8k_test"])
+
+
+def closed_port() -> int:
+    """A 127.0.0.1 port nothing listens on (bound, then closed)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_broker_names_broker_url(redis_server):
+    url = f"redis://127.0.0.1:{closed_port()}/0"
+    with pytest.raises(ConfigError, match=rf"^broker\.url='{re.escape(url)}': Redis does not answer \(ConnectionError"):
+        load_config("tiny", [f"broker.url={url}"])
+    assert load_config("tiny", [f"broker.url={redis_server.url}"]).broker.url == redis_server.url
+    assert load_config("tiny", [f"broker.url={url}"], check_files=False)  # composing a cluster's config
+    with pytest.raises(ConfigError, match=r"^broker\.url: embeds a password") as err:
+        load_config("tiny", ["broker.url=redis://user:hunter2@127.0.0.1:6379/0"])
+    assert "hunter2" not in str(err.value)
+
+
+def test_broker_password_is_checked_and_never_printed(monkeypatch):
+    from broker.redis_server import LocalRedis
+
+    with LocalRedis(password="right-secret") as server:
+        monkeypatch.setenv("SPARSE_RL_REDIS_PASSWORD", "wrong-secret")
+        with pytest.raises(ConfigError, match=r"^broker\.url=.*Redis does not answer \(AuthenticationError") as err:
+            load_config("tiny", [f"broker.url={server.url}"])
+        assert "secret" not in str(err.value)
+        monkeypatch.setenv("SPARSE_RL_REDIS_PASSWORD", "right-secret")
+        assert load_config("tiny", [f"broker.url={server.url}"])
+
+
+def test_unreachable_ray_address_names_ray_address():
+    import socket
+
+    port = closed_port()
+    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+        with pytest.raises(ConfigError, match=rf"^ray\.address='{re.escape(address)}': cannot connect to 127\.0\.0\.1"):
+            load_config("tiny", [f"ray.address={address}"])
+    with pytest.raises(ConfigError, match=r"^ray\.address='nohost': expected"):
+        load_config("tiny", ["ray.address=nohost"])
+    with socket.socket() as listener:  # something answers: accepted
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        address = f"ray://127.0.0.1:{listener.getsockname()[1]}"
+        assert load_config("tiny", [f"ray.address={address}"]).ray.address == address
+    assert load_config("tiny", ["ray.address=auto"])  # resolved by Ray itself
+
+
+def test_yaml_syntax_error_is_one_line_with_file_line_column(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmodel: tiny-llama\nactors: {count: 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(bad))
+    assert re.fullmatch(rf"config file {re.escape(str(bad))}:4:1: YAML syntax error: .+", str(err.value))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("eval.data=/nonexistent.jsonl", "eval.data='/nonexistent.jsonl': no such file"),
+    ("broker.url=redis://127.0.0.1:{port}/0", "broker.url='redis://127.0.0.1:{port}/0': Redis does not answer"),
+    ("ray.address=127.0.0.1:{port}", "ray.address='127.0.0.1:{port}': cannot connect"),
+    ("learner.lr=-1", "learner.lr=-1.0: expected >= 0"),
+])
+def test_cli_bad_input_exits_2_before_anything_starts(override, message, tmp_path):
+    port = closed_port()
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "deploy.cli", "train", "--config", "tiny", override.format(port=port),
+                           f"run_dir={tmp_path / 'runs'}"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"sparse-rl: bad config: {message.format(port=port)}"), lines
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "runs").exists() and not list(tmp_path.glob("mlflow*"))
+    assert time.monotonic() - started < 60  # import + checks; nothing started (Ray alone takes longer to boot)
