@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import secrets
 import time
 import typing
 from dataclasses import dataclass, field
@@ -114,7 +115,7 @@ class MlflowConfig:
 @dataclass
 class RunConfig:
     name: str = "sparse-rl"
-    """Run name; the run id is `<name>-<UTC time>`."""
+    """Run name; the run id is `<name>-<UTC time>-<4 random hex digits>` (see new_run_id)."""
     run_dir: str = "runs"
     """Parent directory of run directories (checkpoints, mlflow.db, plots, the resolved config)."""
     model: str = MISSING
@@ -332,7 +333,23 @@ def check_services(run: RunConfig) -> None:
 
 
 def new_run_id(run: RunConfig) -> str:
-    return f"{run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    """`<name>-<UTC time to the second>-<4 random hex digits>`: runs started in the same second differ."""
+    return f"{run.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
+
+
+def make_run_dir(run: RunConfig, draw=new_run_id) -> tuple[str, Path]:
+    """(run id, its directory `<run.run_dir>/<run id>`), the directory created atomically (mkdir without
+    exist_ok): when the drawn id's directory already exists, another id is drawn, so two runs never share one."""
+    parent = Path(run.run_dir).resolve()
+    parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(100):
+        run_id = draw(run)
+        try:
+            (parent / run_id).mkdir()
+            return run_id, parent / run_id
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"no free run directory under {parent} after 100 draws")
 
 
 def to_dict(run: RunConfig) -> dict:

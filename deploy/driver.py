@@ -18,7 +18,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from broker.redis_server import LocalRedis  # noqa: E402
 from broker.streams import PAUSED, connect, key, queue_depth, run_counts  # noqa: E402
-from deploy.config import RunConfig, new_run_id, to_dict  # noqa: E402
+from deploy.config import RunConfig, make_run_dir, to_dict  # noqa: E402
 from deploy.console import Console  # noqa: E402
 from deploy.model_cache import resolve_model  # noqa: E402
 from deploy.tracking import Tracker  # noqa: E402
@@ -30,9 +30,7 @@ MAX_LOCAL_ACTORS = 16
 
 def train(cfg: RunConfig) -> dict:
     """Run one training job end to end; returns the last step's metrics and the evaluation scores."""
-    run_id = new_run_id(cfg)
-    run_dir = Path(cfg.run_dir).resolve() / run_id
-    run_dir.mkdir(parents=True)
+    run_id, run_dir = make_run_dir(cfg)  # unique, created atomically
     cfg.model = resolve_model(cfg.model)  # build/convert preset model files once, before any worker starts
     if not cfg.learner.checkpoint_dir:
         cfg.learner.checkpoint_dir = str(run_dir / "checkpoints")
