@@ -9,6 +9,22 @@ import torch
 LOG_XI_CLAMP = 20.0
 
 
+TAIL_QUANTILES = (("p1", 0.01), ("p5", 0.05), ("p50", 0.5))
+
+
+def ratio_tail(log_xi: torch.Tensor) -> dict[str, float]:
+    """Quantiles p1, p5, p50 of xi = exp(log_xi) (`xi_pK`) and of min(xi, 1/xi) = exp(-|log_xi|) (`xi_sym_pK`)
+    over a 1-D tensor of valid tokens' log xi (torch.quantile, linear interpolation); NaN when it is empty."""
+    q = torch.tensor([v for _, v in TAIL_QUANTILES], dtype=torch.float64)
+    if log_xi.numel() == 0:
+        return {f"{name}_{k}": float("nan") for name in ("xi", "xi_sym") for k, _ in TAIL_QUANTILES}
+    log_xi = log_xi.detach().double().cpu()
+    out = {}
+    for name, values in (("xi", log_xi.exp()), ("xi_sym", (-log_xi.abs()).exp())):
+        out.update({f"{name}_{k}": float(v) for (k, _), v in zip(TAIL_QUANTILES, torch.quantile(values, q))})
+    return out
+
+
 def sparse_correction(
     logp_old: torch.Tensor,
     logp_sparse: torch.Tensor,
@@ -41,7 +57,10 @@ def sparse_correction(
         loss_mask: float32 [num_seqs, max_resp_len], response_mask after sequence rejection and token mask.
         metrics: rejection_rate, token_mask_fraction, truncate_fraction, mismatch_kl (k3 per-sequence token
             mean, averaged over sequences), mismatch_kl_k1 (same reduction of logp_sparse - logp_old),
-            catastrophic_token_fraction (xi < eps), xi_mean/xi_max, tis_weight_mean (before normalisation).
+            catastrophic_token_fraction (xi < eps), xi_mean/xi_max, tis_weight_mean (before normalisation), and the
+            tail of the per-token ratio over valid tokens (Sparrow, arXiv 2606.08446: the tail, not the mean,
+            predicts collapse): xi_p1, xi_p5, xi_p50 and xi_sym_p1, xi_sym_p5, xi_sym_p50, quantiles (linear
+            interpolation) of xi and of min(xi, 1/xi).
 
     Raises:
         ValueError: shapes differ, or an unknown option.
@@ -94,6 +113,7 @@ def sparse_correction(
             "xi_mean": (xi * validf).sum().item() / num_tokens.item(),
             "xi_max": xi.masked_fill(~valid, 0).max().item() if valid.any() else 0.0,
             "tis_weight_mean": (truncated.sum() / num_tokens).item(),
+            **ratio_tail(log_xi[valid]),
         }
     if correction == "metrics_only":
         return ones * validf, validf.clone(), metrics

@@ -94,3 +94,18 @@ def test_bad_input_names_the_tensors():
         sparse_correction(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3))
     with pytest.raises(ValueError, match="rejection"):
         sparse_correction(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), rejection="max")
+
+
+def test_ratio_tail_quantiles_by_hand():
+    """Valid xi = 0.5, 1, 2, 4 (one padding slot ignored). Sorted xi: 0.5 1 2 4; linear interpolation at
+    position q * (n - 1): p50 at 1.5 -> 1.5, p5 at 0.15 -> 0.5 + 0.15 * 0.5 = 0.575, p1 at 0.03 -> 0.515.
+    min(xi, 1/xi) = 0.5 1 0.5 0.25, sorted 0.25 0.5 0.5 1: p50 -> 0.5, p5 -> 0.25 + 0.15 * 0.25 = 0.2875,
+    p1 -> 0.25 + 0.03 * 0.25 = 0.2575."""
+    xi = torch.tensor([[0.5, 1.0, 2.0], [4.0, 7.0, 1.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.bool)
+    logp_sparse = torch.zeros(2, 3)
+    _, _, m = sparse_correction(torch.log(xi), logp_sparse, mask, correction="metrics_only")
+    expected = {"xi_p50": 1.5, "xi_p5": 0.575, "xi_p1": 0.515,
+                "xi_sym_p50": 0.5, "xi_sym_p5": 0.2875, "xi_sym_p1": 0.2575}
+    for name, value in expected.items():
+        assert m[name] == pytest.approx(value, abs=1e-6), name
