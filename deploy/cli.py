@@ -39,8 +39,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "train":
-            from deploy.driver import train as run_train
-            run_train(load_config(args.config, args.overrides))
+            from deploy.driver import Interrupted, train as run_train
+            command = ["sparse-rl", "train", "--config", args.config, *args.overrides]
+            try:
+                run_train(load_config(args.config, args.overrides), command)
+            except Interrupted as e:
+                print(f"sparse-rl: {e}", file=sys.stderr)
+                return 130
         elif args.command == "eval":
             from deploy.evaluate import evaluate_model
             cfg = load_config(args.config, args.overrides, check_files=False)  # the model is --model
@@ -54,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"sparse-rl: bad config: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before a run started (or in eval/scale): nothing to clean up
+        print("sparse-rl: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

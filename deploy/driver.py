@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import signal
+import threading
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -28,8 +31,48 @@ MAX_LOCAL_ACTORS = 16
 """A local Ray is given enough logical CPUs for the learner and this many actors (to scale up at run time)."""
 
 
-def train(cfg: RunConfig) -> dict:
-    """Run one training job end to end; returns the last step's metrics and the evaluation scores."""
+class Interrupted(Exception):
+    """Ctrl-C stopped the run: the MLflow run is KILLED and everything is shut down; str() is the one line
+    to print (step reached, last checkpoint, how to resume)."""
+
+
+def train(cfg: RunConfig, command: tuple[str, ...] = ("sparse-rl", "train")) -> dict:
+    """Run one training job end to end; returns the last step's metrics and the evaluation scores.
+    `command` is how the run was started (argv words), for the resume hint printed on Ctrl-C.
+    Raises Interrupted on Ctrl-C (SIGINT), after shutting everything down."""
+    progress = {"step": 0}
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _interrupt)
+    try:
+        return _train(cfg, progress)
+    except KeyboardInterrupt:
+        raise Interrupted(interrupted_line(cfg, progress["step"], command)) from None
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, previous)
+
+
+def _interrupt(signum, frame):
+    """The first Ctrl-C stops the run; further ones are ignored so that the shutdown is not cut short."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def interrupted_line(cfg: RunConfig, step: int, command: tuple[str, ...]) -> str:
+    """One line: how far the run got, its last checkpoint, and the command that resumes from it."""
+    ckpt_dir = Path(cfg.learner.checkpoint_dir)
+    latest = ckpt_dir / "latest"
+    head = f"interrupted at step {step} of {cfg.train.steps}"
+    if not latest.is_file():
+        return (f"{head}; last checkpoint: none (one every learner.checkpoint_interval="
+                f"{cfg.learner.checkpoint_interval} versions); start again with: {shlex.join(command)}")
+    kept = [word for word in command if not word.startswith("learner.checkpoint_dir=")]
+    return (f"{head}; last checkpoint: {ckpt_dir / latest.read_text().strip()}; "
+            f"resume with: {shlex.join([*kept, f'learner.checkpoint_dir={ckpt_dir}'])}")
+
+
+def _train(cfg: RunConfig, progress: dict) -> dict:
     run_id, run_dir = make_run_dir(cfg)  # unique, created atomically
     cfg.model = resolve_model(cfg.model)  # build/convert preset model files once, before any worker starts
     if not cfg.learner.checkpoint_dir:
@@ -41,7 +84,8 @@ def train(cfg: RunConfig) -> dict:
         start_ray(cfg)
         stack.callback(ray.shutdown)
         tracker = Tracker(cfg.mlflow.tracking_uri, cfg.mlflow.experiment, run_id, run_dir)
-        stack.callback(tracker.end, "FAILED")  # no-op once the run ended FINISHED
+        # KILLED on Ctrl-C, FAILED on an error; a no-op once the run ended FINISHED
+        stack.push(lambda kind, *_: tracker.end("KILLED" if kind is KeyboardInterrupt else "FAILED"))
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         tracker.log_params(to_dict(cfg))
         tracker.log_artifact(run_dir / "config.yaml")
@@ -72,6 +116,7 @@ def train(cfg: RunConfig) -> dict:
             version = int(metrics["version"])  # MLflow step = weight version: continues after a resume
             tracker.log_metrics(metrics, version)
             console.step(step, cfg.train.steps, version, metrics)
+            progress["step"] = step
         ray.get(learner.save_final.remote(str(run_dir / "final")))
         pool.stop_generation()  # the last batches are published; from here the counts are final
         accounting = {**run_counts(redis, run_id), "left_in_queue": queue_depth(redis, cfg.broker, run_id),
