@@ -2,7 +2,7 @@
 
     sparse-rl train [--config smollm2-copy] [dotted.key=value ...]
     sparse-rl eval --model runs/<run id>/final [--mode dense|sparse] [--config ...] [dotted.key=value ...]
-    sparse-rl scale --run <run id> --actors N [--redis redis://127.0.0.1:6379/0]
+    sparse-rl scale --run <run id> --actors N [--run-dir runs] [--redis redis://127.0.0.1:6379/0]
 """
 from __future__ import annotations
 
@@ -32,9 +32,19 @@ def main(argv: list[str] | None = None) -> int:
     scale = sub.add_parser("scale", help="change the number of rollout actors of a running job")
     scale.add_argument("--run", required=True, help="run id printed by `sparse-rl train`")
     scale.add_argument("--actors", type=int, required=True, help="target number of rollout actors (>= 1)")
-    scale.add_argument("--redis", default="", help="Redis URL of the run (printed by `sparse-rl train`)")
+    scale.add_argument("--redis", default="", help="Redis URL of the run (default: the one recorded in "
+                                                   "<run dir>/<run id>/run.json)")
+    scale.add_argument("--run-dir", default="runs", help="parent of the run directories (the config's run_dir)")
 
     args = parser.parse_args(argv)
+    if args.command == "scale":  # light: no Ray, no torch, no config
+        from deploy.scale import ScaleError, request_scale
+        try:
+            request_scale(args.run, args.actors, args.redis, args.run_dir)
+        except ScaleError as e:
+            print(f"sparse-rl scale: {e}", file=sys.stderr)
+            return 2
+        return 0
     from deploy.config import ConfigError, check_eval_data, check_model, load_config
 
     try:
@@ -46,20 +56,17 @@ def main(argv: list[str] | None = None) -> int:
             except Interrupted as e:
                 print(f"sparse-rl: {e}", file=sys.stderr)
                 return 130
-        elif args.command == "eval":
+        else:  # eval
             from deploy.evaluate import evaluate_model
             cfg = load_config(args.config, args.overrides, check_files=False)  # the model is --model
             cfg.model = os.path.expanduser(args.model)
             check_model(cfg.model)
             check_eval_data(cfg)
             evaluate_model(cfg, cfg.model, args.mode or list(cfg.eval.modes))
-        else:
-            from deploy.driver import request_scale
-            request_scale(args.run, args.actors, args.redis)
     except ConfigError as e:
         print(f"sparse-rl: bad config: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C before a run started (or in eval/scale): nothing to clean up
+    except KeyboardInterrupt:  # Ctrl-C before a run started, or in eval: nothing to clean up
         print("sparse-rl: interrupted", file=sys.stderr)
         return 130
     return 0

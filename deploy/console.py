@@ -1,6 +1,8 @@
 """What the driver prints while a run goes on (rich): one line per learner step, and where MLflow is."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from rich.console import Console as RichConsole
 from rich.table import Table
 
@@ -17,7 +19,8 @@ class Console:
     def start(self, run_id, run_dir, redis_url, mlflow_where) -> None:
         self.out.rule(f"sparse-rl run [bold]{run_id}[/]")
         self.out.print(f"run directory: {run_dir}\nredis: {redis_url}\nMLflow: {mlflow_where}")
-        self.out.print(f"scale actors while it runs: sparse-rl scale --run {run_id} --actors N --redis {redis_url}")
+        self.out.print(f"scale actors while it runs: sparse-rl scale --run {run_id} --actors N "
+                       f"--run-dir {Path(run_dir).parent}")
 
     def step(self, step: int, total: int, version: int, metrics: dict) -> None:
         parts = [f"[bold]step {step}/{total}[/] (version {version})"]

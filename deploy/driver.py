@@ -24,9 +24,9 @@ from broker.streams import PAUSED, connect, key, queue_depth, run_counts  # noqa
 from deploy.config import RunConfig, make_run_dir, to_dict  # noqa: E402
 from deploy.console import Console  # noqa: E402
 from deploy.model_cache import resolve_model  # noqa: E402
+from deploy.scale import SCALE_KEY, write_run_info  # noqa: E402
 from deploy.tracking import Tracker  # noqa: E402
 
-SCALE_KEY = "actors_target"
 MAX_LOCAL_ACTORS = 16
 """A local Ray is given enough logical CPUs for the learner and this many actors (to scale up at run time)."""
 
@@ -81,6 +81,7 @@ def _train(cfg: RunConfig, progress: dict) -> dict:
     with ExitStack() as stack:
         if not cfg.broker.url:  # embedded default: a private redis-server on 127.0.0.1
             cfg.broker.url = stack.enter_context(LocalRedis(password=os.environ.get(cfg.broker.password_env) or None)).url
+        write_run_info(run_dir, run_id, cfg.broker)  # how `sparse-rl scale --run <id>` finds the broker
         start_ray(cfg)
         stack.callback(ray.shutdown)
         tracker = Tracker(cfg.mlflow.tracking_uri, cfg.mlflow.experiment, run_id, run_dir)
@@ -154,16 +155,6 @@ def start_learner(cfg: RunConfig, run_id: str):
         num_cpus=cfg.train.learner_num_cpus, num_gpus=cfg.train.learner_num_gpus, resources=resources,
         max_concurrency=2,
     ).remote(to_dict(cfg), run_id)
-
-
-def request_scale(run_id: str, actors: int, redis_url: str) -> None:
-    """`sparse-rl scale`: set the target actor count the driver reads after every learner step."""
-    from broker.config import BrokerConfig
-
-    if actors < 1:
-        raise SystemExit("sparse-rl scale: --actors must be >= 1")
-    connect(BrokerConfig(url=redis_url or "redis://127.0.0.1:6379/0")).set(key(run_id, SCALE_KEY), actors)
-    print(f"run {run_id}: rollout actors -> {actors} (applied after the current learner step)")
 
 
 class ActorPool:

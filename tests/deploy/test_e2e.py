@@ -21,7 +21,8 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 from broker.config import BrokerConfig  # noqa: E402
 from broker.streams import connect, read_learner_version  # noqa: E402
 from deploy.config import load_config  # noqa: E402
-from deploy.driver import request_scale, train  # noqa: E402
+from deploy.driver import train  # noqa: E402
+from deploy.scale import request_scale  # noqa: E402
 
 STEP_METRICS = ("rejection_rate", "mismatch_kl", "mismatch_kl_k1", "token_mask_fraction", "reward_mean",
                 "grad_norm", "staleness_mean", "learner_tokens_per_s", "weight_sync_s", "queue_depth", "actors_live",
@@ -82,7 +83,7 @@ def test_actors_scaled_and_killed_while_learner_steps(tmp_path, redis_server):
             for at in sorted(v for v in plan if v <= version):
                 what, arg = plan.pop(at)
                 if what == "scale":
-                    request_scale(run_id, arg, redis_server.url)
+                    request_scale(run_id, arg, run_dir=tmp_path)  # finds the broker in the run directory
                 else:
                     victim = ray.get_actor(f"{run_id}-actor-0", namespace=None)
                     os.kill(ray.get(victim.ping.remote())["pid"], signal.SIGKILL)
