@@ -84,8 +84,10 @@ class LocalRedis:
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write("\n".join(lines) + "\n")
+        # Its own session: a terminal's Ctrl-C reaches the driver, which stops this server last (after the actors
+        # that use it), instead of killing it under them.
         self._proc = subprocess.Popen([self.binary, conf], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL)
+                                      stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + self.start_timeout_s
         with self.client(socket_timeout=1.0) as c:
             while True:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -54,6 +55,9 @@ def test_ctrl_c_stops_the_run_cleanly(tmp_path):
     client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert run.info.status == "KILLED"
+    port = int(re.search(r"^redis: redis://127\.0\.0\.1:(\d+)/0$", text, re.M).group(1))
+    with pytest.raises(ConnectionRefusedError):  # its embedded Redis (own session, stopped last) is gone too
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
     deadline = time.monotonic() + 30  # nothing of the run's process group is left
     while time.monotonic() < deadline:
         try:
