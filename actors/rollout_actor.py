@@ -54,6 +54,20 @@ def expected_weights(engine):
     return expected
 
 
+SLOW_START_ENV = "SPARSE_RL_TEST_SLOW_START"
+"""Test hook: "actor-1=20,actor-3=5" delays those actors' start (before the model loads) by that many seconds,
+as a large model's load would. Read from the environment the actor processes inherit from the driver."""
+
+
+def slow_start_s(actor_id: str) -> float:
+    """The start delay of `actor_id` from SLOW_START_ENV (0 when not named)."""
+    for item in filter(None, os.environ.get(SLOW_START_ENV, "").split(",")):
+        name, _, seconds = item.partition("=")
+        if name.strip() == actor_id:
+            return float(seconds)
+    return 0.0
+
+
 class RolloutWorker:
     def __init__(self, cfg: dict, run_id: str, actor_id: str):
         from deploy.config import RunConfig  # plain dict over Ray -> typed config
@@ -63,6 +77,7 @@ class RolloutWorker:
         self.cfg: RunConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
         self.run_id, self.actor_id = run_id, actor_id
         a = self.cfg.actors
+        time.sleep(slow_start_s(actor_id))  # a test hook: a model that takes long to load
         self.engine = build_engine(a.engine, self.cfg.model, a.engine.compressor, a.torch_threads)
         self.tokenizer = self.engine.tokenizer
         self.prompts = load_train_prompts(a.data, self.tokenizer, seed=self.cfg.seed)

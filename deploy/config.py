@@ -58,6 +58,10 @@ class ActorsConfig:
     """torch intra-op threads per actor process."""
     max_restarts: int = 2
     """Times Ray restarts a crashed rollout actor before the driver replaces it."""
+    start_timeout_s: float = 1800.0
+    """Longest a rollout actor may take to start (load its model and engine) before the driver replaces it,
+    seconds; sized for an SGLang engine loading a 7B model. While it starts it is not pinged with
+    learner.weight_sync_timeout_s and the run goes on without it; it joins the next weight sync once ready."""
     prompts_per_batch: int = 2
     """Prompts generated together; one batch is prompts_per_batch x sampling.samples_per_prompt rows."""
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -263,6 +267,7 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
                   f"actors.data.path={run.actors.data.path!r}: no such file (source gsm8k_jsonl reads a GSM8K JSONL)")
         check_services(run)
     check(run.actors.count >= 1, f"actors.count={run.actors.count}: expected >= 1")
+    check(run.actors.start_timeout_s > 0, f"actors.start_timeout_s={run.actors.start_timeout_s}: expected > 0")
     check(run.actors.prompts_per_batch >= 1, f"actors.prompts_per_batch={run.actors.prompts_per_batch}: expected >= 1")
     check(run.train.steps >= 1, f"train.steps={run.train.steps}: expected >= 1")
     check(run.train.groups_per_step >= 1, f"train.groups_per_step={run.train.groups_per_step}: expected >= 1")

@@ -29,6 +29,11 @@ class Console:
                 parts.append(f"{label} {fmt.format(metrics[name])}")
         self.out.print("  ".join(parts))
 
+    def waiting(self, step: int, seconds: float, why: str) -> None:
+        """Why the run is not moving: the learner waits for groups of `step` (0: actors are starting)."""
+        what = f"learner waiting for the groups of step {step}" if step else "waiting for the rollout actors"
+        self.out.print(f"{what} for {seconds:.0f} s: {why}")
+
     def eval(self, scores: dict, before: dict | None = None) -> None:
         """The evaluation as a table: one row per mode and metric, with the initial weights' score beside the
         final one when `before` (same keys, eval/<mode>/<metric>) is given."""

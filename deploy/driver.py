@@ -11,6 +11,7 @@ import os
 import shlex
 import signal
 import threading
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -27,6 +28,13 @@ from deploy.model_cache import resolve_model  # noqa: E402
 from deploy.scale import SCALE_KEY, write_run_info  # noqa: E402
 from deploy.tracking import Tracker  # noqa: E402
 
+WAIT_POLL_S = 2.0
+"""While the learner waits for groups, the driver checks the actors (replacing the dead) this often, seconds."""
+WAIT_REPORT_S = 30.0
+"""... and says why the learner is still waiting after this long, then again every this many seconds."""
+MAX_START_FAILURES = 3
+"""Rollout actors in a row that die while starting (each after Ray's own restarts) before the run fails:
+no actor can ever produce."""
 MAX_LOCAL_ACTORS = 16
 """A local Ray is given enough logical CPUs for the learner and this many actors (to scale up at run time)."""
 
@@ -101,6 +109,7 @@ def _train(cfg: RunConfig, progress: dict) -> dict:
         pool = ActorPool(cfg, run_id, learner)
         stack.callback(pool.shutdown)
         pool.scale(cfg.actors.count)
+        pool.wait_ready(console)  # nothing to train or evaluate with before the first actors have started
         pool.sync_weights()  # initial weights to everyone: one code path for initial and later weights
         version = int(ray.get(learner.version.remote()))
         scores_before = {}
@@ -109,15 +118,28 @@ def _train(cfg: RunConfig, progress: dict) -> dict:
             tracker.log_metrics(scores_before, version)  # eval/* at the initial version, again at the last
             redis.delete(key(run_id, PAUSED))
 
+        def target() -> int:
+            return int(redis.get(key(run_id, SCALE_KEY)) or cfg.actors.count)
+
         for step in range(1, cfg.train.steps + 1):
-            metrics = ray.get(learner.train_step.remote())  # blocks until groups_per_step groups are trained
-            pool.scale(int(redis.get(key(run_id, SCALE_KEY)) or cfg.actors.count))  # also replaces dead actors
+            done = learner.train_step.remote()  # returns once groups_per_step groups are trained
+            waited = time.monotonic()
+            reported = waited
+            while not ray.wait([done], timeout=WAIT_POLL_S)[0]:
+                pool.scale(target())  # dead actors are replaced while the learner waits, new ones start
+                if pool.membership_changed():  # an actor became ready: weights now (it cannot sample without)
+                    pool.sync_weights()
+                if time.monotonic() - reported >= WAIT_REPORT_S:
+                    reported = time.monotonic()
+                    console.waiting(step, reported - waited, pool.why_waiting(queue_depth(redis, cfg.broker, run_id)))
+            metrics = ray.get(done)
+            pool.scale(target())
             metrics.update(pool.sync_weights())
             metrics.update(pool.metrics())
             version = int(metrics["version"])  # MLflow step = weight version: continues after a resume
             tracker.log_metrics(metrics, version)
+            progress["step"] = step  # done and logged (before its console line, which a Ctrl-C may follow at once)
             console.step(step, cfg.train.steps, version, metrics)
-            progress["step"] = step
         ray.get(learner.save_final.remote(str(run_dir / "final")))
         pool.stop_generation()  # the last batches are published; from here the counts are final
         accounting = {**run_counts(redis, run_id), "left_in_queue": queue_depth(redis, cfg.broker, run_id),
@@ -167,6 +189,9 @@ class ActorPool:
         self.generation = 0  # weight-sync group generation; bumped whenever membership changes
         self.members: list[tuple[int, str]] = []  # (actor index, incarnation) of the current sync group
         self.incarnations: dict[int, str] = {}
+        self.starting: dict[int, tuple[float, object]] = {}  # actor index -> (start time, its first ping)
+        self.start_failures = 0  # actors in a row that died before they were ready
+        self.target = cfg.actors.count
         self.replaced = 0
         self.sync_address = ray.get(learner.sync_address.remote())  # (host, port) of the learner's TCPStore
 
@@ -181,11 +206,68 @@ class ActorPool:
             max_restarts=a.max_restarts, max_task_retries=0, max_concurrency=4,
         ).remote(to_dict(self.cfg), self.run_id, f"actor-{index}")
         self.actors[index] = handle  # its generate -> score -> publish loop starts with the process
+        self.starting[index] = (time.monotonic(), handle.ping.remote())  # answered once its model is loaded
+
+    def ready(self) -> list[int]:
+        """Indices of the actors that have started (the others are loading their model)."""
+        return sorted(i for i in self.actors if i not in self.starting)
+
+    def _check_starting(self) -> None:
+        """Actors still starting are left alone until actors.start_timeout_s (not pinged with the weight sync
+        timeout); one that died while starting, or did not start in time, is killed and forgotten, and
+        scale() starts a replacement. Raises RuntimeError after MAX_START_FAILURES such deaths in a row."""
+        for i, (since, first_ping) in list(self.starting.items()):
+            reason = ""
+            if ray.wait([first_ping], timeout=0)[0]:
+                del self.starting[i]
+                try:
+                    self.incarnations[i] = ray.get(first_ping)["incarnation"]
+                    self.start_failures = 0
+                except ray.exceptions.RayActorError as e:
+                    reason = f"died while starting ({type(e).__name__}: {str(e).splitlines()[0]})"
+            elif time.monotonic() - since > self.cfg.actors.start_timeout_s:
+                del self.starting[i]
+                reason = f"did not start within actors.start_timeout_s={self.cfg.actors.start_timeout_s:g} s"
+            if reason:
+                print(f"rollout actor {i} {reason}; replacing it")
+                ray.kill(self.actors.pop(i), no_restart=True)
+                self.replaced += 1
+                self.start_failures += 1
+                if self.start_failures >= MAX_START_FAILURES:
+                    raise RuntimeError(f"no rollout actor can start: {self.start_failures} in a row failed, "
+                                       f"the last one {reason}")
+
+    def wait_ready(self, console) -> None:
+        """Wait until every actor started so far is ready (or replaced), saying what it waits for."""
+        since = reported = time.monotonic()
+        while self.starting:
+            ray.wait([ref for _, ref in self.starting.values()], num_returns=len(self.starting), timeout=WAIT_POLL_S)
+            self._check_starting()
+            self.scale(self.target)
+            if self.starting and time.monotonic() - reported >= WAIT_REPORT_S:
+                reported = time.monotonic()
+                console.waiting(0, reported - since, f"{len(self.starting)} rollout actor(s) starting (loading the model)")
+
+    def membership_changed(self) -> bool:
+        """The ready actors differ from the current weight-sync group (one started, restarted or left)."""
+        return [(i, self.incarnations.get(i)) for i in self.ready()] != self.members
+
+    def why_waiting(self, depth: int) -> str:
+        """Why the learner has no groups yet, in words for the console."""
+        ready, starting = len(self.ready()), len(self.starting)
+        loading = f", {starting} starting (loading the model)" if starting else ""
+        if not ready:
+            return f"no live rollout actor{loading}"
+        if depth == 0:
+            return f"queue empty: {ready} live rollout actor(s) still generating{loading}"
+        return f"{depth} group(s) in the queue, {ready} live rollout actor(s){loading}"
 
     def alive(self) -> list[int]:
-        """Indices of actors that answer a ping with a running loop (one restarted by Ray answers once it is
-        back, with a new incarnation); the others are killed and forgotten, and scale() starts replacements."""
-        pings = {i: h.ping.remote() for i, h in self.actors.items()}
+        """Indices of started actors that answer a ping with a running loop (one restarted by Ray answers once
+        it is back, with a new incarnation); the others are killed and forgotten, and scale() starts
+        replacements. Actors still starting are checked by _check_starting, not pinged."""
+        self._check_starting()
+        pings = {i: self.actors[i].ping.remote() for i in self.ready()}
         ok = []
         for i, ref in pings.items():
             try:
@@ -203,9 +285,15 @@ class ActorPool:
         return ok
 
     def scale(self, target: int) -> None:
-        live = self.alive()
+        """Start or stop actors to reach `target` (started and starting ones count); never waits for a start."""
+        self.target = target
+        live = sorted(self.alive() + list(self.starting))
         while len(live) > target:  # remove the newest: finish the current batch, then stop
-            handle = self.actors.pop(live.pop())
+            index = live.pop()
+            handle = self.actors.pop(index)
+            if self.starting.pop(index, None):  # has produced nothing yet
+                ray.kill(handle, no_restart=True)
+                continue
             try:
                 ray.get(handle.stop.remote(), timeout=self.cfg.learner.weight_sync_timeout_s * 5)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
@@ -219,8 +307,8 @@ class ActorPool:
         (new generation) when membership changed. An actor that fails the round is dropped and replaced at
         the next scale(); the learner never waits longer than the collective timeout."""
         self.alive()
-        members = sorted(self.actors)
-        if [(i, self.incarnations.get(i)) for i in members] != self.members:
+        members = self.ready()  # actors still starting join the round after they are ready
+        if self.membership_changed():
             self.generation += 1
             self.members = [(i, self.incarnations.get(i)) for i in members]
         world = len(members) + 1
@@ -247,7 +335,7 @@ class ActorPool:
     def metrics(self) -> dict:
         """Mean of the live actors' rollout metrics (tokens/s, KV bytes, queue waits) since the last call."""
         results = []
-        for h in self.actors.values():
+        for h in (self.actors[i] for i in self.ready()):
             try:
                 results.append(ray.get(h.metrics.remote(), timeout=30))
             except Exception:
@@ -256,16 +344,20 @@ class ActorPool:
         return {k: sum(r.get(k, 0.0) for r in results) / len(results) for k in keys} if results else {}
 
     def stop_generation(self) -> None:
-        """Every actor finishes and publishes its current batch, then stops generating."""
+        """Every actor finishes and publishes its current batch, then stops generating; actors still starting
+        (which have produced nothing) are stopped."""
+        for index in list(self.starting):
+            del self.starting[index]
+            ray.kill(self.actors.pop(index), no_restart=True)
         ray.get([h.stop_generation.remote() for h in self.actors.values()])
 
     def versions(self) -> dict[str, int]:
         """Weight version each live actor samples with (after its staged weights are swapped in)."""
-        return {f"actor-{i}": ray.get(h.ping.remote())["weight_version"] for i, h in self.actors.items()}
+        return {f"actor-{i}": ray.get(self.actors[i].ping.remote())["weight_version"] for i in self.ready()}
 
     def evaluate(self) -> dict:
         """Evaluation split over the live actors (generation stopped): each mode's items are sharded."""
-        handles = list(self.actors.values())
+        handles = [self.actors[i] for i in self.ready()]
         from actors.data import load_eval_items
 
         items = load_eval_items(self.cfg.eval.data, self.cfg.eval.limit, train=self.cfg.actors.data, seed=self.cfg.seed)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -45,6 +46,7 @@ class LearnerWorker:
                                    bucket_mb=self.cfg.learner.weight_sync_bucket_mb,
                                    verify=self.cfg.learner.weight_sync_verify)
         self.generation = -1
+        self.updating = threading.Lock()  # a weight broadcast never reads weights the optimizer is changing
 
     def version(self) -> int:
         """The learner's weight version (0 at start, the checkpoint's after a resume)."""
@@ -68,7 +70,8 @@ class LearnerWorker:
                 raise TimeoutError(f"learner waited {self.cfg.train.group_wait_s:.0f} s (train.group_wait_s) and "
                                    f"got {len(deliveries)} of {want} groups: are the rollout actors alive?")
         wait_s = time.monotonic() - start
-        metrics = self.learner.step([d.group for d in deliveries], [d.staleness for d in deliveries])
+        with self.updating:
+            metrics = self.learner.step([d.group for d in deliveries], [d.staleness for d in deliveries])
         self.counters["groups_trained"] += len(deliveries)
         self.trained_ids += [d.group.group_id for d in deliveries]
         l = self.cfg.learner
@@ -83,11 +86,13 @@ class LearnerWorker:
 
     def send_weights(self, generation: int, world_size: int) -> dict:
         """One broadcast of the current weights to ranks 1..world_size-1 (the actors) of sync group
-        `generation`, rebuilt when the generation changes."""
-        if generation != self.generation:
-            self.sender.open_group(generation, world_size)
-            self.generation = generation
-        return self.sender.send(self.learner.named_weights(), self.learner.version, self.learner.dtype)
+        `generation`, rebuilt when the generation changes. May run while train_step waits for groups (an
+        actor that became ready then gets the weights at once); never during the optimizer step."""
+        with self.updating:
+            if generation != self.generation:
+                self.sender.open_group(generation, world_size)
+                self.generation = generation
+            return self.sender.send(self.learner.named_weights(), self.learner.version, self.learner.dtype)
 
     def save_final(self, path: str) -> str:
         """The trained weights as a Hugging Face directory (with the tokenizer), for `sparse-rl eval`."""
