@@ -65,11 +65,16 @@ def test_tiny_run_end_to_end(tmp_path, redis_server):
 
 @pytest.mark.timeout(1200)
 def test_actors_scaled_and_killed_while_learner_steps(tmp_path, redis_server):
-    steps = 6
+    steps = 30  # the learner keeps stepping while new actors start (~20-40 s for a new Ray worker here)
     cfg = load_config("tiny", [f"run_dir={tmp_path}", f"broker.url={redis_server.url}", "actors.count=1",
                                f"train.steps={steps}", "eval.enabled=false", "learner.weight_sync_timeout_s=30"])
     redis = connect(BrokerConfig(url=redis_server.url))
     events: list[str] = []
+
+    def at_version(run_id, version):
+        while read_learner_version(redis, run_id) < version:
+            time.sleep(0.2)
+        return read_learner_version(redis, run_id)
 
     def operator():  # what a user does from another terminal while the run goes on
         run_id = None
@@ -77,27 +82,32 @@ def test_actors_scaled_and_killed_while_learner_steps(tmp_path, redis_server):
             names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)] if ray.is_initialized() else []
             run_id = next((n.rsplit("-actor-", 1)[0] for n in names if "-actor-" in n), None)
             time.sleep(0.5)
-        plan = {1: ("scale", 3), 3: ("kill", None), 4: ("scale", 2)}
-        while plan:
-            version = read_learner_version(redis, run_id)
-            for at in sorted(v for v in plan if v <= version):
-                what, arg = plan.pop(at)
-                if what == "scale":
-                    request_scale(run_id, arg, run_dir=tmp_path)  # finds the broker in the run directory
-                else:
-                    victim = ray.get_actor(f"{run_id}-actor-0", namespace=None)
-                    os.kill(ray.get(victim.ping.remote())["pid"], signal.SIGKILL)
-                events.append(f"{what}@{version}")
-            time.sleep(0.2)
+        version = at_version(run_id, 1)
+        request_scale(run_id, 3, run_dir=tmp_path)  # finds the broker in the run directory
+        events.append(f"scale@{version}")
+        for index in (1, 2):  # the new actors have started (a ping is answered once the model is loaded)
+            while True:
+                try:
+                    ray.get(ray.get_actor(f"{run_id}-actor-{index}").ping.remote())
+                    break
+                except ValueError:  # not created yet
+                    time.sleep(0.5)
+        version = at_version(run_id, read_learner_version(redis, run_id) + 1)  # a step with all three
+        victim = ray.get_actor(f"{run_id}-actor-0")
+        os.kill(ray.get(victim.ping.remote())["pid"], signal.SIGKILL)
+        events.append(f"kill@{version}")
+        version = at_version(run_id, version + 1)
+        request_scale(run_id, 2, run_dir=tmp_path)
+        events.append(f"scale@{version}")
 
     threading.Thread(target=operator, daemon=True).start()
     summary = train(cfg)
 
-    assert [e.split("@")[0] for e in events] == ["scale", "kill", "scale"]
+    assert [e.split("@")[0] for e in events] == ["scale", "kill", "scale"], events
     check_accounting(summary, steps=steps, groups_per_step=cfg.train.groups_per_step)
     assert len(summary["accounting"]["actor_versions"]) == 2
     live = [m.value for m in MlflowClient(summary["mlflow_uri"]).get_metric_history(summary["mlflow_run_id"], "actors_live")]
-    assert live[0] == 1 and max(live) == 3 and live[-1] == 2
+    assert live[0] == 1 and max(live) == 3 and live[-1] == 2, live
 
 
 @pytest.mark.timeout(900)
