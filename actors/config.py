@@ -1,12 +1,33 @@
 """Typed configs of the rollout actor: engine, sampling, prompt data (composed by deploy/config.py)."""
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 
 from actors.engine import check_sampling
 from compressors import CompressorConfig
 
 DEFAULT_INSTRUCTION = "Solve the problem step by step. Write the final answer on the last line as '#### <number>'."
+
+
+def load_callable(spec: str, field_name: str):
+    """The callable named by `spec` ("package.module:function"), for the config field `field_name` (e.g.
+    reward.function), whose name starts every error message.
+
+    Raises ValueError `<field_name>=<spec>: ...` when `spec` is not of the form module:function, the module
+    cannot be imported (or fails while importing), or it has no such callable."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{field_name}={spec!r}: expected 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, or the module itself fails while importing
+        raise ValueError(f"{field_name}={spec!r}: cannot import module {module_name!r} "
+                         f"({type(e).__name__}: {e})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"{field_name}={spec!r}: module {module_name!r} has no callable {attr!r}")
+    return fn
 
 
 @dataclass

@@ -7,12 +7,11 @@ in actors/tasks.py). Nothing is downloaded.
 """
 from __future__ import annotations
 
-import importlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from actors.config import DEFAULT_INSTRUCTION, DataConfig
+from actors.config import DEFAULT_INSTRUCTION, DataConfig, load_callable
 from actors.reward import gold_answer
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -78,16 +77,7 @@ def load_task_function(spec: str):
     """The task generator named by `spec` ("package.module:function").
 
     Raises ValueError starting with `data.function=<spec>:` if it cannot be imported or is not callable."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"data.function={spec!r}: expected 'package.module:function'")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr, None)
-    except Exception as e:
-        raise ValueError(f"data.function={spec!r}: cannot import module {module_name!r} ({type(e).__name__}: {e})") from None
-    if not callable(fn):
-        raise ValueError(f"data.function={spec!r}: module {module_name!r} has no callable {attr!r}")
-    return fn
+    return load_callable(spec, "data.function")
 
 
 def task_problems(spec: str, size: int, seed: int, options: dict | None = None) -> list[Prompt]:

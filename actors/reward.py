@@ -7,7 +7,6 @@ math-verify handles `\\boxed{}`, commas in numbers, `$`, units, percentages, neg
 """
 from __future__ import annotations
 
-import importlib
 import math
 import re
 import threading
@@ -15,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from math_verify import parse, verify
+
+from actors.config import load_callable
 
 STATUSES = ("correct", "wrong", "unparseable", "error")
 _ANSWER_LINE = re.compile(r"####\s*([^\n]*)")
@@ -78,20 +79,7 @@ def load_reward_function(spec: str) -> RewardFn | None:
 
     Raises ValueError starting with `reward.function=<spec>:` when the module cannot be imported, the
     attribute does not exist or is not callable, or `spec` is not of the form module:function."""
-    if not spec:
-        return None
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"reward.function={spec!r}: expected 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # ImportError, or the module itself fails while importing
-        raise ValueError(f"reward.function={spec!r}: cannot import module {module_name!r} "
-                         f"({type(e).__name__}: {e})") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"reward.function={spec!r}: module {module_name!r} has no callable {attr!r}")
-    return fn
+    return load_callable(spec, "reward.function") if spec else None
 
 
 class RewardScorer:
