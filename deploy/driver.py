@@ -1,6 +1,7 @@
 """The driver: the whole system on one screen (slime's train.py style).
 
-    services (Ray, Redis, MLflow) -> learner + N rollout actors (Ray actors)
+    the run's record (new, resumed or forked: deploy/record.py) -> services (Ray, Redis, MLflow)
+    -> learner + N rollout actors (Ray actors)
     for step: learner consumes groups and steps -> actors rescaled/replaced -> weights broadcast -> log
     (evaluation of the initial weights first, if eval.before) -> evaluation dense and sparse -> plot and artifacts -> everything shut down (also on Ctrl-C / error)
 """
@@ -22,9 +23,10 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from broker.redis_server import LocalRedis  # noqa: E402
 from broker.streams import PAUSED, connect, key, queue_depth, run_counts  # noqa: E402
-from deploy.config import RunConfig, make_run_dir, to_dict  # noqa: E402
+from deploy.config import RunConfig, to_dict  # noqa: E402
 from deploy.console import Console  # noqa: E402
 from deploy.model_cache import resolve_model  # noqa: E402
+from deploy.record import open_record  # noqa: E402
 from deploy.scale import SCALE_KEY, write_run_info  # noqa: E402
 from deploy.tracking import Tracker  # noqa: E402
 
@@ -44,18 +46,20 @@ class Interrupted(Exception):
     to print (step reached, last checkpoint, how to resume)."""
 
 
-def train(cfg: RunConfig, command: tuple[str, ...] = ("sparse-rl", "train")) -> dict:
+def train(cfg: RunConfig, command: tuple[str, ...] = ("sparse-rl", "train"), resume: str = "") -> dict:
     """Run one training job end to end; returns the last step's metrics and the evaluation scores.
-    `command` is how the run was started (argv words), for the resume hint printed on Ctrl-C.
-    Raises Interrupted on Ctrl-C (SIGINT), after shutting everything down."""
-    progress = {"step": 0}
+    `command` is how the run was started (argv words), for the hint printed on Ctrl-C; `resume`: the directory
+    of a run to continue as the same record (deploy/record.py; cfg is then that run's config, see resume_config).
+    Raises Interrupted on Ctrl-C (SIGINT), after shutting everything down; ConfigError (nothing started) when the
+    record cannot be opened."""
+    progress = {"step": 0, "run_dir": None}
     previous = signal.getsignal(signal.SIGINT)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _interrupt)
     try:
-        return _train(cfg, progress)
+        return _train(cfg, progress, resume)
     except KeyboardInterrupt:
-        raise Interrupted(interrupted_line(cfg, progress["step"], command)) from None
+        raise Interrupted(interrupted_line(cfg, progress, command)) from None
     finally:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, previous)
@@ -67,52 +71,60 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def interrupted_line(cfg: RunConfig, step: int, command: tuple[str, ...]) -> str:
-    """One line: how far the run got, its last checkpoint, and the command that resumes from it."""
+def interrupted_line(cfg: RunConfig, progress: dict, command: tuple[str, ...]) -> str:
+    """One line: how far the run got, its last checkpoint, and the command that resumes it."""
     ckpt_dir = Path(cfg.learner.checkpoint_dir)
     latest = ckpt_dir / "latest"
-    head = f"interrupted at step {step} of {cfg.train.steps}"
-    if not latest.is_file():
+    head = f"interrupted at step {progress['step']} of {cfg.train.steps}"
+    if progress["run_dir"] is None or not latest.is_file():
         return (f"{head}; last checkpoint: none (one every learner.checkpoint_interval="
                 f"{cfg.learner.checkpoint_interval} versions); start again with: {shlex.join(command)}")
-    kept = [word for word in command if not word.startswith("learner.checkpoint_dir=")]
     return (f"{head}; last checkpoint: {ckpt_dir / latest.read_text().strip()}; "
-            f"resume with: {shlex.join([*kept, f'learner.checkpoint_dir={ckpt_dir}'])}")
+            f"resume with: sparse-rl train --resume {progress['run_dir']}")
 
 
-def _train(cfg: RunConfig, progress: dict) -> dict:
-    run_id, run_dir = make_run_dir(cfg)  # unique, created atomically
+def _train(cfg: RunConfig, progress: dict, resume: str) -> dict:
+    record = open_record(cfg, resume)  # new (directory created atomically), resumed, or forked from a checkpoint
+    run_id, run_dir = record.run_id, record.run_dir
+    progress["run_dir"] = run_dir
     cfg.model = resolve_model(cfg.model)  # build/convert preset model files once, before any worker starts
-    if not cfg.learner.checkpoint_dir:
-        cfg.learner.checkpoint_dir = str(run_dir / "checkpoints")
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # what --resume loads
     console = Console()
     with ExitStack() as stack:
-        if not cfg.broker.url:  # embedded default: a private redis-server on 127.0.0.1
-            cfg.broker.url = stack.enter_context(LocalRedis(password=os.environ.get(cfg.broker.password_env) or None)).url
-        write_run_info(run_dir, run_id, cfg.broker)  # how `sparse-rl scale --run <id>` finds the broker
+        if not cfg.broker.url:  # embedded default: a private redis-server on 127.0.0.1, its data in the run directory
+            cfg.broker.url = stack.enter_context(LocalRedis(  # (append-only file: a resume finds queue and counters)
+                password=os.environ.get(cfg.broker.password_env) or None, data_dir=run_dir / "redis",
+                appendonly=True, appendfsync="everysec")).url
         start_ray(cfg)
         stack.callback(ray.shutdown)
-        tracker = Tracker(cfg.mlflow.tracking_uri, cfg.mlflow.experiment, run_id, run_dir)
+        tracker = Tracker(cfg.mlflow.tracking_uri, cfg.mlflow.experiment, run_id, run_dir,
+                          resume_run_id=record.mlflow_run_id, tags={f"parent_{k}": v for k, v in record.parent.items()})
         # KILLED on Ctrl-C, FAILED on an error; a no-op once the run ended FINISHED
         stack.push(lambda kind, *_: tracker.end("KILLED" if kind is KeyboardInterrupt else "FAILED"))
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-        tracker.log_params(to_dict(cfg))
+        # how `sparse-rl scale --run <id>` finds the broker, and `--resume` the MLflow run and checkpoints
+        write_run_info(run_dir, run_id, cfg.broker, mlflow_uri=tracker.uri, mlflow_run_id=tracker.run_id,
+                       checkpoint_dir=cfg.learner.checkpoint_dir)
+        changed = tracker.log_params(to_dict(cfg))
+        if record.resumed:
+            tracker.record_resume(record.start_version, changed)
         tracker.log_artifact(run_dir / "config.yaml")
-        console.start(run_id, run_dir, cfg.broker.url, tracker.where())
+        console.start(run_id, run_dir, cfg.broker.url, tracker.where(), record)
 
         redis = connect(cfg.broker)
         redis.set(key(run_id, SCALE_KEY), cfg.actors.count)
         learner = start_learner(cfg, run_id)
-        before = cfg.eval.enabled and cfg.eval.before
+        before = cfg.eval.enabled and cfg.eval.before and not record.resumed  # a resumed run evaluated at its start
         if before:
             redis.set(key(run_id, PAUSED), 1)  # actors start, load weights, and wait for the first evaluation
+        else:
+            redis.delete(key(run_id, PAUSED))  # (left set by a run interrupted while it evaluated)
         pool = ActorPool(cfg, run_id, learner)
         stack.callback(pool.shutdown)
         pool.scale(cfg.actors.count)
         pool.wait_ready(console)  # nothing to train or evaluate with before the first actors have started
         pool.sync_weights()  # initial weights to everyone: one code path for initial and later weights
         version = int(ray.get(learner.version.remote()))
-        scores_before = {}
+        scores_before = tracker.first_values("eval/") if record.resumed else {}
         if before:
             scores_before = pool.evaluate()
             tracker.log_metrics(scores_before, version)  # eval/* at the initial version, again at the last
@@ -121,7 +133,7 @@ def _train(cfg: RunConfig, progress: dict) -> dict:
         def target() -> int:
             return int(redis.get(key(run_id, SCALE_KEY)) or cfg.actors.count)
 
-        for step in range(1, cfg.train.steps + 1):
+        for step in range(version + 1, cfg.train.steps + 1):  # step = the weight version it makes
             done = learner.train_step.remote()  # returns once groups_per_step groups are trained
             waited = time.monotonic()
             reported = waited

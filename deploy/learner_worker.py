@@ -30,7 +30,7 @@ class LearnerWorker:
         self.consumer = GroupConsumer(self.redis, self.cfg.broker, run_id, "learner-0")
         self.counters = {"groups_trained": 0}
         self.trained_ids: list[str] = []
-        ckpt_dir = self.cfg.learner.checkpoint_dir
+        ckpt_dir = self.cfg.learner.resume_from or self.cfg.learner.checkpoint_dir
         if ckpt_dir and (Path(ckpt_dir) / "latest").exists():  # resume: version, counters and RNG continue
             self.trained_ids, counters = load_checkpoint(self.learner, ckpt_dir)
             self.counters.update(counters)
@@ -81,6 +81,7 @@ class LearnerWorker:
         publish_learner_version(self.redis, self.run_id, self.learner.version)
         counts = run_counts(self.redis, self.run_id)
         return {**metrics, "version": float(self.learner.version), "learner_wait_s": wait_s,
+                "groups_trained": float(self.counters["groups_trained"]),
                 "queue_depth": float(queue_depth(self.redis, self.cfg.broker, self.run_id)),
                 **{f"broker_{k}": float(v) for k, v in counts.items()}}
 
