@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "train":
-            from deploy.driver import Interrupted, train as run_train
+            from deploy.driver import Interrupted, RunFailed, train as run_train
             if args.resume:
                 if args.config:
                     raise ConfigError(f"--config {args.config} with --resume: a resumed run keeps its own config "
@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
             except Interrupted as e:
                 print(f"sparse-rl: {e}", file=sys.stderr)
                 return 130
+            except RunFailed as e:
+                print(f"sparse-rl: run failed: {e}", file=sys.stderr)
+                return 1
         else:  # eval
             from deploy.evaluate import evaluate_model
             cfg = load_config(args.config, args.overrides, check_files=False)  # the model is --model

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import threading
@@ -32,13 +33,16 @@ from deploy.tracking import Tracker  # noqa: E402
 
 WAIT_POLL_S = 2.0
 """While the learner waits for groups, the driver checks the actors (replacing the dead) this often, seconds."""
-WAIT_REPORT_S = 30.0
-"""... and says why the learner is still waiting after this long, then again every this many seconds."""
 MAX_START_FAILURES = 3
 """Rollout actors in a row that die while starting (each after Ray's own restarts) before the run fails:
 no actor can ever produce."""
 MAX_LOCAL_ACTORS = 16
 """A local Ray is given enough logical CPUs for the learner and this many actors (to scale up at run time)."""
+
+
+class RunFailed(RuntimeError):
+    """The run cannot go on for a reason the driver diagnosed (e.g. no rollout actor can start); str() is the
+    one line to print. The MLflow run is FAILED and everything is shut down."""
 
 
 class Interrupted(Exception):
@@ -134,17 +138,9 @@ def _train(cfg: RunConfig, progress: dict, resume: str) -> dict:
             return int(redis.get(key(run_id, SCALE_KEY)) or cfg.actors.count)
 
         for step in range(version + 1, cfg.train.steps + 1):  # step = the weight version it makes
-            done = learner.train_step.remote()  # returns once groups_per_step groups are trained
-            waited = time.monotonic()
-            reported = waited
-            while not ray.wait([done], timeout=WAIT_POLL_S)[0]:
-                pool.scale(target())  # dead actors are replaced while the learner waits, new ones start
-                if pool.membership_changed():  # an actor became ready: weights now (it cannot sample without)
-                    pool.sync_weights()
-                if time.monotonic() - reported >= WAIT_REPORT_S:
-                    reported = time.monotonic()
-                    console.waiting(step, reported - waited, pool.why_waiting(queue_depth(redis, cfg.broker, run_id)))
-            metrics = ray.get(done)
+            # returns once groups_per_step groups are trained; meanwhile actors are replaced and joined
+            metrics = pool.wait_for(learner.train_step.remote(), step, target, console,
+                                    lambda: queue_depth(redis, cfg.broker, run_id))
             pool.scale(target())
             metrics.update(pool.sync_weights())
             metrics.update(pool.metrics())
@@ -189,6 +185,14 @@ def start_learner(cfg: RunConfig, run_id: str):
         num_cpus=cfg.train.learner_num_cpus, num_gpus=cfg.train.learner_num_gpus, resources=resources,
         max_concurrency=2,
     ).remote(to_dict(cfg), run_id)
+
+
+def root_cause(error: Exception) -> str:
+    """The innermost exception line of a Ray error (for an actor that died in its constructor, the error its
+    constructor raised, e.g. "OSError: ... model ..."), else its type and first line; ANSI colours removed."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    raised = [line.strip() for line in text.splitlines() if re.match(r"^\s*[\w.]+(Error|Exception|Exit|Interrupt)\b.*:", line)]
+    return raised[-1] if raised else f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 class ActorPool:
@@ -236,7 +240,7 @@ class ActorPool:
                     self.incarnations[i] = ray.get(first_ping)["incarnation"]
                     self.start_failures = 0
                 except ray.exceptions.RayActorError as e:
-                    reason = f"died while starting ({type(e).__name__}: {str(e).splitlines()[0]})"
+                    reason = f"died while starting ({root_cause(e)})"
             elif time.monotonic() - since > self.cfg.actors.start_timeout_s:
                 del self.starting[i]
                 reason = f"did not start within actors.start_timeout_s={self.cfg.actors.start_timeout_s:g} s"
@@ -246,7 +250,7 @@ class ActorPool:
                 self.replaced += 1
                 self.start_failures += 1
                 if self.start_failures >= MAX_START_FAILURES:
-                    raise RuntimeError(f"no rollout actor can start: {self.start_failures} in a row failed, "
+                    raise RunFailed(f"no rollout actor can start: {self.start_failures} in a row failed, "
                                        f"the last one {reason}")
 
     def wait_ready(self, console) -> None:
@@ -256,9 +260,28 @@ class ActorPool:
             ray.wait([ref for _, ref in self.starting.values()], num_returns=len(self.starting), timeout=WAIT_POLL_S)
             self._check_starting()
             self.scale(self.target)
-            if self.starting and time.monotonic() - reported >= WAIT_REPORT_S:
+            if self.starting and time.monotonic() - reported >= self.cfg.train.wait_report_s:
                 reported = time.monotonic()
                 console.waiting(0, reported - since, f"{len(self.starting)} rollout actor(s) starting (loading the model)")
+
+    def wait_for(self, done, step: int, target, console, depth) -> dict:
+        """The learner's result `done` for `step`. While it waits for groups, dead actors are replaced (target():
+        the actor count wanted), actors that became ready get the weights at once, and the console says why it
+        waits every train.wait_report_s. Raises RunFailed when the learner gave up after train.group_wait_s."""
+        waited = reported = time.monotonic()
+        while not ray.wait([done], timeout=WAIT_POLL_S)[0]:
+            self.scale(target())
+            if self.membership_changed():  # an actor became ready: weights now (it cannot sample without)
+                self.sync_weights()
+            if time.monotonic() - reported >= self.cfg.train.wait_report_s:
+                reported = time.monotonic()
+                console.waiting(step, reported - waited, self.why_waiting(depth()))
+        try:
+            return ray.get(done)
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, TimeoutError):  # waited train.group_wait_s for groups: say so in one line
+                raise RunFailed(f"{e.cause} ({self.why_waiting(depth())})") from None
+            raise
 
     def membership_changed(self) -> bool:
         """The ready actors differ from the current weight-sync group (one started, restarted or left)."""
