@@ -103,10 +103,13 @@ redis.call('HINCRBY', KEYS[4], 'admitted', room)
 return {room, d}
 """
 
-# KEYS: expiry; ARGV: claim id, ttl ms -> 1 if the claim is still held (its expiry moved), else 0
+# KEYS: pending, claims, expiry, counts; ARGV: claim id, ttl ms
+# -> 1 if the claim is still held (its expiry moved), else 0 (it expired: reaped now if nobody did yet)
 _HEARTBEAT = _COMMON + """
-if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
-redis.call('ZADD', KEYS[1], now_ms() + tonumber(ARGV[2]), ARGV[1])
+local now = now_ms()
+reap(KEYS[1], KEYS[2], KEYS[3], KEYS[4], now)
+if not redis.call('ZSCORE', KEYS[3], ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[3], now + tonumber(ARGV[2]), ARGV[1])
 return 1
 """
 
@@ -197,7 +200,7 @@ class Admission:
 
     def heartbeat(self, claim: Claim) -> bool:
         """Push the claim's expiry claim_ttl_s into the future; False when it had already expired."""
-        return bool(self._heartbeat(keys=[self.keys[2]], args=[claim.claim_id, self.ttl_ms]))
+        return bool(self._heartbeat(keys=self.keys, args=[claim.claim_id, self.ttl_ms]))
 
     def release(self, claim: Claim) -> int:
         """Give a claim's unpublished groups back to the pool (the batch failed); returns how many."""
