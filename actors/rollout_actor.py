@@ -96,7 +96,8 @@ class RolloutWorker:
         self.admission = None
         if self.cfg.broker.admission:
             self.admission = Admission(self.redis, self.cfg.broker, run_id)
-        self.producer = GroupProducer(self.redis, self.cfg.broker, run_id, stop=self.stopping, admission=self.admission)
+        self.producer = GroupProducer(self.redis, self.cfg.broker, run_id, stop=self.stopping,
+                                      admission=self.admission)
         self.claim = None  # the claim of the batch being generated; kept alive by the heartbeat thread
         l = self.cfg.learner
         self.receiver = None

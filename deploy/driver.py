@@ -147,7 +147,8 @@ def _train(cfg: RunConfig, progress: dict) -> dict:
         accounting = {**run_counts(redis, run_id), "left_in_queue": queue_depth(redis, cfg.broker, run_id),
                       "learner_version": int(metrics["version"]), "actor_versions": pool.versions()}
         accounting.update(  # groups trained or filtered / groups produced; idle shares over the whole run
-            rollout_utilization=(accounting["consumed"] + accounting["groups_filtered"]) / max(1, accounting["produced"]),
+            rollout_utilization=(accounting["consumed"] + accounting["groups_filtered"])
+            / max(1, accounting["produced"]),
             learner_idle_fraction=metrics.get("learner_idle_fraction_run", 0.0),
             actor_idle_fraction=sum(actor_idle) / max(1, len(actor_idle)))
         console.accounting(accounting)

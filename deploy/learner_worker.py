@@ -76,7 +76,8 @@ class LearnerWorker:
         the version. Returns the step's metrics (SPEC §4) plus broker counters and queue depth; per step:
         groups_filtered, dropped_stale, groups_read, filter_shortfall, learner_idle_fraction (time waiting for
         groups / time of the whole step); cumulative: rollout_utilization ((consumed + groups_filtered) /
-        produced, over the run)."""
+        groups that left the queue so far: produced - queue depth; the run's summary divides by everything
+        produced), learner_idle_fraction_run."""
         from broker.admission import step_capacity
         from broker.streams import queue_depth, run_counts
         from learner.checkpoint import save_checkpoint
@@ -99,7 +100,7 @@ class LearnerWorker:
             self.capacity = step_capacity(want, counts["groups_filtered"] + len(filtered), seen, l.max_extra_reads)
         # acked only once the step that used them is done; the new version in the same transaction
         self.consumer.commit(train, filtered, stale, learner_version=self.learner.version, step_capacity=self.capacity)
-        counts = run_counts(self.redis, self.run_id)
+        counts, depth = run_counts(self.redis, self.run_id), queue_depth(self.redis, self.cfg.broker, self.run_id)
         step_s = time.monotonic() - start
         self.idle["wait_s"] += wait_s
         self.idle["step_s"] += step_s
@@ -110,8 +111,9 @@ class LearnerWorker:
                 "dropped_stale": float(self.consumer.counters["dropped_stale"] - stale_before),
                 "groups_read": float(stats["reads"]), "filter_shortfall": float(stats["filter_shortfall"]),
                 "step_capacity": float(self.capacity),
-                "rollout_utilization": (counts["consumed"] + counts["groups_filtered"]) / max(1, counts["produced"]),
-                "queue_depth": float(queue_depth(self.redis, self.cfg.broker, self.run_id)),
+                "rollout_utilization": (counts["consumed"] + counts["groups_filtered"])
+                / max(1, counts["produced"] - depth),
+                "queue_depth": float(depth),
                 **{f"broker_{k}": float(v) for k, v in counts.items()}}
 
     def send_weights(self, generation: int, world_size: int) -> dict:
