@@ -42,7 +42,7 @@ class BrokerConfig:
     only after claiming it in Redis against a capacity that guarantees every admitted group is trained within
     max_staleness, so groups are never generated to be dropped. false: actors only wait while their weights
     are older than learner version - max_staleness, and stale groups are dropped at dequeue (the baseline)."""
-    claim_ttl_s: float = 30.0
+    claim_ttl_s: float = 15.0
     """An admission claim expires this long after its last heartbeat, seconds (actors heartbeat every third
     of it while they generate): the groups of a killed actor return to the pool after at most this long, and
     the learner stops waiting for them."""
