@@ -1,9 +1,12 @@
 """The rollout actor process (one Ray actor): pull prompts, generate G samples per prompt with the engine and
 the configured compressor, score them, publish one trajectory group per prompt; receive weights from the
-learner between batches; never run further ahead of the learner than `broker.max_staleness`.
+learner between batches; never run further ahead of the learner than `broker.max_staleness`: with
+`broker.admission` (default) a batch is generated only after it was claimed in Redis (broker/admission.py),
+so every group it makes can still be trained in time.
 
 Threads: `run()` is the generation loop; `receive_weights()` runs concurrently (Ray max_concurrency) and
-receives into a staging copy, which the loop swaps in at the next batch boundary.
+receives into a staging copy, which the loop swaps in at the next batch boundary; a heartbeat thread keeps the
+current claim alive while the batch is generated.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import torch
 from actors.data import load_train_prompts
 from actors.engine import SamplingParams
 from actors.reward import RewardScorer
+from broker.admission import Admission, ClaimExpired
 from broker.schema import SampleRecord, TrajectoryGroup
 from broker.streams import PAUSED, GroupProducer, connect, key, queue_depth, read_learner_version
 from broker.weight_sync import WeightReceiver
@@ -60,10 +64,15 @@ as a large model's load would; "*=fail" makes every actor fail to start (as one 
 engine). Read from the environment the actor processes inherit from the driver."""
 
 
-def slow_start_s(actor_id: str) -> float:
-    """The start delay of `actor_id` from SLOW_START_ENV (0 when not named; the name "*" matches every actor).
-    Raises RuntimeError when its value is "fail"."""
-    for item in filter(None, os.environ.get(SLOW_START_ENV, "").split(",")):
+SLOW_GENERATE_ENV = "SPARSE_RL_TEST_SLOW_GENERATE"
+"""Test hook, same format: those actors sleep that many seconds inside every batch (after its claim, before
+the engine runs), as a slower node would."""
+
+
+def slow_start_s(actor_id: str, env: str = SLOW_START_ENV) -> float:
+    """The start delay of `actor_id` from SLOW_START_ENV (or another hook variable `env`; 0 when not named; the
+    name "*" matches every actor). Raises RuntimeError when its value is "fail"."""
+    for item in filter(None, os.environ.get(env, "").split(",")):
         name, _, seconds = item.partition("=")
         if name.strip() in (actor_id, "*"):
             if seconds.strip() == "fail":
@@ -88,7 +97,12 @@ class RolloutWorker:
         self.reward = RewardScorer(a.reward)
         self.redis = connect(self.cfg.broker)
         self.stopping = threading.Event()
-        self.producer = GroupProducer(self.redis, self.cfg.broker, run_id, stop=self.stopping)
+        self.admission = None
+        if self.cfg.broker.admission:
+            self.admission = Admission(self.redis, self.cfg.broker, run_id)
+        self.producer = GroupProducer(self.redis, self.cfg.broker, run_id, stop=self.stopping,
+                                      admission=self.admission)
+        self.claim = None  # the claim of the batch being generated; kept alive by the heartbeat thread
         l = self.cfg.learner
         self.receiver = None
         self.sync_timeout = l.weight_sync_timeout_s
@@ -97,12 +111,28 @@ class RolloutWorker:
         self.generating = threading.Lock()  # held while the engine generates or weights are swapped in
         self.counters = {"groups": 0, "samples": 0, "correct": 0, "wrong": 0, "unparseable": 0, "error": 0, "tokens": 0, "gen_s": 0.0,
                          "kv_peak_bytes": 0, "staleness_wait_s": 0.0,
-                         "queue_wait_s": 0.0}
+                         "queue_wait_s": 0.0, "admission_wait_s": 0.0, "busy_s": 0.0, "claims_lost": 0}
+        self.busy_since: float | None = None  # monotonic start of the batch in progress (claim to publish)
+        self.metrics_since = time.monotonic()
         self.error = ""
         self.incarnation = uuid.uuid4().hex  # new after every (re)start: the driver rebuilds the sync group
         # The loop starts with the process, so an actor restarted by Ray (max_restarts) generates again.
         self.loop = threading.Thread(target=self._run_safely, name="rollout-loop", daemon=True)
         self.loop.start()
+        if self.admission is not None:
+            threading.Thread(target=self._heartbeat, name="claim-heartbeat", daemon=True).start()
+
+    def _heartbeat(self) -> None:
+        """Refresh the current claim every third of broker.claim_ttl_s (ends with the process: a killed actor's
+        claim expires and its groups return to the pool)."""
+        while True:
+            time.sleep(self.cfg.broker.claim_ttl_s / 3)
+            claim = self.claim
+            if claim is not None:
+                try:
+                    self.admission.heartbeat(claim)
+                except Exception as e:  # a Redis hiccup: the next beat retries; the claim lasts claim_ttl_s
+                    print(f"{self.actor_id}: claim heartbeat failed: {type(e).__name__}: {e}")
 
     def ping(self) -> dict:
         """Liveness: this process's incarnation id, weight version and whether its loop is running."""
@@ -123,6 +153,12 @@ class RolloutWorker:
             self.staged = (version, tensors)
         self._swap(wait=False)  # swapped now if the loop is not generating, else at its next batch boundary
         return version
+
+    def _test_slow_generate(self) -> None:
+        """SLOW_GENERATE_ENV: this actor is a slow one (tests)."""
+        delay = slow_start_s(self.actor_id, SLOW_GENERATE_ENV)
+        if delay:
+            time.sleep(delay)
 
     def _swap(self, wait: bool = True) -> None:
         """Load the staged weights, if any, between two generate calls (never during one)."""
@@ -170,13 +206,31 @@ class RolloutWorker:
                     return
                 self._swap()
             self.counters["queue_wait_s"] += time.monotonic() - waited
-            end = self.redis.incrby(key(self.run_id, PROMPT_CURSOR), a.prompts_per_batch)
-            batch = [self.prompts[i % len(self.prompts)] for i in range(end - a.prompts_per_batch, end)]
-            params.seed = self.cfg.seed * 1_000_003 + end
-            start = time.monotonic()
-            with self.generating:  # weights stay fixed for the whole batch
+            claim, outputs = None, None
+            with self.generating:  # weights stay fixed from the claim to the end of the batch
                 version = self.engine.weight_version
-                outputs = self.engine.generate([p.prompt_ids for p in batch], params)
+                if self.admission is not None:  # refused: "full" | "stale" (weights too old) | "done"
+                    claim, _why = self.admission.claim(version, a.prompts_per_batch)
+                if self.admission is None or claim is not None:
+                    n = claim.groups if claim is not None else a.prompts_per_batch
+                    self.claim, self.busy_since = claim, time.monotonic()
+                    end = self.redis.incrby(key(self.run_id, PROMPT_CURSOR), n)
+                    batch = [self.prompts[i % len(self.prompts)] for i in range(end - n, end)]
+                    params.seed = self.cfg.seed * 1_000_003 + end
+                    start = time.monotonic()
+                    try:
+                        self._test_slow_generate()
+                        outputs = self.engine.generate([p.prompt_ids for p in batch], params)
+                    except BaseException:
+                        if claim is not None:
+                            self.claim = None
+                            self.admission.release(claim)  # its groups go back to the pool
+                        raise
+            if outputs is None:  # not admitted: wait outside the lock (weights may be swapped in meanwhile)
+                waited = time.monotonic()
+                self.stopping.wait(b.backpressure_poll_s)
+                self.counters["admission_wait_s"] += time.monotonic() - waited
+                continue
             self.counters["gen_s"] += time.monotonic() - start
             groups = []
             for prompt, samples in zip(batch, outputs):
@@ -199,8 +253,15 @@ class RolloutWorker:
                     weight_version=version, temperature=params.temperature,
                     compressor=a.engine.compressor.method, kv_budget=a.engine.compressor.kv_budget,
                     samples=records, actor_id=self.actor_id, created_at=time.time()))
-            self.producer.publish_many(groups)  # one transaction for the batch
-            self.counters["groups"] += len(groups)
+            try:
+                self.producer.publish_many(groups, claim=claim)  # one transaction for the batch
+                self.counters["groups"] += len(groups)
+            except ClaimExpired as e:  # this process stalled longer than broker.claim_ttl_s
+                print(f"{self.actor_id}: {e}")
+                self.counters["claims_lost"] += 1
+            self.claim = None
+            self._count_busy()
+            self.busy_since = None
 
     def stop_generation(self) -> None:
         """Finish the current batch (its groups are published), then leave the loop."""
@@ -216,8 +277,20 @@ class RolloutWorker:
         import ray
         ray.actor.exit_actor()
 
+    def _count_busy(self) -> None:
+        """Add the batch in progress (since busy_since) to the busy time."""
+        since = self.busy_since
+        if since is not None:
+            now = time.monotonic()
+            self.counters["busy_s"] += now - since
+            self.busy_since = now
+
     def metrics(self) -> dict:
-        """Rollout metrics since the last call: tokens/s, groups, KV peak bytes per sequence, queue waits."""
+        """Rollout metrics since the last call: tokens/s, groups, KV peak bytes per sequence, queue waits, and
+        actor_idle_fraction = 1 - (time spent on batches, from claim to publish) / wall time."""
+        self._count_busy()
+        now = time.monotonic()
+        wall, self.metrics_since = now - self.metrics_since, now
         c, self.counters = self.counters, {k: 0 if isinstance(v, int) else 0.0 for k, v in self.counters.items()}
         return {"rollout_tokens_per_s": c["tokens"] / c["gen_s"] if c["gen_s"] else 0.0,
                 "rollout_groups": float(c["groups"]),
@@ -226,6 +299,8 @@ class RolloutWorker:
                 "reward_errors": float(c["error"]),
                 "kv_peak_bytes_per_seq": float(c["kv_peak_bytes"]),
                 "actor_staleness_wait_s": c["staleness_wait_s"], "actor_queue_wait_s": c["queue_wait_s"],
+                "actor_admission_wait_s": c["admission_wait_s"], "claims_lost": float(c["claims_lost"]),
+                "actor_idle_fraction": max(0.0, 1.0 - c["busy_s"] / wall) if wall > 0 else 0.0,
                 "producer_backpressure_wait_s": float(self.producer.backpressure_wait_s)}
 
     # -- evaluation ------------------------------------------------------------------------------------------

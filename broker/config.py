@@ -37,6 +37,15 @@ class BrokerConfig:
     max_staleness: int = 1
     """Largest accepted learner_version - weight_version when a group is taken off the stream; older
     groups are dropped and counted. 0 = on-policy only (the paper's synchronous setting)."""
+    admission: bool = True
+    """Admission control (broker/admission.py, after AReaL's staleness manager): an actor generates a batch
+    only after claiming it in Redis against a capacity that guarantees every admitted group is trained within
+    max_staleness, so groups are never generated to be dropped. false: actors only wait while their weights
+    are older than learner version - max_staleness, and stale groups are dropped at dequeue (the baseline)."""
+    claim_ttl_s: float = 15.0
+    """An admission claim expires this long after its last heartbeat, seconds (actors heartbeat every third
+    of it while they generate): the groups of a killed actor return to the pool after at most this long, and
+    the learner stops waiting for them."""
 
     def __post_init__(self):
         """Raise ValueError naming every bad field as `BrokerConfig.<field>=<value>: expected ...`."""
@@ -49,6 +58,7 @@ class BrokerConfig:
             (self.block_ms >= 0, "block_ms", "expected >= 0 (0 = block until a group arrives)"),
             (self.claim_min_idle_ms >= 1, "claim_min_idle_ms", "expected >= 1"),
             (self.max_staleness >= 0, "max_staleness", "expected >= 0"),
+            (self.claim_ttl_s > 0, "claim_ttl_s", "expected > 0"),
         ]
         errors = [f"BrokerConfig.{name}={getattr(self, name)!r}: {rule}" for ok, name, rule in checks if not ok]
         if errors:

@@ -5,11 +5,13 @@ Keys of one run (`sparse-rl:{run_id}:...`):
                               XACKed and XDELed together once committed, dropped or dead-lettered)
   `{cfg.dead_letter_stream}`  messages that failed validation: reason, detail, msg_id, original bytes
   `consumed`                  set of committed group ids (idempotency: survives a learner restart)
-  `counts`                    hash: produced, consumed, dropped_stale, dead_lettered, duplicates; each
-                              changed in the same MULTI/EXEC as the stream operation it counts, so
-                              produced == consumed + dropped_stale + dead_lettered + duplicates + depth
-                              when every message comes from GroupProducer
+  `counts`                    hash: produced, consumed, groups_filtered, dropped_stale, dead_lettered,
+                              duplicates; each changed in the same transaction as the stream operation it
+                              counts, so produced == consumed + groups_filtered + dropped_stale +
+                              dead_lettered + duplicates + depth when every message comes from GroupProducer
+                              (admission counters too: admitted, claims_expired, claimed_returned)
   `learner_version`           the learner's current weight version, read by actors and by the consumer
+  `admission:*`               admission control (broker/admission.py)
 
 Delivery is at least once; a group is trained at most once because commit() adds its id to `consumed` in
 the same transaction as the XACK, and read() skips ids already there.
@@ -27,12 +29,18 @@ import redis
 from broker.config import BrokerConfig
 from broker.schema import SchemaError, TrajectoryGroup, decode_group, encode_group
 
-COUNTERS = ("consumed", "dropped_stale", "dead_lettered", "duplicates", "reclaimed")
+COUNTERS = ("consumed", "groups_filtered", "dropped_stale", "dead_lettered", "duplicates", "reclaimed")
 TRANSACTION_BYTES = 4 << 20
 """publish_many sends a batch in transactions of at most this many message bytes (at least one group each):
 one MULTI/EXEC of 16 x 2 MB groups was measured 1.5x slower per group than one per group (redis 7.0), while
 16 x 16 KB in one transaction is ~2x faster than one per group."""
 
+
+ADMISSION_PENDING = "admission:pending"
+"""Hash deadline -> admitted groups not yet settled (broker/admission.py); settling a claimed group decrements
+it in the same transaction."""
+ADMISSION_STEP_CAPACITY = "admission:step_capacity"
+"""Groups admitted per learner step (written by the learner, broker/admission.py)."""
 
 PAUSED = "generation_paused"
 """Key name: while `key(run_id, PAUSED)` exists, rollout actors start no new batch (the driver evaluates the
@@ -73,9 +81,11 @@ def queue_depth(client: redis.Redis, cfg: BrokerConfig, run_id: str) -> int:
 
 def run_counts(client: redis.Redis, run_id: str) -> dict[str, int]:
     """The run's persistent counters (all consumers and producers, across restarts): produced, consumed,
-    dropped_stale, dead_lettered, duplicates (0 when never incremented)."""
+    groups_filtered, dropped_stale, dead_lettered, duplicates (0 when never incremented), and the admission
+    counters (admitted, claims_expired, claimed_returned) once used."""
     raw = client.hgetall(key(run_id, "counts"))
-    counts = {name: 0 for name in ("produced", "consumed", "dropped_stale", "dead_lettered", "duplicates")}
+    counts = {name: 0 for name in ("produced", "consumed", "groups_filtered", "dropped_stale", "dead_lettered",
+                                   "duplicates")}
     counts.update({k.decode(): int(v) for k, v in raw.items()})
     return counts
 
@@ -87,10 +97,13 @@ class GroupProducer:
     unconsumed groups, the call waits (polling every cfg.backpressure_poll_s); `backpressure_wait_s` (total
     seconds) and `backpressure_waits` (times) make the waiting visible. Nothing is ever trimmed from the
     stream. `stop` (optional threading.Event): setting it ends a backpressure wait early (the groups are
-    already published), so a producer that is shutting down never hangs on a queue nobody reads any more."""
+    already published), so a producer that is shutting down never hangs on a queue nobody reads any more.
+    `admission` (a broker.admission.Admission): publishes groups made under a claim (publish_many's claim)."""
 
-    def __init__(self, client: redis.Redis, cfg: BrokerConfig, run_id: str, stop: threading.Event | None = None):
+    def __init__(self, client: redis.Redis, cfg: BrokerConfig, run_id: str, stop: threading.Event | None = None,
+                 admission=None):
         self.client, self.cfg, self.run_id = client, cfg, run_id
+        self.admission = admission
         self.stop = stop or threading.Event()
         self.stream = key(run_id, cfg.stream)
         self.backpressure_wait_s = 0.0
@@ -100,14 +113,16 @@ class GroupProducer:
         """Publish one group; returns its stream message id. See publish_many."""
         return self.publish_many([group])[0]
 
-    def publish_many(self, groups: list[TrajectoryGroup]) -> list[str]:
+    def publish_many(self, groups: list[TrajectoryGroup], claim=None) -> list[str]:
         """Encode (validating) all `groups`, then append them to the stream; returns their stream message ids,
         in order. Each transaction (up to TRANSACTION_BYTES of messages) XADDs its groups, adds their number to
         the `produced` count and reads the depth. Raises SchemaError for a bad group, ValueError when a
         group's run_id is not this producer's run, and then publishes none of `groups` (a connection error
         between two transactions leaves the earlier ones published, each counted exactly). Waits on the high
         watermark afterwards (a batch is not split by it, so one call may take the depth from
-        cfg.high_watermark to cfg.high_watermark + len(groups))."""
+        cfg.high_watermark to cfg.high_watermark + len(groups)). With `claim` (a broker.admission.Claim of
+        this producer's admission), each transaction is the admission publish script: it publishes only while
+        the claim is held (raises broker.admission.ClaimExpired otherwise) and tags entries with the deadline."""
         chunks, size = [], TRANSACTION_BYTES  # the messages of each transaction
         for group in groups:
             if group.run_id != self.run_id:
@@ -123,6 +138,10 @@ class GroupProducer:
             size += len(data)
         msg_ids, depth = [], 0
         for chunk in chunks:
+            if claim is not None:
+                depth, chunk_ids = self.admission.publish(claim, chunk)
+                msg_ids += [m.encode() for m in chunk_ids]
+                continue
             pipe = self.client.pipeline(transaction=True)
             for data in chunk:
                 pipe.xadd(self.stream, {"group": data})
@@ -142,10 +161,13 @@ class GroupProducer:
 
 @dataclass
 class Delivery:
-    """A validated group taken off the stream. staleness = learner_version (at read) - group.weight_version."""
+    """A validated group taken off the stream. staleness = learner_version (at read) - group.weight_version.
+    deadline: the last learner version that may train it, for a group published under an admission claim
+    (None otherwise)."""
     msg_id: str
     group: TrajectoryGroup
     staleness: int
+    deadline: int | None = None
 
 
 class GroupConsumer:
@@ -209,8 +231,10 @@ class GroupConsumer:
         if not entries:
             return []
         cfg = self.cfg
-        dead, groups = [], []
+        dead, groups, deadlines = [], [], {}
         for msg_id, fields in entries:
+            if b"deadline" in fields:
+                deadlines[msg_id] = int(fields[b"deadline"])
             payload = fields.get(b"group", b"")
             try:
                 if b"group" not in fields:
@@ -244,7 +268,7 @@ class GroupConsumer:
             else:
                 seen.add(group.group_id)
                 self._in_flight[msg_id] = group.group_id
-                deliveries.append(Delivery(msg_id.decode(), group, staleness))
+                deliveries.append(Delivery(msg_id.decode(), group, staleness, deadlines.get(msg_id)))
 
         if any(drops.values()):
             pipe = self.client.pipeline(transaction=True)
@@ -257,22 +281,44 @@ class GroupConsumer:
                     pipe.xdel(self.stream, *ids)
                     pipe.hincrby(key(self.run_id, "counts"), name, len(ids))
                     self.counters[name] += len(ids)
+            self._settle_admitted(pipe, [deadlines[m] for ids in drops.values() for m in ids if m in deadlines])
             pipe.execute()
         return deliveries
 
-    def commit(self, deliveries: list[Delivery]) -> None:
+    def _settle_admitted(self, pipe, deadlines: list[int]) -> None:
+        """Queue on `pipe` the decrements of the admission pool for settled claimed groups (their deadlines)."""
+        for d in set(deadlines):
+            pipe.hincrby(key(self.run_id, ADMISSION_PENDING), d, -deadlines.count(d))
+
+    def commit(self, deliveries: list[Delivery], filtered: list[Delivery] = (), dropped_stale: list[Delivery] = (),
+               learner_version: int | None = None, step_capacity: int | None = None) -> None:
         """Mark the deliveries' groups consumed and ack them, in one transaction. Call only after the
         learner step that trained on them is committed; a crash before this re-delivers them (to this
-        consumer name on restart, or to another consumer after claim_min_idle_ms)."""
-        if not deliveries:
+        consumer name on restart, or to another consumer after claim_min_idle_ms).
+        In the same transaction: `filtered` groups (not trained: zero-variance rewards) are marked consumed
+        too (a redelivery is a duplicate) and counted as groups_filtered; `dropped_stale` (held groups that
+        went over max_staleness) are counted as dropped_stale; claimed groups leave the admission pool; the
+        learner's new `learner_version` and admission `step_capacity` are published (so an actor never sees
+        the pool of the next step with the version of the previous one)."""
+        everything = [*deliveries, *filtered, *dropped_stale]
+        if not everything and learner_version is None:
             return
-        ids = [d.msg_id for d in deliveries]
+        ids = [d.msg_id for d in everything]
         pipe = self.client.pipeline(transaction=True)
-        pipe.sadd(key(self.run_id, "consumed"), *[d.group.group_id for d in deliveries])
-        pipe.xack(self.stream, self.cfg.consumer_group, *ids)
-        pipe.xdel(self.stream, *ids)
-        pipe.hincrby(key(self.run_id, "counts"), "consumed", len(ids))
+        if deliveries or filtered:
+            pipe.sadd(key(self.run_id, "consumed"), *[d.group.group_id for d in [*deliveries, *filtered]])
+        if ids:
+            pipe.xack(self.stream, self.cfg.consumer_group, *ids)
+            pipe.xdel(self.stream, *ids)
+        for name, items in (("consumed", deliveries), ("groups_filtered", filtered), ("dropped_stale", dropped_stale)):
+            if items:
+                pipe.hincrby(key(self.run_id, "counts"), name, len(items))
+                self.counters[name] += len(items)
+        self._settle_admitted(pipe, [d.deadline for d in everything if d.deadline is not None])
+        if learner_version is not None:
+            pipe.set(key(self.run_id, "learner_version"), int(learner_version))
+        if step_capacity is not None:
+            pipe.set(key(self.run_id, ADMISSION_STEP_CAPACITY), int(step_capacity))
         pipe.execute()
         for msg_id in ids:
             self._in_flight.pop(msg_id.encode(), None)
-        self.counters["consumed"] += len(ids)

@@ -9,7 +9,9 @@ from rich.table import Table
 COLUMNS = (("reward", "reward_mean", "{:.3f}"), ("rejection", "rejection_rate", "{:.3f}"),
            ("mismatch_kl", "mismatch_kl", "{:.2e}"), ("staleness", "staleness_mean", "{:.2f}"),
            ("learner tok/s", "learner_tokens_per_s", "{:.0f}"), ("rollout tok/s", "rollout_tokens_per_s", "{:.0f}"),
-           ("actors", "actors_live", "{:.0f}"))
+           ("actors", "actors_live", "{:.0f}"), ("utilization", "rollout_utilization", "{:.2f}"),
+           ("stale", "dropped_stale", "{:.0f}"), ("filtered", "groups_filtered", "{:.0f}"),
+           ("learner idle", "learner_idle_fraction", "{:.2f}"), ("actor idle", "actor_idle_fraction", "{:.2f}"))
 
 
 class Console:
@@ -53,6 +55,13 @@ class Console:
             row = [mode, metric] + ([f"{before[name]:.4g}" if name in before else "-"] if before else [])
             table.add_row(*row, f"{value:.4g}")
         self.out.print(table)
+
+    def accounting(self, acc: dict) -> None:
+        """Where the groups went (broker counts at stop) and how busy the run kept its two halves."""
+        self.out.print(f"groups produced {acc['produced']}: trained {acc['consumed']}, "
+                       f"filtered {acc['groups_filtered']}, dropped stale {acc['dropped_stale']}, dead-lettered {acc['dead_lettered']}, "
+                       f"left in queue {acc['left_in_queue']}; rollout_utilization {acc['rollout_utilization']:.2f}, "
+                       f"learner idle {acc['learner_idle_fraction']:.2f}, actor idle {acc['actor_idle_fraction']:.2f}")
 
     def finish(self, run_dir, mlflow_where) -> None:
         self.out.rule("done")

@@ -140,6 +140,7 @@ def _train(cfg: RunConfig, progress: dict, resume: str) -> dict:
         def target() -> int:
             return int(redis.get(key(run_id, SCALE_KEY)) or cfg.actors.count)
 
+        actor_idle = []  # actor_idle_fraction of every step, for the run's figure
         for step in range(version + 1, cfg.train.steps + 1):  # step = the weight version it makes
             # returns once groups_per_step groups are trained; meanwhile actors are replaced and joined
             metrics = pool.wait_for(learner.train_step.remote(), step, target, console,
@@ -147,6 +148,7 @@ def _train(cfg: RunConfig, progress: dict, resume: str) -> dict:
             pool.scale(target())
             metrics.update(pool.sync_weights())
             metrics.update(pool.metrics())
+            actor_idle.append(metrics.get("actor_idle_fraction", 0.0))
             version = int(metrics["version"])  # MLflow step = weight version: continues after a resume
             tracker.log_metrics(metrics, version)
             progress["step"] = step  # done and logged (before its console line, which a Ctrl-C may follow at once)
@@ -155,6 +157,12 @@ def _train(cfg: RunConfig, progress: dict, resume: str) -> dict:
         pool.stop_generation()  # the last batches are published; from here the counts are final
         accounting = {**run_counts(redis, run_id), "left_in_queue": queue_depth(redis, cfg.broker, run_id),
                       "learner_version": int(metrics["version"]), "actor_versions": pool.versions()}
+        accounting.update(  # groups trained or filtered / groups produced; idle shares over the whole run
+            rollout_utilization=(accounting["consumed"] + accounting["groups_filtered"])
+            / max(1, accounting["produced"]),
+            learner_idle_fraction=metrics.get("learner_idle_fraction_run", 0.0),
+            actor_idle_fraction=sum(actor_idle) / max(1, len(actor_idle)))
+        console.accounting(accounting)
 
         scores = pool.evaluate() if cfg.eval.enabled else {}
         tracker.log_metrics(scores, version)

@@ -19,10 +19,12 @@ class LearnerWorker:
         self.cfg: RunConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
         if not torch.cuda.is_available():
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        from broker.streams import GroupConsumer, connect, key, publish_learner_version
+        from broker.admission import Admission, StepCollector, open_pool, step_capacity
+        from broker.streams import GroupConsumer, connect, key, publish_learner_version, run_counts
         from broker.weight_sync import WeightSender
         from learner.checkpoint import load_checkpoint
         from learner.learner import Learner
+        from learner.loss import zero_variance
 
         self.run_id = run_id
         self.learner = Learner(self.cfg.model, self.cfg.learner)
@@ -37,6 +39,18 @@ class LearnerWorker:
             if self.trained_ids:  # the consumed set also survives a Redis that lost its data
                 self.redis.sadd(key(run_id, "consumed"), *self.trained_ids)
         publish_learner_version(self.redis, run_id, self.learner.version)
+        # which groups a step trains: admission-aware (broker/admission.py), with DAPO's dynamic sampling
+        l, want = self.cfg.learner, self.cfg.train.groups_per_step
+        informative = None
+        if l.filter_groups == "zero_variance":
+            informative = lambda group: not zero_variance([s.reward for s in group.samples])  # noqa: E731
+        admission = Admission(self.redis, self.cfg.broker, run_id) if self.cfg.broker.admission else None
+        self.collector = StepCollector(self.consumer, admission, want, informative, l.max_extra_reads)
+        counts = run_counts(self.redis, run_id)  # after a resume: the filtered share seen so far
+        self.capacity = want if informative is None else step_capacity(
+            want, counts["groups_filtered"], counts["consumed"] + counts["groups_filtered"], l.max_extra_reads)
+        open_pool(self.redis, run_id, self.learner.version + self.cfg.train.steps - 1, self.capacity)
+        self.idle = {"wait_s": 0.0, "step_s": 0.0}  # over the run, for learner_idle_fraction_run
         host = "127.0.0.1"
         if self.cfg.ray.address:  # on a cluster the actors reach the learner's node address
             import ray
@@ -57,32 +71,50 @@ class LearnerWorker:
         return self.sender.host, self.sender.port
 
     def train_step(self) -> dict:
-        """Wait for `train.groups_per_step` groups, train one step, then commit them and publish the version.
-        Returns the step's metrics (SPEC §4) plus broker counters and queue depth."""
-        from broker.streams import publish_learner_version, queue_depth, run_counts
+        """Wait for the groups of one step (train.groups_per_step informative groups, plus those admission
+        control says this step must take: broker/admission.py), train one step, then commit them and publish
+        the version. Returns the step's metrics (SPEC §4) plus broker counters and queue depth; per step:
+        groups_filtered, dropped_stale, groups_read, filter_shortfall, learner_idle_fraction (time waiting for
+        groups / time of the whole step); cumulative: rollout_utilization ((consumed + groups_filtered) /
+        groups that left the queue so far: produced - queue depth; the run's summary divides by everything
+        produced), learner_idle_fraction_run."""
+        from broker.admission import step_capacity
+        from broker.streams import queue_depth, run_counts
         from learner.checkpoint import save_checkpoint
 
-        want, deliveries = self.cfg.train.groups_per_step, []
+        l, want = self.cfg.learner, self.cfg.train.groups_per_step
         start = time.monotonic()
-        while len(deliveries) < want:
-            deliveries += self.consumer.read(want - len(deliveries), block_ms=1000)
-            if time.monotonic() - start > self.cfg.train.group_wait_s:
-                raise TimeoutError(f"learner waited {self.cfg.train.group_wait_s:.0f} s (train.group_wait_s) and "
-                                   f"got {len(deliveries)} of {want} groups: are the rollout actors alive?")
+        stale_before = self.consumer.counters["dropped_stale"]
+        train, filtered, stale, stats = self.collector.collect(self.learner.version, self.capacity,
+                                                               self.cfg.train.group_wait_s)
         wait_s = time.monotonic() - start
         with self.updating:
-            metrics = self.learner.step([d.group for d in deliveries], [d.staleness for d in deliveries])
-        self.counters["groups_trained"] += len(deliveries)
-        self.trained_ids += [d.group.group_id for d in deliveries]
-        l = self.cfg.learner
+            metrics = self.learner.step([d.group for d in train], [d.staleness for d in train])
+        self.counters["groups_trained"] += len(train)
+        self.trained_ids += [d.group.group_id for d in train + filtered]  # filtered ones count as consumed
         if l.checkpoint_dir and self.learner.version % l.checkpoint_interval == 0:
             save_checkpoint(self.learner, l.checkpoint_dir, self.trained_ids, self.counters)
-        self.consumer.commit(deliveries)  # acked only once the step that used them is done
-        publish_learner_version(self.redis, self.run_id, self.learner.version)
-        counts = run_counts(self.redis, self.run_id)
+        if self.collector.informative is not None:
+            counts = run_counts(self.redis, self.run_id)
+            seen = counts["consumed"] + counts["groups_filtered"] + len(train) + len(filtered)
+            self.capacity = step_capacity(want, counts["groups_filtered"] + len(filtered), seen, l.max_extra_reads)
+        # acked only once the step that used them is done; the new version in the same transaction
+        self.consumer.commit(train, filtered, stale, learner_version=self.learner.version, step_capacity=self.capacity)
+        counts, depth = run_counts(self.redis, self.run_id), queue_depth(self.redis, self.cfg.broker, self.run_id)
+        step_s = time.monotonic() - start
+        self.idle["wait_s"] += wait_s
+        self.idle["step_s"] += step_s
         return {**metrics, "version": float(self.learner.version), "learner_wait_s": wait_s,
                 "groups_trained": float(self.counters["groups_trained"]),
-                "queue_depth": float(queue_depth(self.redis, self.cfg.broker, self.run_id)),
+                "learner_idle_fraction": wait_s / step_s if step_s > 0 else 0.0,
+                "learner_idle_fraction_run": self.idle["wait_s"] / max(1e-9, self.idle["step_s"]),
+                "groups_filtered": float(len(filtered)),
+                "dropped_stale": float(self.consumer.counters["dropped_stale"] - stale_before),
+                "groups_read": float(stats["reads"]), "filter_shortfall": float(stats["filter_shortfall"]),
+                "step_capacity": float(self.capacity),
+                "rollout_utilization": (counts["consumed"] + counts["groups_filtered"])
+                / max(1, counts["produced"] - depth),
+                "queue_depth": float(depth),
                 **{f"broker_{k}": float(v) for k, v in counts.items()}}
 
     def send_weights(self, generation: int, world_size: int) -> dict:

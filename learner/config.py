@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 REJECTIONS = ("veto", "geometric", "none")
+FILTERS = ("none", "zero_variance")
 CORRECTIONS = ("on", "metrics_only", "off")
 DTYPES = ("fp32", "bf16")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -45,6 +46,16 @@ class LearnerConfig:
     """PPO ratio clip above 1."""
     kl_coef: float = 1e-4
     """beta of the k3 KL to the frozen reference (SPEC §3). 0 skips the reference model entirely."""
+
+    # --- dynamic sampling (DAPO) ---------------------------------------------------------------------------
+    filter_groups: str = "none"
+    """none | zero_variance: groups whose G rewards are all equal (zero advantage, no policy gradient) are not
+    trained but counted (`groups_filtered`); the step is filled with informative groups (DAPO's dynamic
+    sampling, verl `filter_groups`), reading at most max_extra_reads more groups than train.groups_per_step,
+    and admission control admits more groups per step by the filtered share seen so far."""
+    max_extra_reads: int = 16
+    """With filter_groups=zero_variance: groups a step may read beyond train.groups_per_step to replace
+    filtered ones; then it trains what it has (`filter_shortfall` says how many it lacked)."""
 
     # --- Sparse-RL correction (SPEC §2) --------------------------------------------------------------------
     correction: str = "on"
@@ -96,6 +107,8 @@ class LearnerConfig:
         checks = [
             (self.lr >= 0, "lr", "expected >= 0"),
             (self.rejection in REJECTIONS, "rejection", f"expected one of {REJECTIONS}"),
+            (self.filter_groups in FILTERS, "filter_groups", f"expected one of {FILTERS}"),
+            (self.max_extra_reads >= 0, "max_extra_reads", "expected >= 0"),
             (self.correction in CORRECTIONS, "correction", f"expected one of {CORRECTIONS}"),
             (self.dtype in DTYPES, "dtype", f"expected one of {DTYPES}"),
             (self.weight_sync_backend in BACKENDS, "weight_sync_backend", f"expected one of {BACKENDS}"),

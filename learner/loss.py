@@ -34,6 +34,14 @@ def grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.T
     return advantages
 
 
+def zero_variance(rewards) -> bool:
+    """True when all rewards of one group (a sequence of G floats) are equal: every GRPO advantage of the
+    group is then 0 and it gives no policy gradient. DAPO's dynamic sampling (verl `filter_groups` with
+    metric "acc"/"score": std == 0) filters such groups out. A group of one sample is zero-variance."""
+    values = [float(r) for r in rewards]
+    return max(values) == min(values)
+
+
 def grpo_loss(
     logp: torch.Tensor,
     logp_old: torch.Tensor,

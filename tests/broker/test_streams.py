@@ -147,7 +147,8 @@ def test_same_group_is_never_delivered_twice_even_after_learner_restart(redis_se
     assert [d.group.group_id for d in read_all(restarted, 1)] == ["c"]
     assert restarted.counters["duplicates"] == 1
     counts = run_counts(client, "run")
-    assert counts == {"produced": 5, "consumed": 3, "duplicates": 2, "dropped_stale": 0, "dead_lettered": 0}
+    assert counts == {"produced": 5, "consumed": 3, "duplicates": 2, "dropped_stale": 0, "dead_lettered": 0,
+                      "groups_filtered": 0}
 
 
 def test_uncommitted_groups_come_back_to_a_restarted_consumer(redis_server, make_group):
@@ -264,7 +265,7 @@ def test_publish_many_counts_exactly_and_publishes_all_or_nothing(transaction_by
     got = read_all(consumer, 5)
     assert [d.msg_id for d in got] == ids
     assert run_counts(client, "run") == {"produced": 5, "consumed": 5, "dropped_stale": 0, "dead_lettered": 0,
-                                         "duplicates": 0}
+                                         "duplicates": 0, "groups_filtered": 0}
 
 
 def test_dead_consumer_process_is_taken_over_exactly_once(any_redis):
@@ -297,7 +298,7 @@ def test_dead_consumer_process_is_taken_over_exactly_once(any_redis):
     assert set(held_by_a) <= set(got)
     assert b.counters["reclaimed"] == len(held_by_a) and b.counters["duplicates"] == 0
     assert run_counts(client, "run") == {"produced": 2 * n, "consumed": 2 * n, "dropped_stale": 0,
-                                         "dead_lettered": 0, "duplicates": 0}
+                                         "dead_lettered": 0, "duplicates": 0, "groups_filtered": 0}
     assert client.scard(key("run", "consumed")) == 2 * n and queue_depth(client, cfg, "run") == 0
     assert client.xpending(key("run", cfg.stream), cfg.consumer_group)["pending"] == 0
 

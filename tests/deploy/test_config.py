@@ -71,6 +71,9 @@ def test_bad_config_names_the_field(override, field):
     ("actors.data.source=gsm8k_jsonl", "actors.data.path is required when actors.data.source is gsm8k_jsonl"),
     ("broker.high_watermark=0", "broker.high_watermark=0: expected >= 1"),
     ("broker.max_staleness=-1", "broker.max_staleness=-1: expected >= 0"),
+    ("broker.claim_ttl_s=0", "broker.claim_ttl_s=0.0: expected > 0"),
+    ("learner.filter_groups=std", "learner.filter_groups='std': expected one of ('none', 'zero_variance')"),
+    ("learner.max_extra_reads=-1", "learner.max_extra_reads=-1: expected >= 0"),
     ("actors.engine.compressor.kv_budget=8",
      "actors.engine.compressor.kv_budget=8 must be > actors.engine.compressor.window=8"),
     ("eval.sparse_compressor.kv_budget=8", "eval.sparse_compressor.kv_budget=8 must be > eval.sparse_compressor.window=8"),
@@ -83,6 +86,12 @@ def test_component_errors_name_the_dotted_field(override, message):
         load_config("tiny", [override])
     assert str(err.value).startswith(message)
     assert "Config" not in str(err.value) and "SamplingParams" not in str(err.value)
+
+
+def test_filter_groups_values_load():
+    assert load_config("tiny", ["learner.filter_groups=zero_variance"]).learner.filter_groups == "zero_variance"
+    assert load_config("tiny", ["learner.filter_groups=none"]).learner.filter_groups == "none"
+    assert load_config("tiny", ["broker.admission=false"]).broker.admission is False
 
 
 def test_lr_zero_is_allowed():

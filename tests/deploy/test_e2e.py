@@ -29,14 +29,19 @@ from deploy.scale import request_scale  # noqa: E402
 
 STEP_METRICS = ("rejection_rate", "mismatch_kl", "mismatch_kl_k1", "token_mask_fraction", "reward_mean",
                 "grad_norm", "staleness_mean", "learner_tokens_per_s", "weight_sync_s", "queue_depth", "actors_live",
-                "accuracy", "rollout_tokens_per_s", "kv_peak_bytes_per_seq")
+                "accuracy", "rollout_tokens_per_s", "kv_peak_bytes_per_seq", "rollout_utilization", "dropped_stale",
+                "groups_filtered", "learner_idle_fraction", "actor_idle_fraction")
 
 
-def check_accounting(summary: dict, steps: int, groups_per_step: int) -> None:
+def check_accounting(summary: dict, steps: int, groups_per_step: int, prompts_per_batch: int) -> None:
     acc = summary["accounting"]
     assert acc["consumed"] == steps * groups_per_step  # each step trains exactly groups_per_step groups
     assert acc["duplicates"] == 0 and acc["dead_lettered"] == 0
-    assert acc["produced"] == acc["consumed"] + acc["dropped_stale"] + acc["dead_lettered"] + acc["left_in_queue"]
+    assert acc["produced"] == (acc["consumed"] + acc["groups_filtered"] + acc["dropped_stale"] + acc["dead_lettered"]
+                               + acc["left_in_queue"])
+    # admission control (on by default): nothing generated to be dropped, at most one actor batch left at stop
+    assert acc["dropped_stale"] == 0 and acc["left_in_queue"] <= prompts_per_batch
+    assert acc["rollout_utilization"] == (acc["consumed"] + acc["groups_filtered"]) / acc["produced"]
     assert acc["learner_version"] == steps
     assert acc["actor_versions"] and set(acc["actor_versions"].values()) == {steps}
 
@@ -47,7 +52,8 @@ def test_tiny_run_end_to_end(tmp_path, redis_server):
                                "learner.weight_sync_timeout_s=60"])
     summary = train(cfg)
 
-    check_accounting(summary, steps=3, groups_per_step=cfg.train.groups_per_step)
+    check_accounting(summary, steps=3, groups_per_step=cfg.train.groups_per_step,
+                     prompts_per_batch=cfg.actors.prompts_per_batch)
     client = MlflowClient(summary["mlflow_uri"])
     for name in STEP_METRICS:
         steps = [m.step for m in client.get_metric_history(summary["mlflow_run_id"], name)]
@@ -107,7 +113,8 @@ def test_actors_scaled_and_killed_while_learner_steps(tmp_path, redis_server):
     summary = train(cfg)
 
     assert [e.split("@")[0] for e in events] == ["scale", "kill", "scale"], events
-    check_accounting(summary, steps=steps, groups_per_step=cfg.train.groups_per_step)
+    check_accounting(summary, steps=steps, groups_per_step=cfg.train.groups_per_step,
+                     prompts_per_batch=cfg.actors.prompts_per_batch)
     assert len(summary["accounting"]["actor_versions"]) == 2
     live = [m.value for m in MlflowClient(summary["mlflow_uri"]).get_metric_history(summary["mlflow_run_id"], "actors_live")]
     assert live[0] == 1 and max(live) == 3 and live[-1] == 2, live
