@@ -21,7 +21,7 @@ import ray  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from broker.redis_server import LocalRedis  # noqa: E402
-from broker.streams import PAUSED, connect, key, queue_depth, run_counts  # noqa: E402
+from broker.streams import BUDGET_LOG, PAUSED, connect, key, queue_depth, run_counts  # noqa: E402
 from deploy.config import RunConfig, make_run_dir, to_dict  # noqa: E402
 from deploy.console import Console  # noqa: E402
 from deploy.model_cache import resolve_model  # noqa: E402
@@ -52,8 +52,13 @@ def train(cfg: RunConfig, command: tuple[str, ...] = ("sparse-rl", "train")) -> 
     previous = signal.getsignal(signal.SIGINT)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _interrupt)
+    report = None
+    if cfg.preflight.enabled:  # KV capacity (issue 13): a config that cannot fit fails here, nothing started yet
+        from deploy.preflight import preflight
+        report = preflight(cfg)
+        print(report.table(), flush=True)
     try:
-        return _train(cfg, progress)
+        return _train(cfg, progress, report)
     except KeyboardInterrupt:
         raise Interrupted(interrupted_line(cfg, progress["step"], command)) from None
     finally:
@@ -80,7 +85,7 @@ def interrupted_line(cfg: RunConfig, step: int, command: tuple[str, ...]) -> str
             f"resume with: {shlex.join([*kept, f'learner.checkpoint_dir={ckpt_dir}'])}")
 
 
-def _train(cfg: RunConfig, progress: dict) -> dict:
+def _train(cfg: RunConfig, progress: dict, report=None) -> dict:
     run_id, run_dir = make_run_dir(cfg)  # unique, created atomically
     cfg.model = resolve_model(cfg.model)  # build/convert preset model files once, before any worker starts
     if not cfg.learner.checkpoint_dir:
@@ -97,6 +102,8 @@ def _train(cfg: RunConfig, progress: dict) -> dict:
         stack.push(lambda kind, *_: tracker.end("KILLED" if kind is KeyboardInterrupt else "FAILED"))
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         tracker.log_params(to_dict(cfg))
+        if report is not None:
+            tracker.log_params(report.params())
         tracker.log_artifact(run_dir / "config.yaml")
         console.start(run_id, run_dir, cfg.broker.url, tracker.where())
 
@@ -140,6 +147,10 @@ def _train(cfg: RunConfig, progress: dict) -> dict:
             tracker.log_metrics(metrics, version)
             progress["step"] = step  # done and logged (before its console line, which a Ctrl-C may follow at once)
             console.step(step, cfg.train.steps, version, metrics)
+        if cfg.actors.engine.compressor.budget_control != "off":  # every controller decision, with its reason
+            log = [line.decode() + "\n" for line in redis.lrange(key(run_id, BUDGET_LOG), 0, -1)]
+            (run_dir / "budget_log.jsonl").write_text("".join(log))
+            tracker.log_artifact(run_dir / "budget_log.jsonl")
         ray.get(learner.save_final.remote(str(run_dir / "final")))
         pool.stop_generation()  # the last batches are published; from here the counts are final
         accounting = {**run_counts(redis, run_id), "left_in_queue": queue_depth(redis, cfg.broker, run_id),
