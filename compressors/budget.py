@@ -70,8 +70,10 @@ def budget_range(cfg) -> tuple[int, int]:
     bounds, times the smallest / largest tier scale (tiers on). Preflight sizes memory with the largest."""
     if cfg.budget_control == "mismatch":
         bases = [cfg.kv_budget_min or cfg.kv_budget, cfg.kv_budget_max or cfg.kv_budget]
-    else:
+    elif cfg.budget_schedule != "constant":
         bases = [cfg.kv_budget, cfg.kv_budget_final or cfg.kv_budget]
+    else:
+        bases = [cfg.kv_budget]
     if cfg.budget_tiers == "off":
         return min(bases), max(bases)
     return _round(min(bases) * min(cfg.tier_scales)), _round(max(bases) * max(cfg.tier_scales))
