@@ -146,7 +146,7 @@ def main() -> None:
     ap.add_argument("--kv-budget", type=int, default=64, help="the fixed arm's budget, the adaptive arm's start")
     ap.add_argument("--budget-min", type=int, default=32)
     ap.add_argument("--budget-max", type=int, default=160)
-    ap.add_argument("--budget-step", type=int, default=16)
+    ap.add_argument("--budget-step", type=int, default=32)
     ap.add_argument("--target", type=float, default=0.86)
     ap.add_argument("--metric", default="xi_sym_p5")
     ap.add_argument("--threads", type=int, default=1)
