@@ -46,7 +46,9 @@ class TorchEngine:
     record_evictions: keep, after each `generate`, `last_eviction_record` (for tests of exactness): dict with
         `prompt_width` P (columns are the left-padded layout: prompt in [P - len, P), response token t at
         P + t) and `evicted_at`: one int64 tensor [rows, kv_heads, P + max_new_tokens] per layer giving the
-        column of the first query that no longer sees that key column (int64 max if never evicted).
+        column of the first query that no longer sees that key column (int64 max if never evicted). With
+        per-prompt `kv_budgets` the batch runs as one sub-batch per budget: `last_eviction_records` holds one
+        such record per sub-batch, plus its `prompt_indices` and `kv_budget`.
     Raises ValueError if the model is not a supported, full-attention Llama/Qwen2.
     """
 

@@ -127,3 +127,18 @@ def test_train_that_does_not_fit_exits_2_before_anything_starts(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "deploy.cli", "preflight", "--config", "tiny"], cwd=REPO,
                         capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0 and "peak KV B / seq" in ok.stdout, ok.stderr
+
+
+@pytest.mark.parametrize("overrides,named", [
+    (["actors.engine.compressor.budget_control=mismatch", "actors.engine.compressor.kv_budget_min=16",
+      "actors.engine.compressor.kv_budget_max=64", "learner.correction=off"], "actors.engine.compressor.budget_control"),
+    (["actors.engine.backend=sglang", "actors.engine.compressor.budget_tiers=confidence", "eval.enabled=false"],
+     "actors.engine.compressor.budget_tiers"),
+    (["actors.engine.compressor.budget_schedule=linear", "actors.engine.compressor.kv_budget_final=4"],
+     "actors.engine.compressor.kv_budget"),
+    (["preflight.kv_memory_gb=-1"], "preflight.kv_memory_gb"),
+])
+def test_bad_budget_config_fails_at_start_naming_the_dotted_field(overrides, named):
+    from deploy.config import ConfigError
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        load_config("tiny", overrides, check_files=False)
