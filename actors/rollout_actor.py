@@ -252,7 +252,8 @@ class RolloutWorker:
         ray.actor.exit_actor()
 
     def metrics(self) -> dict:
-        """Rollout metrics since the last call: tokens/s, groups, KV peak bytes per sequence, queue waits."""
+        """Rollout metrics since the last call: tokens/s, groups, KV peak bytes per sequence, queue waits; the mean
+        KV budget of the batches (actor_kv_budget) and, with tiers, per tier its budget, groups and reward."""
         c, self.counters = self.counters, {k: 0 if isinstance(v, int) else 0.0 for k, v in self.counters.items()}
         tiers, self.tier_counters = self.tier_counters, {}
         per_tier = {}
@@ -261,7 +262,8 @@ class RolloutWorker:
                              f"tier/{name}/reward": reward_sum / samples})
         if c["batches"]:  # mean budget (tokens) of this actor's batches since the last call
             per_tier["actor_kv_budget"] = c["kv_budget_sum"] / c["batches"]
-        return {**per_tier,"rollout_tokens_per_s": c["tokens"] / c["gen_s"] if c["gen_s"] else 0.0,
+        return {**per_tier,
+                "rollout_tokens_per_s": c["tokens"] / c["gen_s"] if c["gen_s"] else 0.0,
                 "rollout_groups": float(c["groups"]),
                 "accuracy": c["correct"] / c["samples"] if c["samples"] else 0.0,
                 "unparseable_fraction": c["unparseable"] / c["samples"] if c["samples"] else 0.0,
