@@ -138,7 +138,7 @@ def run_arm(name, engine, model, prompts, reward, steps, prompts_per_step, G, ma
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="12 steps of 2 prompts x 4 samples per arm")
+    ap.add_argument("--quick", action="store_true", help="16 steps of 2 prompts x 4 samples per arm")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--warmup", type=int, default=0, help="steps not counted in the target fraction (0 = steps // 3)")
     ap.add_argument("--prompts-per-step", type=int, default=4)
@@ -152,7 +152,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     if args.quick:
-        args.steps, args.prompts_per_step, args.samples = 12, 2, 4
+        args.steps, args.prompts_per_step, args.samples = 16, 2, 4
     warmup = args.warmup or args.steps // 3
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()

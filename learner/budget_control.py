@@ -11,7 +11,10 @@ the KV budget: after every learner step it reads one quantile of the step's rati
 
 The dead band [target, target + hysteresis) and the patience make it hold instead of oscillating when the
 measured quantile is noisy; the asymmetry (raise at once, lower slowly) errs on the side of a dense-like
-rollout. Pure python: the learner worker publishes `budget` in Redis (broker.streams.publish_kv_budget).
+rollout. A lowering is a probe: when the very next step misses the target (the lower budget was too low,
+and the budget goes back up), the patience before the next probe doubles (up to 16x `patience`), so a
+budget sitting just above the point where the tail breaks costs a missed step only every 2, 4, 8, ... x
+patience steps instead of every patience + 1; a probe that holds the target resets it. Pure python: the learner worker publishes `budget` in Redis (broker.streams.publish_kv_budget).
 """
 from __future__ import annotations
 
@@ -52,6 +55,8 @@ class BudgetController:
         self.metric, self.target, self.hysteresis, self.patience = metric, target, hysteresis, patience
         self.step = step or max(1, (budget_max - budget_min) // 8)
         self.calm = 0  # consecutive steps at or above target + hysteresis
+        self.wait = patience  # calm steps needed before the next lowering (doubles after a failed probe)
+        self.probing = False  # the last decision lowered the budget: this step tells whether that held
 
     @classmethod
     def from_config(cls, cfg) -> "BudgetController":
@@ -67,20 +72,27 @@ class BudgetController:
         if m is None or math.isnan(m):
             self.calm = 0
             return BudgetChange(old, old, float("nan"), f"{self.metric} not measured: hold")
+        probed, self.probing = self.probing, False
         if m < t:
             self.calm = 0
+            if probed:  # the budget just lowered to is too low: wait longer before probing again
+                self.wait = min(2 * self.wait, 16 * self.patience)
             self.budget = min(self.budget_max, old + self.step)
             what = f"raise {old} -> {self.budget}" if self.budget != old else f"at kv_budget_max={old}: hold"
-            return BudgetChange(old, self.budget, m, f"{self.metric}={m:.4f} < target {t:g}: {what}")
+            backoff = f"; the last lowering failed, next one after {self.wait} calm steps" if probed else ""
+            return BudgetChange(old, self.budget, m, f"{self.metric}={m:.4f} < target {t:g}: {what}{backoff}")
+        if probed:
+            self.wait = self.patience
         if m < t + self.hysteresis:
             self.calm = 0
             return BudgetChange(old, old, m, f"{self.metric}={m:.4f} in [{t:g}, {t + self.hysteresis:g}): hold")
         self.calm += 1
-        if self.calm < self.patience:
+        if self.calm < self.wait:
             return BudgetChange(old, old, m, f"{self.metric}={m:.4f} >= {t + self.hysteresis:g} for {self.calm} of "
-                                             f"{self.patience} steps: hold")
+                                             f"{self.wait} steps: hold")
         self.calm = 0
         self.budget = max(self.budget_min, old - self.step)
+        self.probing = self.budget != old
         what = f"lower {old} -> {self.budget}" if self.budget != old else f"at kv_budget_min={old}: hold"
         return BudgetChange(old, self.budget, m, f"{self.metric}={m:.4f} >= {t + self.hysteresis:g} for "
-                                                 f"{self.patience} steps: {what}")
+                                                 f"{self.wait} steps: {what}")

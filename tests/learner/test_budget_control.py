@@ -86,3 +86,25 @@ def test_without_hysteresis_the_same_stream_oscillates():
     budgets = [c.update(plant(c.budget, rng, 0.012)).new for _ in range(60)]
     assert reversals(budgets) >= 10
     assert not math.isnan(sum(budgets))
+
+
+def test_a_failed_lowering_doubles_the_wait_before_the_next_one():
+    # A run whose tail breaks below 160: 0.99 at 160, 0.70 at 128 (target 0.86, band up to 0.89, patience 2).
+    c = BudgetController(160, 32, 160, target=0.86, hysteresis=0.03, patience=2, step=32)
+    tail = {160: 0.99, 128: 0.70}
+    budgets = [c.update(tail[c.budget]).new for _ in range(22)]
+    # by hand: 2 calm steps -> 128 (probe); 128 misses -> 160, wait 4; 4 calm -> 128; miss -> 160, wait 8; ...
+    assert budgets == [160, 128, 160,                       # wait 2, then the probe fails
+                       160, 160, 160, 128, 160,             # wait 4
+                       160, 160, 160, 160, 160, 160, 160, 128, 160,   # wait 8
+                       160, 160, 160, 160, 160]
+    # a probe that holds resets the wait to patience
+    c = BudgetController(160, 32, 160, target=0.86, hysteresis=0.03, patience=2, step=32)
+    c.update(0.99), c.update(0.99)                          # -> 128 (probe)
+    c.update(0.70)                                          # failed: -> 160, wait 4
+    assert c.wait == 4
+    for _ in range(4):
+        c.update(0.99)                                      # -> 128 again
+    assert c.budget == 128
+    c.update(0.95)                                          # the probe held this time
+    assert c.wait == 2
