@@ -19,7 +19,7 @@ Prints a table, then ONE JSON object as the last line:
                                    (target >= 0.8)
   fixed / adaptive                 mean budget, mean peak KV bytes per sequence, rejection rate, reward,
                                    target met fraction (after warm-up), over the same steps
-Timings are not reported: the figures are bytes, rates and rewards.
+`seconds` is the bench's wall time (no figure above depends on timing).
 """
 from __future__ import annotations
 
@@ -36,9 +36,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirna
 import torch  # noqa: E402
 
 from actors.engine import SamplingParams  # noqa: E402
-from actors.kv_memory import ModelShape, kv_peak_bytes_per_sequence  # noqa: E402
 from actors.torch_engine import TorchEngine  # noqa: E402
-from compressors import CompressorConfig  # noqa: E402
 from learner.budget_control import BudgetController  # noqa: E402
 from learner.correction import sparse_correction  # noqa: E402
 
@@ -70,7 +68,7 @@ def dense_logp(model, samples, temperature: float) -> tuple[torch.Tensor, torch.
     return old, sparse, valid
 
 
-def preflight_checks(quick: bool) -> list[dict]:
+def preflight_checks() -> list[dict]:
     """Predicted vs measured peak KV bytes per sequence for several configs (module docstring, 1)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -158,7 +156,7 @@ def main() -> None:
     t0 = time.perf_counter()
 
     print("1. preflight: predicted vs measured peak KV bytes per sequence", flush=True)
-    checks = preflight_checks(args.quick)
+    checks = preflight_checks()
     for r in checks:
         print(f"  {r['model']:<22} {r['method']:<7} {r['dtype']:<5} budget {str(r['budget']):>4} prompt {r['prompt']:>4} "
               f"new {r['new']:>3}: predicted {r['predicted']:>12,} measured {r['measured']:>12,} ratio {r['ratio']:.4f}")
