@@ -48,11 +48,9 @@ def parse_args(argv=None):
     p.add_argument("--window", type=int, default=8)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--tiny", action="store_true", help="tiny model on the CPU: checks the flow in seconds")
-    args = p.parse_args(argv)
-    if args.tiny:
-        args.batch, args.prompt_len, args.response_len = 4, 24, 96
-        args.kv_budget, args.interval, args.window, args.dtype = 32, 16, 4, "fp32"
-    return args
+    if p.parse_known_args(argv)[0].tiny:  # tiny defaults; sizes given on the command line still win
+        p.set_defaults(batch=4, prompt_len=24, response_len=96, kv_budget=32, interval=16, window=4, dtype="fp32")
+    return p.parse_args(argv)
 
 
 def build(args, device):
