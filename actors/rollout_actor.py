@@ -23,9 +23,11 @@ from actors.engine import SamplingParams
 from actors.reward import RewardScorer
 from broker.admission import Admission, ClaimExpired
 from broker.schema import SampleRecord, TrajectoryGroup
-from broker.streams import PAUSED, GroupProducer, connect, key, queue_depth, read_learner_version
+from broker.streams import (PAUSED, GroupProducer, connect, key, queue_depth, read_confidences, read_kv_budget,
+                            read_learner_version, write_confidences)
 from broker.weight_sync import WeightReceiver
 from compressors import CompressorConfig
+from compressors.budget import scheduled_budget, tier_budget, tier_of
 
 PROMPT_CURSOR = "prompt_cursor"
 """Redis counter handing out prompt indices to all actors of a run: no prompt is taken twice, whatever the
@@ -111,9 +113,11 @@ class RolloutWorker:
         self.generating = threading.Lock()  # held while the engine generates or weights are swapped in
         self.counters = {"groups": 0, "samples": 0, "correct": 0, "wrong": 0, "unparseable": 0, "error": 0, "tokens": 0, "gen_s": 0.0,
                          "kv_peak_bytes": 0, "staleness_wait_s": 0.0,
-                         "queue_wait_s": 0.0, "admission_wait_s": 0.0, "busy_s": 0.0, "claims_lost": 0}
+                         "queue_wait_s": 0.0, "admission_wait_s": 0.0, "busy_s": 0.0, "claims_lost": 0,
+                         "kv_budget_sum": 0, "batches": 0}
         self.busy_since: float | None = None  # monotonic start of the batch in progress (claim to publish)
         self.metrics_since = time.monotonic()
+        self.tier_counters: dict[str, list[float]] = {}  # tier -> [groups, budget sum, reward sum, samples]
         self.error = ""
         self.incarnation = uuid.uuid4().hex  # new after every (re)start: the driver rebuilds the sync group
         # The loop starts with the process, so an actor restarted by Ray (max_restarts) generates again.
@@ -220,7 +224,11 @@ class RolloutWorker:
                     start = time.monotonic()
                     try:
                         self._test_slow_generate()
-                        outputs = self.engine.generate([p.prompt_ids for p in batch], params)
+                        budgets, tiers = self.batch_budgets(batch, version)  # after the version: see batch_budgets
+                        if self.budget_varies:
+                            outputs = self.engine.generate([p.prompt_ids for p in batch], params, kv_budgets=budgets)
+                        else:
+                            outputs = self.engine.generate([p.prompt_ids for p in batch], params)
                     except BaseException:
                         if claim is not None:
                             self.claim = None
@@ -232,8 +240,10 @@ class RolloutWorker:
                 self.counters["admission_wait_s"] += time.monotonic() - waited
                 continue
             self.counters["gen_s"] += time.monotonic() - start
-            groups = []
-            for prompt, samples in zip(batch, outputs):
+            self.counters["kv_budget_sum"] += sum(budgets) / len(budgets)
+            self.counters["batches"] += 1
+            groups, confidences = [], {}
+            for prompt, samples, budget, tier in zip(batch, outputs, budgets, tiers):
                 records = []
                 for s in samples:
                     reward = self.reward(self.tokenizer.decode(s.response_ids, skip_special_tokens=True),
@@ -251,8 +261,15 @@ class RolloutWorker:
                 groups.append(TrajectoryGroup(
                     run_id=self.run_id, group_id=uuid.uuid4().hex, prompt_id=prompt.prompt_id,
                     weight_version=version, temperature=params.temperature,
-                    compressor=a.engine.compressor.method, kv_budget=a.engine.compressor.kv_budget,
-                    samples=records, actor_id=self.actor_id, created_at=time.time()))
+                    compressor=a.engine.compressor.method, kv_budget=budget,
+                    samples=records, actor_id=self.actor_id, created_at=time.time(), budget_tier=tier))
+                mean_reward = sum(r.reward for r in records) / len(records)
+                confidences[prompt.prompt_id] = min(1.0, max(0.0, mean_reward))
+                if tier:
+                    t = self.tier_counters.setdefault(tier, [0, 0.0, 0.0, 0])
+                    t[0], t[1], t[2], t[3] = t[0] + 1, t[1] + budget, t[2] + mean_reward * len(records), t[3] + len(records)
+            if a.engine.compressor.budget_tiers != "off":
+                write_confidences(self.redis, self.run_id, confidences)
             try:
                 self.producer.publish_many(groups, claim=claim)  # one transaction for the batch
                 self.counters["groups"] += len(groups)
@@ -262,6 +279,29 @@ class RolloutWorker:
             self.claim = None
             self._count_busy()
             self.busy_since = None
+
+    @property
+    def budget_varies(self) -> bool:
+        """Whether the budget can differ from compressor.kv_budget (schedule, controller or tiers)."""
+        c = self.cfg.actors.engine.compressor
+        return c.budget_schedule != "constant" or c.budget_control != "off" or c.budget_tiers != "off"
+
+    def batch_budgets(self, batch: list, version: int) -> tuple[list[int], list[str]]:
+        """(KV budget in tokens, tier name or "") of each prompt of the batch, for weights `version`.
+
+        Base budget: the learner's controlled budget from Redis (budget_control mismatch; the learner publishes
+        it before it broadcasts the weights of the same version, so reading it after the weight version makes
+        the batch use a budget at least as new as its weights), else the schedule at `version`. With tiers,
+        each prompt's budget is the base times its tier's scale (compressors.budget.tier_budget)."""
+        c = self.cfg.actors.engine.compressor
+        if c.budget_control == "mismatch":
+            base = read_kv_budget(self.redis, self.run_id, c.kv_budget)
+        else:
+            base = scheduled_budget(c, version, self.cfg.train.steps)
+        if c.budget_tiers == "off":
+            return [base] * len(batch), [""] * len(batch)
+        tiers = [tier_of(c, conf) for conf in read_confidences(self.redis, self.run_id, [p.prompt_id for p in batch])]
+        return [tier_budget(c, base, t) for t in tiers], tiers
 
     def stop_generation(self) -> None:
         """Finish the current batch (its groups are published), then leave the loop."""
@@ -286,13 +326,22 @@ class RolloutWorker:
             self.busy_since = now
 
     def metrics(self) -> dict:
-        """Rollout metrics since the last call: tokens/s, groups, KV peak bytes per sequence, queue waits, and
-        actor_idle_fraction = 1 - (time spent on batches, from claim to publish) / wall time."""
+        """Rollout metrics since the last call: tokens/s, groups, KV peak bytes per sequence, queue waits,
+        actor_idle_fraction = 1 - (time spent on batches, from claim to publish) / wall time; the mean KV budget
+        of the batches (actor_kv_budget) and, with tiers, per tier its budget, groups and reward."""
         self._count_busy()
         now = time.monotonic()
         wall, self.metrics_since = now - self.metrics_since, now
         c, self.counters = self.counters, {k: 0 if isinstance(v, int) else 0.0 for k, v in self.counters.items()}
-        return {"rollout_tokens_per_s": c["tokens"] / c["gen_s"] if c["gen_s"] else 0.0,
+        tiers, self.tier_counters = self.tier_counters, {}
+        per_tier = {}
+        for name, (groups, budget_sum, reward_sum, samples) in tiers.items():
+            per_tier.update({f"tier/{name}/kv_budget": budget_sum / groups, f"tier/{name}/groups": float(groups),
+                             f"tier/{name}/reward": reward_sum / samples})
+        if c["batches"]:  # mean budget (tokens) of this actor's batches since the last call
+            per_tier["actor_kv_budget"] = c["kv_budget_sum"] / c["batches"]
+        return {**per_tier,
+                "rollout_tokens_per_s": c["tokens"] / c["gen_s"] if c["gen_s"] else 0.0,
                 "rollout_groups": float(c["groups"]),
                 "accuracy": c["correct"] / c["samples"] if c["samples"] else 0.0,
                 "unparseable_fraction": c["unparseable"] / c["samples"] if c["samples"] else 0.0,

@@ -20,6 +20,7 @@ forward (SPEC §1, pi_sparse).
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Iterable
 
@@ -28,11 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from actors.engine import Sample, SamplingParams, check_sampling
-from compressors import CompressorConfig, accumulate_attention, build_compressor, gather_kv
+from compressors import Compressor, CompressorConfig, accumulate_attention, build_compressor, gather_kv
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
-COMPACT_CHUNK = 32
-"""Slots moved per step of the in-place compaction; the only extra K/V memory an eviction needs."""
+from actors.kv_memory import COMPACT_CHUNK  # noqa: E402  slots moved per step of the in-place compaction
+# (the only extra K/V memory an eviction needs); actors/kv_memory.py predicts this engine's KV bytes.
 
 
 class TorchEngine:
@@ -45,7 +46,9 @@ class TorchEngine:
     record_evictions: keep, after each `generate`, `last_eviction_record` (for tests of exactness): dict with
         `prompt_width` P (columns are the left-padded layout: prompt in [P - len, P), response token t at
         P + t) and `evicted_at`: one int64 tensor [rows, kv_heads, P + max_new_tokens] per layer giving the
-        column of the first query that no longer sees that key column (int64 max if never evicted).
+        column of the first query that no longer sees that key column (int64 max if never evicted). With
+        per-prompt `kv_budgets` the batch runs as one sub-batch per budget: `last_eviction_records` holds one
+        such record per sub-batch, plus its `prompt_indices` and `kv_budget`.
     Raises ValueError if the model is not a supported, full-attention Llama/Qwen2.
     """
 
@@ -67,6 +70,8 @@ class TorchEngine:
         self.weight_version = weight_version
         self.record_evictions = record_evictions
         self.last_eviction_record: dict | None = None
+        self.last_eviction_records: list[dict] = []
+        self._compressors: dict[int, Compressor] = {}
         attn = model.model.layers[0].self_attn
         self.num_layers = len(model.model.layers)
         self.kv_heads = cfg.num_key_value_heads
@@ -111,17 +116,56 @@ class TorchEngine:
 
     # ------------------------------------------------------------------ generation
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 kv_budgets: list[int] | None = None) -> list[list[Sample]]:
         """Sample `params.n` responses for each prompt (token ids) in one batch; one list of n Samples per prompt.
 
         Sampling: temperature > 0 samples from softmax(logits / temperature), optionally truncated by top_k /
         top_p (evaluation only: logp_sparse stays the untruncated log-prob); temperature 0 is greedy with
         logp_sparse = log_softmax(logits). A response ends on an EOS id (kept in the response), when its
         decoded text contains a stop string (the token completing it is kept), or after max_new_tokens.
-        Raises ValueError naming the field for empty prompts or invalid sampling values.
+
+        kv_budgets: one budget (tokens) per prompt, or None for `compressor_cfg.kv_budget` everywhere (issue 13:
+            schedules, controller, difficulty tiers). Prompts with equal budgets are decoded together; each
+            distinct budget gets its own sub-batch with its own cache of `budget + interval` slots, so every
+            row is exact for, and its KV bytes bounded by, its own budget (sub-batches run one after another;
+            with several, sub-batch k samples with seed `params.seed + k`).
+        Raises ValueError naming the field for empty prompts, invalid sampling values, or a kv_budgets list of
+        the wrong length or with a budget the compressor config rejects (e.g. <= window).
         """
         _check_params(prompts, params)
-        cc = self.compressor_cfg
+        if kv_budgets is None:
+            return self._generate(prompts, params, self.compressor)
+        if len(kv_budgets) != len(prompts):
+            raise ValueError(f"kv_budgets has {len(kv_budgets)} values for {len(prompts)} prompts")
+        distinct = sorted(set(int(b) for b in kv_budgets))
+        out: list[list[Sample] | None] = [None] * len(prompts)
+        records = []
+        for k, budget in enumerate(distinct):
+            index = [i for i, b in enumerate(kv_budgets) if int(b) == budget]
+            sub = params if len(distinct) == 1 or params.seed is None else dataclasses.replace(params, seed=params.seed + k)
+            for i, samples in zip(index, self._generate([prompts[i] for i in index], sub, self.compressor_for(budget))):
+                out[i] = samples
+            if self.record_evictions:
+                records.append({**self.last_eviction_record, "prompt_indices": index, "kv_budget": budget})
+        if self.record_evictions:
+            self.last_eviction_records = records
+        return out
+
+    def compressor_for(self, budget: int) -> Compressor:
+        """The compressor of `compressor_cfg` with kv_budget = budget (cached). Raises ValueError naming the
+        field if that budget is not a valid setting (e.g. <= window)."""
+        if budget == self.compressor_cfg.kv_budget:
+            return self.compressor
+        if budget not in self._compressors:
+            self._compressors[budget] = build_compressor(dataclasses.replace(
+                self.compressor_cfg, kv_budget=int(budget), budget_schedule="constant", budget_control="off",
+                budget_tiers="off"))
+        return self._compressors[budget]
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams, compressor: Compressor) -> list[list[Sample]]:
+        """`generate` of one batch with one compressor (one budget)."""
+        cc = compressor.cfg
         compress = cc.method != "full"
         n_layers, hkv, hd = self.num_layers, self.kv_heads, self.head_dim
         dev, dtype = self.device, self.model.dtype
@@ -145,7 +189,7 @@ class TorchEngine:
             layer = {"k": torch.zeros(R, hkv, capacity, hd, dtype=dtype, device=dev),
                      "v": torch.zeros(R, hkv, capacity, hd, dtype=dtype, device=dev),
                      "valid": torch.zeros(R, hkv, capacity, dtype=torch.bool, device=dev)}
-            if self.compressor.needs_attention_mass:
+            if compressor.needs_attention_mass:
                 layer["mass"] = torch.zeros(R, hkv, capacity, device=dev)
             if self.record_evictions:
                 layer["col"] = torch.full((R, hkv, capacity), -1, dtype=torch.long, device=dev)
@@ -167,7 +211,7 @@ class TorchEngine:
         visible = ((cols[None, :] <= cols[:, None]) & (key_valid[:, None, :] | eye))[:, None]   # [R, 1, P, P]
         logits, transient_bytes = self._forward(ids, positions, cache, qwin, evicted_at, n=0, col=P - 1,
                                                 prefill=(visible, key_valid), compress_now=compress and P > budget,
-                                                row_ids=torch.arange(R, device=dev))
+                                                row_ids=torch.arange(R, device=dev), compressor=compressor)
         n = min(P, budget) if compress else P                               # filled slots, equal for every row
         # Peak K/V bytes per sequence: the buffers plus the largest transient beside them (one layer's prompt
         # K/V at prefill, or one compaction chunk). Validity and scores are not K/V and are not counted.
@@ -214,7 +258,8 @@ class TorchEngine:
             step += 1
             compress_now = compress and step % cc.interval == 0 and n + 1 > budget
             logits, _ = self._forward(tok[:, None], next_pos[:, None], cache, qwin, evicted_at, n=n,
-                                      col=P + step - 1, prefill=None, compress_now=compress_now, row_ids=row_ids)
+                                      col=P + step - 1, prefill=None, compress_now=compress_now, row_ids=row_ids,
+                                      compressor=compressor)
             n = budget if compress_now else n + 1
             next_pos = next_pos + 1
 
@@ -222,7 +267,7 @@ class TorchEngine:
             self.last_eviction_record = {"prompt_width": P, "evicted_at": evicted_at}
         return [results[i * G:(i + 1) * G] for i in range(len(prompts))]
 
-    def _forward(self, tokens, positions, cache, qwin, evicted_at, n, col, prefill, compress_now, row_ids):
+    def _forward(self, tokens, positions, cache, qwin, evicted_at, n, col, prefill, compress_now, row_ids, compressor):
         """One forward of `tokens` [R, q] at true `positions` [R, q] through the model and our cache (in place).
 
         prefill: (visible bool [R, 1, q, q], key_valid bool [R, q]) for the prompt, whose K/V then go to slots
@@ -231,7 +276,7 @@ class TorchEngine:
         col: column of the last token (left-padded layout); row_ids: original row of each of the R rows.
         Returns (logits float32 [R, vocab] at the last position, bytes of the largest transient K/V tensor).
         """
-        m, cc = self.model.model, self.compressor_cfg
+        m, cc = self.model.model, compressor.cfg
         R, q = tokens.shape
         h = m.embed_tokens(tokens)
         cos, sin = m.rotary_emb(h, positions)
@@ -277,7 +322,7 @@ class TorchEngine:
                     c["mass"][:, :, :n + 1] = slots["mass"]
                 continue
             if keep is None or cc.selection != "shared":
-                keep = self.compressor.select(slots["k"], qwin[li], slots["valid"], slots.get("mass"))
+                keep = compressor.select(slots["k"], qwin[li], slots["valid"], slots.get("mass"))
                 if not bool((keep[..., 1:] > keep[..., :-1]).all()):
                     raise RuntimeError("compressor.select returned slot indices that are not strictly ascending")
             if evicted_at is not None:                                       # record what this compaction drops

@@ -6,10 +6,17 @@
 #   bash bench/gpu_check.sh                  # the check
 #   bash bench/gpu_check.sh --dry-run        # CPU: args + tiny model files + plan, no SGLang
 #   PYTHON=.venv-sglang/bin/python bash bench/gpu_check.sh --tiny   # CPU lane: whole flow, tiny model
+#   bash bench/gpu_check.sh --bare           # bare GPU machine (issue 13): torch + transformers only, the torch
+#                                            # engine dense vs R-KV 512 with preflight's prediction (bench/torch_gpu_check.py)
+#   bash bench/gpu_check.sh --bare --tiny    # CPU smoke test of the bare mode
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON="${PYTHON:-python}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if [[ "${1:-}" == "--bare" ]]; then
+  shift
+  exec timeout "${GPU_CHECK_TIMEOUT_S:-470}" "$PYTHON" bench/torch_gpu_check.py "$@"
+fi
 for arg in "$@"; do
   if [[ "$arg" == "--tiny" ]]; then export SGLANG_USE_CPU_ENGINE=1; fi
 done

@@ -74,6 +74,38 @@ def read_learner_version(client: redis.Redis, run_id: str) -> int:
     return int(client.get(key(run_id, "learner_version")) or 0)
 
 
+KV_BUDGET = "kv_budget"
+"""Key of the budget the learner's controller sets (compressor.budget_control: mismatch); actors read it per batch."""
+PROMPT_CONFIDENCE = "prompt_confidence"
+"""Hash prompt id -> confidence (mean reward of its last group), for difficulty tiers (compressor.budget_tiers)."""
+BUDGET_LOG = "budget_log"
+"""List of JSON lines, one per learner step with a budget controller: version, budget, reason, groups' budgets."""
+
+
+def publish_kv_budget(client: redis.Redis, run_id: str, budget: int) -> None:
+    """Publish the controlled KV budget (tokens); actors apply it from their next batch."""
+    client.set(key(run_id, KV_BUDGET), int(budget))
+
+
+def read_kv_budget(client: redis.Redis, run_id: str, default: int) -> int:
+    """The controlled KV budget (tokens), `default` before the learner's first publish."""
+    value = client.get(key(run_id, KV_BUDGET))
+    return int(value) if value is not None else default
+
+
+def read_confidences(client: redis.Redis, run_id: str, prompt_ids: list[str]) -> list[float | None]:
+    """Confidence of each prompt (None: never sampled), one HMGET."""
+    if not prompt_ids:
+        return []
+    return [None if v is None else float(v) for v in client.hmget(key(run_id, PROMPT_CONFIDENCE), prompt_ids)]
+
+
+def write_confidences(client: redis.Redis, run_id: str, confidences: dict[str, float]) -> None:
+    """Record prompts' confidences (floats in [0, 1]), one HSET."""
+    if confidences:
+        client.hset(key(run_id, PROMPT_CONFIDENCE), mapping={k: repr(float(v)) for k, v in confidences.items()})
+
+
 def queue_depth(client: redis.Redis, cfg: BrokerConfig, run_id: str) -> int:
     """Unconsumed groups in the stream (not yet read, or read and not yet committed)."""
     return client.xlen(key(run_id, cfg.stream))

@@ -1,10 +1,15 @@
 """Typed config of the KV compressors (docs/SPEC.md §5)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 METHODS = ("rkv", "snapkv", "h2o", "streamingllm", "full")
 SELECTIONS = ("per_head", "shared")
+SCHEDULES = ("constant", "linear", "cosine")
+CONTROLS = ("off", "mismatch")
+TIERS = ("off", "confidence")
+BUDGET_METRICS = ("xi_p1", "xi_p5", "xi_p50", "xi_sym_p1", "xi_sym_p5", "xi_sym_p50")
 
 
 @dataclass
@@ -30,6 +35,50 @@ class CompressorConfig:
     selection: str = "per_head"
     """per_head (R-KV reference: one kept set per layer and KV head) | shared (one set per sequence, chosen
     from layer 0 and used by every layer and head, as the authors' SGLang fork)."""
+
+
+    # --- budget control (issue 13; seed 002 §5.2; Sparrow, arXiv 2606.08446) -------------------------------
+    budget_schedule: str = "constant"
+    """constant | linear | cosine: the budget goes from kv_budget (weight version 0) to kv_budget_final (at
+    version budget_schedule_steps, then stays), seed 002 §5.2's progressive shrinking. Actors apply the value
+    of their weight version at every batch (compressors.budget.scheduled_budget)."""
+    kv_budget_final: int = 0
+    """Budget at the end of the schedule, tokens (0 = kv_budget: no change)."""
+    budget_schedule_steps: int = 0
+    """Weight versions over which the schedule runs (0 = train.steps)."""
+    budget_control: str = "off"
+    """off | mismatch: the learner moves the budget between kv_budget_min and kv_budget_max to keep
+    budget_metric (a quantile of the per-token ratio xi, learner/correction.py) at or above budget_target,
+    publishes it in Redis, and actors read it at every batch (learner/budget_control.py)."""
+    kv_budget_min: int = 0
+    """Lowest budget the controller may set, tokens (required with budget_control mismatch)."""
+    kv_budget_max: int = 0
+    """Highest budget the controller may set, tokens (required with budget_control mismatch)."""
+    budget_metric: str = "xi_sym_p5"
+    """The controlled quantile: one of xi_p1, xi_p5, xi_p50, xi_sym_p1, xi_sym_p5, xi_sym_p50 (xi_sym =
+    min(xi, 1/xi)); Sparrow keeps the 5th percentile of the per-token ratio >= 0.86."""
+    budget_target: float = 0.86
+    """The controller raises the budget while budget_metric < budget_target."""
+    budget_hysteresis: float = 0.03
+    """... and lowers it only after budget_patience steps in a row with budget_metric >= target + this."""
+    budget_patience: int = 2
+    """Consecutive steps above target + hysteresis before the controller lowers the budget."""
+    budget_step: int = 0
+    """Tokens per controller change (0 = an eighth of kv_budget_max - kv_budget_min, at least 1)."""
+    budget_tiers: str = "off"
+    """off | confidence: seed 002 §5.2's difficulty-adaptive budgets. A prompt's confidence is the mean
+    reward (clipped to [0, 1]) of its group the last time it was sampled (kept in Redis, shared by all
+    actors); its budget is kv_budget (or the scheduled / controlled budget) times the scale of its tier."""
+    tier_thresholds: list[float] = field(default_factory=lambda: [0.5, 0.8])
+    """Confidence bounds of the tiers: hard below the first, medium up to the second (inclusive), easy above."""
+    tier_scales: list[float] = field(default_factory=lambda: [1.5, 1.0, 0.5])
+    """Budget multipliers of the hard, medium and easy tiers (768 / 512 / 256 at kv_budget 512). A prompt
+    never sampled before gets the medium scale."""
+
+    def budget_range(self) -> tuple[int, int]:
+        """(smallest, largest) budget the run can use, tokens, over the schedule, controller bounds and tiers."""
+        from compressors.budget import budget_range
+        return budget_range(self)
 
     def validate(self) -> None:
         """Raise ValueError naming the field (`compressor.<field>`) for an impossible setting.
@@ -68,3 +117,54 @@ class CompressorConfig:
                 raise ValueError(
                     f"compressor.sinks={self.sinks} leaves fewer than compressor.window={self.window} recent "
                     f"slots in compressor.kv_budget={self.kv_budget} (need sinks + window <= kv_budget)")
+        self._validate_budget_control()
+
+    def _validate_budget_control(self) -> None:
+        if self.budget_schedule not in SCHEDULES:
+            raise ValueError(f"compressor.budget_schedule={self.budget_schedule!r} is unknown; expected one of {SCHEDULES}")
+        if self.budget_control not in CONTROLS:
+            raise ValueError(f"compressor.budget_control={self.budget_control!r} is unknown; expected one of {CONTROLS}")
+        if self.budget_tiers not in TIERS:
+            raise ValueError(f"compressor.budget_tiers={self.budget_tiers!r} is unknown; expected one of {TIERS}")
+        if self.budget_metric not in BUDGET_METRICS:
+            raise ValueError(f"compressor.budget_metric={self.budget_metric!r} is unknown; expected one of {BUDGET_METRICS}")
+        for name in ("kv_budget_final", "budget_schedule_steps", "kv_budget_min", "kv_budget_max", "budget_step"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"compressor.{name}={getattr(self, name)} must be >= 0")
+        if not 0.0 < self.budget_target <= 1.0:
+            raise ValueError(f"compressor.budget_target={self.budget_target} must be in (0, 1]")
+        if self.budget_hysteresis < 0:
+            raise ValueError(f"compressor.budget_hysteresis={self.budget_hysteresis} must be >= 0")
+        if self.budget_patience < 1:
+            raise ValueError(f"compressor.budget_patience={self.budget_patience} must be >= 1")
+        if self.method == "full" and (self.budget_schedule != "constant" or self.budget_control != "off"
+                                      or self.budget_tiers != "off"):
+            raise ValueError("compressor.method='full' keeps every token: budget_schedule, budget_control and "
+                             "budget_tiers need a compressing method")
+        if self.budget_control == "mismatch":
+            if self.budget_schedule != "constant":
+                raise ValueError(f"compressor.budget_schedule={self.budget_schedule!r} cannot be combined with "
+                                 "compressor.budget_control='mismatch' (the controller owns the budget)")
+            if not self.kv_budget_min or not self.kv_budget_max:
+                raise ValueError(f"compressor.kv_budget_min={self.kv_budget_min} and compressor.kv_budget_max="
+                                 f"{self.kv_budget_max}: set both (> 0) with budget_control='mismatch'")
+            if not self.kv_budget_min <= self.kv_budget <= self.kv_budget_max:
+                raise ValueError(f"compressor.kv_budget={self.kv_budget} (the controller's start) must lie in "
+                                 f"[compressor.kv_budget_min={self.kv_budget_min}, "
+                                 f"compressor.kv_budget_max={self.kv_budget_max}]")
+        if len(self.tier_thresholds) != 2 or not 0.0 <= self.tier_thresholds[0] <= self.tier_thresholds[1] <= 1.0:
+            raise ValueError(f"compressor.tier_thresholds={list(self.tier_thresholds)}: expected two confidences "
+                             "0 <= low <= high <= 1")
+        if len(self.tier_scales) != 3 or min(self.tier_scales) <= 0:
+            raise ValueError(f"compressor.tier_scales={list(self.tier_scales)}: expected three multipliers > 0 "
+                             "(hard, medium, easy)")
+        lo, hi = self.budget_range()
+        if (lo, hi) != (self.kv_budget, self.kv_budget):
+            for extreme in (lo, hi):  # every budget the run can use must itself be a valid setting
+                try:
+                    dataclasses.replace(self, kv_budget=extreme, budget_schedule="constant", budget_control="off",
+                                        budget_tiers="off").validate()
+                except ValueError as e:
+                    raise ValueError(f"{e} (kv_budget={extreme} is the "
+                                     f"{'smallest' if extreme == lo else 'largest'} budget this run can use, from "
+                                     "compressor.kv_budget_final / kv_budget_min / kv_budget_max / tier_scales)") from None

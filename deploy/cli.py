@@ -1,9 +1,10 @@
-"""`sparse-rl` command line: train, eval, scale.
+"""`sparse-rl` command line: train, eval, scale, preflight.
 
     sparse-rl train [--config smollm2-copy] [dotted.key=value ...]
     sparse-rl train --resume runs/<run id> [dotted.key=value ...]   (the same record; e.g. train.steps=N to go further)
     sparse-rl eval --model runs/<run id>/final [--mode dense|sparse] [--config ...] [dotted.key=value ...]
     sparse-rl scale --run <run id> --actors N [--run-dir runs] [--redis redis://127.0.0.1:6379/0]
+    sparse-rl preflight [--config smollm2-copy] [dotted.key=value ...]   # will the KV cache fit? (also run by train)
 """
 from __future__ import annotations
 
@@ -41,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
                                                    "<run dir>/<run id>/run.json)")
     scale.add_argument("--run-dir", default="runs", help="parent of the run directories (the config's run_dir)")
 
+    pre = sub.add_parser("preflight", help="predict the run's KV memory per sequence and batch, check that it fits")
+    pre.add_argument("--config", default="smollm2-copy", help="preset name in deploy/configs/ or a YAML path")
+    pre.add_argument("overrides", nargs="*")
+
     args = parser.parse_args(argv)
     if args.command == "scale":  # light: no Ray, no torch, no config
         from deploy.scale import ScaleError, request_scale
@@ -53,7 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     from deploy.config import ConfigError, check_eval_data, check_model, load_config
 
     try:
-        if args.command == "train":
+        if args.command == "preflight":
+            from deploy.preflight import preflight
+            print(preflight(load_config(args.config, args.overrides)).table())
+        elif args.command == "train":
             from deploy.driver import Interrupted, RunFailed, train as run_train
             if args.resume:
                 if args.config:
@@ -81,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             check_eval_data(cfg)
             evaluate_model(cfg, cfg.model, args.mode or list(cfg.eval.modes))
     except ConfigError as e:
-        print(f"sparse-rl: bad config: {e}", file=sys.stderr)
+        bad = "" if str(e).startswith("preflight:") else "bad config: "  # a PreflightError says what it is
+        print(f"sparse-rl: {bad}{e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C before a run started, or in eval: nothing to clean up
         print("sparse-rl: interrupted", file=sys.stderr)

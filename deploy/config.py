@@ -126,6 +126,17 @@ class MlflowConfig:
 
 
 @dataclass
+class PreflightConfig:
+    enabled: bool = True
+    """Run the KV capacity preflight (deploy/preflight.py) at the start of `train`; `sparse-rl preflight` runs it alone."""
+    kv_memory_gb: float = 0.0
+    """KV-cache memory of one rollout actor, GiB. 0: the free GPU memory minus the weights (actors on GPUs, CUDA
+    visible to the driver), else the machine's available memory / actors.count minus the weights (CPU)."""
+    max_prompt_tokens: int = 0
+    """Prompt width to size with, tokens. 0: the longest training prompt, tokenized with the model's template."""
+
+
+@dataclass
 class RunConfig:
     name: str = "sparse-rl"
     """Run name; the run id is `<name>-<UTC time>-<4 random hex digits>` (see new_run_id)."""
@@ -146,6 +157,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
 
 
 def _mount_points(cls: type = RunConfig, prefix: str = "") -> dict[type, str]:
@@ -288,6 +300,18 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
     check(run.train.steps >= 1, f"train.steps={run.train.steps}: expected >= 1")
     check(run.train.wait_report_s > 0, f"train.wait_report_s={run.train.wait_report_s}: expected > 0")
     check(run.train.groups_per_step >= 1, f"train.groups_per_step={run.train.groups_per_step}: expected >= 1")
+    compressor = run.actors.engine.compressor
+    check(run.preflight.kv_memory_gb >= 0, f"preflight.kv_memory_gb={run.preflight.kv_memory_gb}: expected >= 0")
+    check(run.preflight.max_prompt_tokens >= 0,
+          f"preflight.max_prompt_tokens={run.preflight.max_prompt_tokens}: expected >= 0")
+    check(compressor.budget_control == "off" or run.learner.correction != "off",
+          f"actors.engine.compressor.budget_control={compressor.budget_control!r} reads the ratio tail "
+          f"({compressor.budget_metric}) that learner.correction=off does not compute: use on or metrics_only")
+    if run.actors.engine.backend == "sglang":
+        for name, off in (("budget_schedule", "constant"), ("budget_control", "off"), ("budget_tiers", "off")):
+            check(getattr(compressor, name) == off,
+                  f"actors.engine.compressor.{name}={getattr(compressor, name)!r}: the SGLang engine's budget is fixed "
+                  f"when it starts; budget schedules, control and tiers need actors.engine.backend=torch")
     for mode in run.eval.modes:
         check(mode in ("dense", "sparse"), f"eval.modes: {mode!r} is not one of dense, sparse")
     if run.actors.engine.backend == "sglang" and run.eval.enabled:

@@ -23,7 +23,7 @@ import ray  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from broker.redis_server import LocalRedis, RedisInUse  # noqa: E402
-from broker.streams import PAUSED, connect, key, queue_depth, run_counts  # noqa: E402
+from broker.streams import BUDGET_LOG, PAUSED, connect, key, queue_depth, run_counts  # noqa: E402
 from deploy.config import RunConfig, to_dict  # noqa: E402
 from deploy.console import Console  # noqa: E402
 from deploy.model_cache import resolve_model  # noqa: E402
@@ -60,8 +60,13 @@ def train(cfg: RunConfig, command: tuple[str, ...] = ("sparse-rl", "train"), res
     previous = signal.getsignal(signal.SIGINT)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _interrupt)
+    report = None
+    if cfg.preflight.enabled:  # KV capacity (issue 13): a config that cannot fit fails here, nothing started yet
+        from deploy.preflight import preflight
+        report = preflight(cfg)
+        print(report.table(), flush=True)
     try:
-        return _train(cfg, progress, resume)
+        return _train(cfg, progress, resume, report)
     except KeyboardInterrupt:
         raise Interrupted(interrupted_line(cfg, progress, command)) from None
     finally:
@@ -87,7 +92,7 @@ def interrupted_line(cfg: RunConfig, progress: dict, command: tuple[str, ...]) -
             f"resume with: sparse-rl train --resume {progress['run_dir']}")
 
 
-def _train(cfg: RunConfig, progress: dict, resume: str) -> dict:
+def _train(cfg: RunConfig, progress: dict, resume: str, report=None) -> dict:
     record = open_record(cfg, resume)  # new (directory created atomically), resumed, or forked from a checkpoint
     run_id, run_dir = record.run_id, record.run_dir
     progress["run_dir"] = run_dir
@@ -112,6 +117,8 @@ def _train(cfg: RunConfig, progress: dict, resume: str) -> dict:
         write_run_info(run_dir, run_id, cfg.broker, mlflow_uri=tracker.uri, mlflow_run_id=tracker.run_id,
                        checkpoint_dir=cfg.learner.checkpoint_dir)
         changed = tracker.log_params(to_dict(cfg))
+        if report is not None:
+            tracker.log_params(report.params())
         if record.resumed:
             tracker.record_resume(record.start_version, changed)
         tracker.log_artifact(run_dir / "config.yaml")
@@ -153,6 +160,10 @@ def _train(cfg: RunConfig, progress: dict, resume: str) -> dict:
             tracker.log_metrics(metrics, version)
             progress["step"] = step  # done and logged (before its console line, which a Ctrl-C may follow at once)
             console.step(step, cfg.train.steps, version, metrics)
+        if cfg.actors.engine.compressor.budget_control != "off":  # every controller decision, with its reason
+            log = [line.decode() + "\n" for line in redis.lrange(key(run_id, BUDGET_LOG), 0, -1)]
+            (run_dir / "budget_log.jsonl").write_text("".join(log))
+            tracker.log_artifact(run_dir / "budget_log.jsonl")
         ray.get(learner.save_final.remote(str(run_dir / "final")))
         pool.stop_generation()  # the last batches are published; from here the counts are final
         accounting = {**run_counts(redis, run_id), "left_in_queue": queue_depth(redis, cfg.broker, run_id),

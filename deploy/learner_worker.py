@@ -38,6 +38,13 @@ class LearnerWorker:
             self.counters.update(counters)
             if self.trained_ids:  # the consumed set also survives a Redis that lost its data
                 self.redis.sadd(key(run_id, "consumed"), *self.trained_ids)
+        self.controller = None
+        compressor = self.cfg.actors.engine.compressor
+        if compressor.budget_control == "mismatch":  # issue 13: the learner owns the budget, actors read it
+            from broker.streams import publish_kv_budget
+            from learner.budget_control import BudgetController
+            self.controller = BudgetController.from_config(compressor)
+            publish_kv_budget(self.redis, run_id, self.controller.budget)
         publish_learner_version(self.redis, run_id, self.learner.version)
         # which groups a step trains: admission-aware (broker/admission.py), with DAPO's dynamic sampling
         l, want = self.cfg.learner, self.cfg.train.groups_per_step
@@ -98,6 +105,8 @@ class LearnerWorker:
             counts = run_counts(self.redis, self.run_id)
             seen = counts["consumed"] + counts["groups_filtered"] + len(train) + len(filtered)
             self.capacity = step_capacity(want, counts["groups_filtered"] + len(filtered), seen, l.max_extra_reads)
+        if self.controller is not None:  # before the version: actors with these weights read this budget or newer
+            metrics.update(self._control_budget(metrics, [d.group for d in train]))
         # acked only once the step that used them is done; the new version in the same transaction
         self.consumer.commit(train, filtered, stale, learner_version=self.learner.version, step_capacity=self.capacity)
         counts, depth = run_counts(self.redis, self.run_id), queue_depth(self.redis, self.cfg.broker, self.run_id)
@@ -116,6 +125,25 @@ class LearnerWorker:
                 / max(1, counts["produced"] - depth),
                 "queue_depth": float(depth),
                 **{f"broker_{k}": float(v) for k, v in counts.items()}}
+
+    def _control_budget(self, metrics: dict, groups: list) -> dict:
+        """One controller update on this step's ratio tail (compressor.budget_metric): publish the budget in
+        Redis, append the step's record (version, budget, change and reason, each trained group's weight
+        version / budget / tier) to the run's budget log, print changes. Returns kv_budget_control (tokens)
+        and kv_budget_change (new - old, tokens)."""
+        import json
+
+        from broker.streams import BUDGET_LOG, key, publish_kv_budget
+        c = self.controller
+        change = c.update(metrics.get(c.metric, float("nan")))
+        publish_kv_budget(self.redis, self.run_id, c.budget)
+        record = {"version": self.learner.version, "kv_budget": c.budget, "old": change.old,
+                  c.metric: change.metric, "changed": change.changed, "reason": change.reason,
+                  "groups": [[g.weight_version, g.kv_budget, g.budget_tier] for g in groups]}
+        self.redis.rpush(key(self.run_id, BUDGET_LOG), json.dumps(record))
+        if change.changed:
+            print(f"kv budget at version {self.learner.version}: {change.reason}", flush=True)
+        return {"kv_budget_control": float(c.budget), "kv_budget_change": float(change.new - change.old)}
 
     def send_weights(self, generation: int, world_size: int) -> dict:
         """One broadcast of the current weights to ranks 1..world_size-1 (the actors) of sync group

@@ -216,6 +216,7 @@ class Learner:
             rejection=cfg.rejection, eps=cfg.eps, geo_bounds=cfg.geo_bounds, token_mask=cfg.token_mask,
             token_mask_bounds=cfg.token_mask_bounds, tis_cap=cfg.tis_cap)
         advantages = grpo_advantages(batch["reward"], batch["group_index"]).to(self.device)
+        metrics.update(self._tier_metrics(groups, logp_old, batch["logp_sparse"].to(self.device), mask))
 
         minibatch = cfg.minibatch_size or S
         shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.version)
@@ -269,11 +270,28 @@ class Learner:
             "response_truncated_fraction": float(np.mean(truncated)),
             "kv_retained_ratio": float(np.mean(kv_ratio)),
             "kv_peak_bytes_mean": float(np.mean([s.kv_peak_bytes for g in groups for s in g.samples])),
+            "kv_budget": float(np.mean([g.kv_budget for g in groups])),
             "num_sequences": S,
             "learner_step_s": elapsed,
             "learner_tokens_per_s": batch["seq_len"].sum().item() / elapsed,
         })
         return metrics
+
+    def _tier_metrics(self, groups, logp_old, logp_sparse, mask) -> dict[str, float]:
+        """Per difficulty tier (groups' budget_tier, issue 13): tier/<name>/rejection_rate and
+        tier/<name>/xi_sym_p5, the correction's metrics over that tier's sequences only; {} with tiers off."""
+        tiers = sorted({g.budget_tier for g in groups} - {""})
+        if not tiers or self.cfg.correction == "off":
+            return {}
+        row_tier = [g.budget_tier for g in groups for _ in g.samples]
+        out = {}
+        for tier in tiers:
+            rows = torch.tensor([i for i, t in enumerate(row_tier) if t == tier], device=logp_old.device)
+            _, _, m = sparse_correction(logp_old[rows], logp_sparse[rows], mask[rows], correction="metrics_only",
+                                        rejection=self.cfg.rejection, eps=self.cfg.eps, geo_bounds=self.cfg.geo_bounds)
+            out[f"tier/{tier}/rejection_rate"] = m["rejection_rate"]
+            out[f"tier/{tier}/xi_sym_p5"] = m["xi_sym_p5"]
+        return out
 
     # ------------------------------------------------------------------------------------------------------
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:

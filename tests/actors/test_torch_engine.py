@@ -116,7 +116,13 @@ def test_eviction_is_exact_per_layer_and_head(family, method, selection):
     engine = TorchEngine(model, tiny_tokenizer(), cfg, record_evictions=True)
     prompts = PROMPTS + [list(range(20, 36))]                             # the 16-token prompt exceeds the budget
     samples = flat(engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=45, n=2, seed=7)))
-    rec = engine.last_eviction_record
+    assert_exact_eviction(model, samples, engine.last_eviction_record, cfg.kv_budget + cfg.interval, selection)
+
+
+def assert_exact_eviction(model, samples, rec, max_retained, selection="per_head"):
+    """The engine's logp_sparse of `samples` (the rows of one eviction record, in order) equal a dense teacher-
+    forced forward that hides, per layer and KV head, exactly the keys the engine evicted; and eviction did
+    change the log-probs (else the check would see nothing)."""
     P = rec["prompt_width"]
     ids, mask, pos = padded_batch(samples, P)
     L = ids.shape[1]
@@ -141,8 +147,41 @@ def test_eviction_is_exact_per_layer_and_head(family, method, selection):
         got = torch.from_numpy(s.logp_sparse).double()
         assert torch.allclose(got, r, atol=2e-5, rtol=0), (got - r).abs().max()
         worst_gap = max(worst_gap, float((got - d).abs().max()))
-        assert s.kv_retained_tokens <= cfg.kv_budget + cfg.interval
+        assert s.kv_retained_tokens <= max_retained
     assert worst_gap > 1e-2, "eviction did not change any log-prob: the check would not see a wrong mask"
+
+
+@pytest.mark.parametrize("method", ["rkv", "h2o"])
+def test_per_row_budgets_are_each_exact_and_bounded_by_their_own_budget(method):
+    """Difficulty tiers (issue 13): one generate call with a budget per prompt. Every row is exact for its own
+    budget (the eviction-mask equivalence above, per sub-batch of equal budgets), retains at most its own
+    budget + interval tokens, and its measured KV bytes are its own budget's (actors/kv_memory.py), so a
+    row with a smaller budget holds fewer bytes than one with a larger budget."""
+    from actors.kv_memory import ModelShape, kv_peak_bytes_per_sequence
+
+    model = tiny_model("llama", layers=3)
+    cfg = CompressorConfig(method=method, kv_budget=12, window=4, interval=5, h2o_recent=4)
+    engine = TorchEngine(model, tiny_tokenizer(), cfg, record_evictions=True)
+    prompts = PROMPTS + [list(range(20, 36))]
+    budgets = [10, 20, 10, 14]                                            # two rows share budget 10
+    groups = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=45, n=2, seed=7),
+                             kv_budgets=budgets)
+    recs = engine.last_eviction_records
+    assert sorted(r["kv_budget"] for r in recs) == [10, 14, 20]
+    assert sorted(i for r in recs for i in r["prompt_indices"]) == [0, 1, 2, 3]
+    shape = ModelShape(layers=3, kv_heads=2, head_dim=16, dtype_bytes=4)
+    for rec in recs:
+        rows = [s for i in rec["prompt_indices"] for s in groups[i]]
+        assert_exact_eviction(model, rows, rec, rec["kv_budget"] + cfg.interval)
+        # this sub-batch's prompt width is its own longest prompt; 45 new tokens
+        expected = kv_peak_bytes_per_sequence(shape, rec["prompt_width"], 45, rec["kv_budget"], 5, compress=True)
+        assert {s.kv_peak_bytes for s in rows} == {expected}
+    # rows 0 and 2 (budget 10) hold fewer bytes than row 1 (budget 20): memory follows each row's own budget
+    assert groups[0][0].kv_peak_bytes < groups[1][0].kv_peak_bytes
+    with pytest.raises(ValueError, match="kv_budget"):
+        engine.generate(prompts, SamplingParams(max_new_tokens=4), kv_budgets=[4, 12, 12, 12])   # 4 <= window
+    with pytest.raises(ValueError, match="kv_budgets"):
+        engine.generate(prompts, SamplingParams(max_new_tokens=4), kv_budgets=[12])
 
 
 def test_kv_bytes_are_bounded_for_a_long_response():

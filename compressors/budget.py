@@ -1,0 +1,79 @@
+"""KV budget over a run (issue 13): schedules by weight version and difficulty tiers (seed 002 §5.2).
+
+Pure functions of the config and plain numbers (no torch, no I/O), shared by the rollout actors (which apply
+the budget per batch) and the learner (which logs it and, with `budget_control: mismatch`, moves it:
+learner/budget_control.py).
+"""
+from __future__ import annotations
+
+import math
+
+TIER_NAMES = ("hard", "medium", "easy")
+"""Tier names in the order of `CompressorConfig.tier_scales`; a prompt never sampled before is `new`."""
+NEW_TIER = "new"
+
+
+def _round(x: float) -> int:
+    """Round half up (not Python's banker's rounding), so hand-computed values match."""
+    return int(math.floor(x + 0.5))
+
+
+def scheduled_budget(cfg, version: int, total_steps: int) -> int:
+    """The base budget, tokens, for rollouts sampled with weight `version` (seed 002 §5.2, progressive shrinking).
+
+    cfg: CompressorConfig (budget_schedule, kv_budget, kv_budget_final, budget_schedule_steps).
+    total_steps: the run's train.steps, used when cfg.budget_schedule_steps is 0.
+    With b0 = kv_budget, b1 = kv_budget_final (0: b0), S = budget_schedule_steps or total_steps and
+    p = min(max(version / S, 0), 1):
+        constant: b0;   linear: b0 + (b1 - b0) p;   cosine: b1 + (b0 - b1) (1 + cos(pi p)) / 2,
+    rounded half up to an int. Raises ValueError for an unknown schedule or S < 1.
+    """
+    b0 = cfg.kv_budget
+    b1 = cfg.kv_budget_final or b0
+    if cfg.budget_schedule == "constant":
+        return b0
+    steps = cfg.budget_schedule_steps or total_steps
+    if steps < 1:
+        raise ValueError(f"budget schedule over {steps} steps: expected >= 1 (compressor.budget_schedule_steps "
+                         "or train.steps)")
+    p = min(max(version / steps, 0.0), 1.0)
+    if cfg.budget_schedule == "linear":
+        return _round(b0 + (b1 - b0) * p)
+    if cfg.budget_schedule == "cosine":
+        return _round(b1 + (b0 - b1) * (1 + math.cos(math.pi * p)) / 2)
+    raise ValueError(f"compressor.budget_schedule={cfg.budget_schedule!r} is unknown")
+
+
+def tier_of(cfg, confidence: float | None) -> str:
+    """Difficulty tier of a prompt from its confidence in [0, 1] (None: never sampled -> "new"): "hard" below
+    tier_thresholds[0], "medium" up to tier_thresholds[1] inclusive, "easy" above (seed 002 §5.2: 768 below
+    0.5, 512 up to 0.8, 256 above)."""
+    if confidence is None:
+        return NEW_TIER
+    low, high = cfg.tier_thresholds
+    if confidence < low:
+        return "hard"
+    return "medium" if confidence <= high else "easy"
+
+
+def tier_budget(cfg, base: int, tier: str) -> int:
+    """Budget of `tier` when the base (scheduled or controlled) budget is `base`: round(base * scale), the scale
+    of the tier in cfg.tier_scales (hard, medium, easy; "new" uses medium's); `base` itself with tiers off."""
+    if cfg.budget_tiers == "off":
+        return base
+    scale = cfg.tier_scales[TIER_NAMES.index("medium" if tier == NEW_TIER else tier)]
+    return _round(base * scale)
+
+
+def budget_range(cfg) -> tuple[int, int]:
+    """(smallest, largest) budget the run can use, tokens: base budgets over the schedule or the controller's
+    bounds, times the smallest / largest tier scale (tiers on). Preflight sizes memory with the largest."""
+    if cfg.budget_control == "mismatch":
+        bases = [cfg.kv_budget_min or cfg.kv_budget, cfg.kv_budget_max or cfg.kv_budget]
+    elif cfg.budget_schedule != "constant":
+        bases = [cfg.kv_budget, cfg.kv_budget_final or cfg.kv_budget]
+    else:
+        bases = [cfg.kv_budget]
+    if cfg.budget_tiers == "off":
+        return min(bases), max(bases)
+    return _round(min(bases) * min(cfg.tier_scales)), _round(max(bases) * max(cfg.tier_scales))

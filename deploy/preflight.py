@@ -1,0 +1,198 @@
+"""Capacity preflight (issue 13): will the run's KV cache fit? Run by `sparse-rl preflight` and at the start
+of `sparse-rl train`, before anything starts.
+
+From the model's config (layers, KV heads, head dim; the engine dtype) and the run config (longest training
+prompt, actors.sampling.max_new_tokens, samples_per_prompt, prompts_per_batch, the largest KV budget the run
+can use over its schedule / controller / tiers, interval), it predicts the torch engine's peak KV bytes per
+sequence and per actor batch, dense and sparse (actors/kv_memory.py), and how many sequences fit in the KV
+memory of one rollout actor:
+
+- `preflight.kv_memory_gb` when set (> 0);
+- else, actors on a GPU (actors.num_gpus > 0, CUDA visible here): the device's free memory minus the weights;
+- else (CPU): the machine's available memory (MemAvailable) divided by actors.count, minus the weights.
+
+A config whose sparse batch does not fit fails (PreflightError, a ConfigError: exit code 2) naming the fields
+and the numbers; one whose dense batch does not fit but sparse does starts (that is what compression is for);
+a budget at or above prompt + response gets a warning (nothing would ever be evicted).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from actors.kv_memory import ModelShape, kv_peak_bytes_per_sequence
+from deploy.config import ConfigError, RunConfig
+
+GIB = 1 << 30
+
+
+class PreflightError(ConfigError):
+    """The run's KV demand does not fit its memory; the message names the fields and the numbers."""
+
+
+@dataclass
+class PreflightReport:
+    """What the preflight computed. Bytes are ints; `fits_*` are sequences of one actor; None = unknown."""
+    shape: ModelShape
+    engine: str
+    method: str
+    prompt_tokens: int
+    max_new_tokens: int
+    kv_budget: int
+    """Largest budget the run can use, tokens (the one the memory is sized with)."""
+    interval: int
+    batch_rows: int
+    dense_per_seq: int
+    sparse_per_seq: int
+    memory_bytes: int | None
+    memory_source: str
+    weight_bytes: int
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def dense_per_batch(self) -> int:
+        return self.dense_per_seq * self.batch_rows
+
+    @property
+    def sparse_per_batch(self) -> int:
+        return self.sparse_per_seq * self.batch_rows
+
+    def fits(self, per_seq: int) -> int | None:
+        return None if self.memory_bytes is None else max(0, self.memory_bytes // per_seq)
+
+    def params(self) -> dict[str, str]:
+        """MLflow params (prefix `preflight_result.`): predictions and the memory they were checked against."""
+        values = {"kv_bytes_per_seq_dense": self.dense_per_seq, "kv_bytes_per_seq_sparse": self.sparse_per_seq,
+                  "kv_bytes_per_batch_dense": self.dense_per_batch, "kv_bytes_per_batch_sparse": self.sparse_per_batch,
+                  "kv_budget_sized": self.kv_budget, "prompt_tokens": self.prompt_tokens, "batch_rows": self.batch_rows,
+                  "memory_bytes": self.memory_bytes, "memory_source": self.memory_source,
+                  "fits_seqs_dense": self.fits(self.dense_per_seq), "fits_seqs_sparse": self.fits(self.sparse_per_seq),
+                  "model_layers": self.shape.layers, "model_kv_heads": self.shape.kv_heads,
+                  "model_head_dim": self.shape.head_dim, "kv_dtype_bytes": self.shape.dtype_bytes}
+        return {f"preflight_result.{k}": str(v) for k, v in values.items()}
+
+    def table(self) -> str:
+        """The report as a fixed-width table (one line per row), for the console."""
+        s = self.shape
+
+        def row(name, per_seq):
+            fits = self.fits(per_seq)
+            return (f"  {name:<7} {per_seq:>16,} {per_seq * self.batch_rows:>18,} "
+                    f"{'?' if fits is None else f'{fits:,}':>14}")
+
+        lines = [f"preflight: {s.layers} layers x {s.kv_heads} KV heads x head_dim {s.head_dim} x {s.dtype_bytes} B "
+                 f"({s.bytes_per_token:,} B of K/V per token); engine {self.engine}, {self.method}, "
+                 f"budget {self.kv_budget} (largest the run uses) + interval {self.interval}",
+                 f"  prompt {self.prompt_tokens} + response {self.max_new_tokens} tokens; one actor batch = "
+                 f"{self.batch_rows} sequences; KV memory per actor: "
+                 + ("unknown" if self.memory_bytes is None else f"{self.memory_bytes:,} B") + f" ({self.memory_source})",
+                 f"  {'':<7} {'peak KV B / seq':>16} {'peak KV B / batch':>18} {'seqs that fit':>14}",
+                 row("dense", self.dense_per_seq)]
+        if self.method != "full":
+            lines.append(row("sparse", self.sparse_per_seq))
+        lines += [f"  warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+def _available_memory(cfg: RunConfig, weight_bytes: int) -> tuple[int | None, str]:
+    """(KV memory of one rollout actor in bytes or None if unknown, where the number comes from)."""
+    p = cfg.preflight
+    if p.kv_memory_gb > 0:
+        return int(p.kv_memory_gb * GIB), f"preflight.kv_memory_gb={p.kv_memory_gb:g}"
+    if cfg.actors.num_gpus > 0:
+        import torch
+        if not torch.cuda.is_available():
+            return None, "actors on GPUs, none visible here: set preflight.kv_memory_gb to check"
+        free, _ = torch.cuda.mem_get_info()
+        return free - weight_bytes, f"free GPU memory {free:,} B - weights {weight_bytes:,} B"
+    available = _mem_available()
+    if available is None:
+        return None, "MemAvailable unknown: set preflight.kv_memory_gb to check"
+    count = cfg.actors.count
+    return (available // count - weight_bytes,
+            f"MemAvailable {available:,} B / actors.count={count} - weights {weight_bytes:,} B")
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def longest_prompt(cfg: RunConfig, model_path: str) -> int:
+    """preflight.max_prompt_tokens, or the longest training prompt tokenized with the model's chat template."""
+    if cfg.preflight.max_prompt_tokens > 0:
+        return cfg.preflight.max_prompt_tokens
+    from transformers import AutoTokenizer
+
+    from actors.data import load_train_prompts
+    prompts = load_train_prompts(cfg.actors.data, AutoTokenizer.from_pretrained(model_path), seed=cfg.seed)
+    return max(len(p.prompt_ids) for p in prompts)
+
+
+def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: int | None = None) -> PreflightReport:
+    """Predict the run's KV demand and check it against its memory (module docstring).
+
+    model_path: the resolved model directory (default: deploy.model_cache.resolve_model(cfg.model), which builds
+    a preset model's files once). prompt_tokens: prompt width to size with (default: longest_prompt).
+    Returns the report (print `.table()`, log `.params()`). Raises PreflightError when the sparse (method
+    full: dense) batch of one actor exceeds its KV memory, naming the fields and the numbers.
+    """
+    from transformers import AutoConfig
+
+    if model_path is None:
+        from deploy.model_cache import resolve_model
+        model_path = resolve_model(cfg.model)
+    a = cfg.actors
+    c = a.engine.compressor
+    hf = AutoConfig.from_pretrained(model_path)
+    shape = ModelShape.from_hf_config(hf, a.engine.dtype)
+    prompt = prompt_tokens or longest_prompt(cfg, model_path)
+    new = a.sampling.max_new_tokens
+    low, high = c.budget_range()
+    compress = c.method != "full"
+    dense = kv_peak_bytes_per_sequence(shape, prompt, new, high, c.interval, compress=False)
+    sparse = kv_peak_bytes_per_sequence(shape, prompt, new, high, c.interval, compress=compress)
+    n_params = _parameter_count(hf)
+    weight_bytes = n_params * shape.dtype_bytes
+    memory, source = _available_memory(cfg, weight_bytes)
+    report = PreflightReport(shape, a.engine.backend, c.method, prompt, new, high, c.interval,
+                             a.prompts_per_batch * a.sampling.samples_per_prompt, dense, sparse, memory, source,
+                             weight_bytes)
+    if compress and low >= prompt + new:
+        report.warnings.append(
+            f"actors.engine.compressor.kv_budget: the smallest budget the run uses, {low} tokens, is at or above "
+            f"prompt ({prompt}) + actors.sampling.max_new_tokens ({new}) = {prompt + new} tokens: nothing will ever "
+            "be evicted, the rollouts are dense")
+    if memory is not None:
+        need = report.sparse_per_batch if compress else report.dense_per_batch
+        if need > memory:
+            kind = "sparse" if compress else "dense"
+            budget = (f", actors.engine.compressor.kv_budget={c.kv_budget} (largest budget used: {high}) + "
+                      f"interval={c.interval}" if compress else ", actors.engine.compressor.method=full")
+            raise PreflightError(
+                f"preflight: the {kind} KV cache of one actor batch does not fit: actors.prompts_per_batch="
+                f"{a.prompts_per_batch} x actors.sampling.samples_per_prompt={a.sampling.samples_per_prompt} = "
+                f"{report.batch_rows} sequences x {need // report.batch_rows:,} B = {need:,} B > {memory:,} B of KV "
+                f"memory ({source}); prompt {prompt} + actors.sampling.max_new_tokens={new} tokens{budget}; "
+                f"{shape.layers} layers x {shape.kv_heads} KV heads x head_dim {shape.head_dim} x {shape.dtype_bytes} "
+                f"B ({a.engine.dtype}). At most {report.fits(need // report.batch_rows)} sequences fit: lower "
+                "prompts_per_batch / samples_per_prompt / max_new_tokens / kv_budget, or raise preflight.kv_memory_gb")
+    return report
+
+
+def _parameter_count(hf) -> int:
+    """Parameters of a Llama/Qwen2-shaped decoder from its config (embeddings, attention, MLP, norms, head)."""
+    h, v, n = hf.hidden_size, hf.vocab_size, hf.num_hidden_layers
+    heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or h // heads
+    kv = getattr(hf, "num_key_value_heads", None) or heads
+    inter = getattr(hf, "intermediate_size", 4 * h)
+    attn = h * heads * head_dim * 2 + h * kv * head_dim * 2
+    per_layer = attn + 3 * h * inter + 2 * h
+    head = 0 if getattr(hf, "tie_word_embeddings", False) else v * h
+    return v * h + n * per_layer + h + head

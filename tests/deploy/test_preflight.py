@@ -1,0 +1,144 @@
+"""KV capacity preflight (issue 13): the byte formula by hand, the prediction against the torch engine's measured
+peak KV bytes on real model files (several configs, within 10%), and the start / fail rules."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from actors.engine import SamplingParams
+from actors.kv_memory import ModelShape, kv_peak_bytes_per_sequence
+from deploy.config import load_config
+from deploy.model_cache import TINY_LLAMA, resolve_model
+from deploy.preflight import PreflightError, preflight
+
+torch.set_num_threads(1)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_formula_by_hand():
+    # 2 layers x 2 KV heads x head_dim 16 x 4 B: K+V of one token in one layer = 2*2*16*4 = 256 B.
+    shape = ModelShape(layers=2, kv_heads=2, head_dim=16, dtype_bytes=4)
+    assert shape.bytes_per_token == 512
+    # prompt 101, 32 new, budget 48 + interval 16: capacity min(48+16, min(101,48)+32) = 64 slots
+    # buffers 2 layers * 256 * 64 = 32,768; transient max(prompt 256*101 = 25,856, chunk 256*32 = 8,192) -> 58,624
+    assert kv_peak_bytes_per_sequence(shape, 101, 32, 48, 16, compress=True) == 58_624
+    # dense: capacity 101 + 32 = 133 -> 2 * 256 * 133 = 68,096 + 25,856 = 93,952
+    assert kv_peak_bytes_per_sequence(shape, 101, 32, 48, 16, compress=False) == 93_952
+    # short prompt 10, 20 new, budget 48: capacity min(64, 10 + 20) = 30 -> 15,360; transient max(2,560, 8,192) -> 23,552
+    assert kv_peak_bytes_per_sequence(shape, 10, 20, 48, 16, compress=True) == 23_552
+    # bf16 Qwen2.5-1.5B shape (28 layers, 2 KV heads, 128): 2*28*2*128*2 = 28,672 B per token; prompt 100, 4096 new, budget 512 + 128:
+    # per layer-token 2*2*128*2 = 1,024; capacity 640 -> 28 * 1,024 * 640 = 18,350,080; transient 1,024 * 100 -> 18,452,480
+    qwen = ModelShape(layers=28, kv_heads=2, head_dim=128, dtype_bytes=2)
+    assert qwen.bytes_per_token == 28_672
+    assert kv_peak_bytes_per_sequence(qwen, 100, 4096, 512, 128, compress=True) == 18_452_480
+
+
+CONFIGS = [
+    ["actors.engine.compressor.method=rkv", "actors.engine.compressor.kv_budget=48",
+     "actors.engine.compressor.interval=16", "actors.sampling.max_new_tokens=32"],
+    ["actors.engine.compressor.method=snapkv", "actors.engine.compressor.kv_budget=24",
+     "actors.engine.compressor.interval=8", "actors.sampling.max_new_tokens=64", "actors.engine.dtype=bf16"],
+    ["actors.engine.compressor.method=full", "actors.sampling.max_new_tokens=40"],
+    ["actors.engine.compressor.method=streamingllm", "actors.engine.compressor.kv_budget=64",
+     "actors.engine.compressor.interval=32", "actors.sampling.max_new_tokens=48",
+     "actors.engine.compressor.budget_tiers=confidence"],   # sized with the largest tier budget, 96
+]
+
+
+@pytest.mark.parametrize("overrides", CONFIGS, ids=["rkv-fp32", "snapkv-bf16", "dense", "streamingllm-tiers"])
+def test_prediction_matches_measured_peak_kv_bytes(overrides):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from actors.data import load_train_prompts
+    from actors.torch_engine import TorchEngine
+    from compressors.budget import budget_range
+
+    cfg = load_config("tiny", overrides)
+    path = resolve_model(TINY_LLAMA)
+    report = preflight(cfg, model_path=path)                            # longest training prompt, tokenized here
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts = load_train_prompts(cfg.actors.data, tok, seed=cfg.seed)
+    longest = max(prompts, key=lambda p: len(p.prompt_ids))
+    assert report.prompt_tokens == len(longest.prompt_ids)
+    a = cfg.actors
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.engine.dtype]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    engine = TorchEngine(model, tok, a.engine.compressor)
+    batch = [longest.prompt_ids, prompts[0].prompt_ids]                 # an actor batch that holds the longest prompt
+    params = SamplingParams(temperature=1.0, max_new_tokens=a.sampling.max_new_tokens, n=a.sampling.samples_per_prompt,
+                            seed=0, ignore_eos=True)
+    high = budget_range(a.engine.compressor)[1]
+    samples = [s for g in engine.generate(batch, params, kv_budgets=[high, high]) for s in g]
+    measured = max(s.kv_peak_bytes for s in samples)
+    predicted = report.sparse_per_seq if a.engine.compressor.method != "full" else report.dense_per_seq
+    assert 0.9 <= predicted / measured <= 1.1, (predicted, measured)
+    # and per batch: the rows of one actor batch together
+    assert 0.9 <= (predicted * len(samples)) / sum(s.kv_peak_bytes for s in samples) <= 1.1
+    if a.engine.compressor.method != "full":                            # the dense column is the dense engine's
+        dense = TorchEngine(model, tok, type(a.engine.compressor)(method="full"))
+        d = max(s.kv_peak_bytes for g in dense.generate(batch, params) for s in g)
+        assert 0.9 <= report.dense_per_seq / d <= 1.1, (report.dense_per_seq, d)
+        assert report.sparse_per_seq < report.dense_per_seq
+
+
+def test_fits_sparse_not_dense_passes_and_a_large_budget_warns():
+    base = ["actors.engine.compressor.kv_budget=48", "actors.engine.compressor.interval=16",
+            "actors.sampling.max_new_tokens=32", "preflight.max_prompt_tokens=101"]
+    # tiny-llama: 58,624 B sparse / 93,952 B dense per sequence (test_formula_by_hand), 4 rows per batch:
+    # 234,496 B sparse, 375,808 B dense; 300,000 B = 0.000279397 GiB lies between
+    cfg = load_config("tiny", base + ["preflight.kv_memory_gb=0.000279397"])
+    report = preflight(cfg, model_path=resolve_model(TINY_LLAMA))
+    assert report.sparse_per_batch == 234_496 and report.dense_per_batch == 375_808
+    assert report.fits(report.sparse_per_seq) == 5 and report.fits(report.dense_per_seq) == 3   # 300,000 // each
+    assert not report.warnings
+    table = report.table()
+    assert "234,496" in table and "375,808" in table and "seqs that fit" in table
+    params = report.params()
+    assert params["preflight_result.kv_bytes_per_seq_sparse"] == "58624"
+    # budget 200 >= 101 + 32: nothing would be evicted
+    wide = preflight(load_config("tiny", base[1:] + ["actors.engine.compressor.kv_budget=200"]),
+                     model_path=resolve_model(TINY_LLAMA))
+    assert any("nothing will ever be evicted" in w for w in wide.warnings)
+
+
+def test_fits_neither_fails_naming_fields_and_numbers():
+    cfg = load_config("tiny", ["actors.engine.compressor.kv_budget=48", "actors.engine.compressor.interval=16",
+                               "actors.sampling.max_new_tokens=32", "preflight.max_prompt_tokens=101",
+                               "preflight.kv_memory_gb=0.0001"])    # 107,374 B < 234,496 B
+    with pytest.raises(PreflightError) as err:
+        preflight(cfg, model_path=resolve_model(TINY_LLAMA))
+    msg = str(err.value)
+    for part in ("actors.prompts_per_batch=2", "actors.sampling.samples_per_prompt=2", "234,496 B", "107,374 B",
+                 "actors.sampling.max_new_tokens=32", "actors.engine.compressor.kv_budget=48", "At most 1 sequences fit"):
+        assert part in msg, (part, msg)
+
+
+def test_train_that_does_not_fit_exits_2_before_anything_starts(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "deploy.cli", "train", "--config", "tiny", f"run_dir={tmp_path}",
+                           "preflight.kv_memory_gb=0.0001"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "does not fit" in proc.stderr and "actors.prompts_per_batch=2" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not any(tmp_path.iterdir())                                   # no run directory was made
+    ok = subprocess.run([sys.executable, "-m", "deploy.cli", "preflight", "--config", "tiny"], cwd=REPO,
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0 and "peak KV B / seq" in ok.stdout, ok.stderr
+
+
+@pytest.mark.parametrize("overrides,named", [
+    (["actors.engine.compressor.budget_control=mismatch", "actors.engine.compressor.kv_budget_min=16",
+      "actors.engine.compressor.kv_budget_max=64", "learner.correction=off"], "actors.engine.compressor.budget_control"),
+    (["actors.engine.backend=sglang", "actors.engine.compressor.budget_tiers=confidence", "eval.enabled=false"],
+     "actors.engine.compressor.budget_tiers"),
+    (["actors.engine.compressor.budget_schedule=linear", "actors.engine.compressor.kv_budget_final=4"],
+     "actors.engine.compressor.kv_budget"),
+    (["preflight.kv_memory_gb=-1"], "preflight.kv_memory_gb"),
+])
+def test_bad_budget_config_fails_at_start_naming_the_dotted_field(overrides, named):
+    from deploy.config import ConfigError
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        load_config("tiny", overrides, check_files=False)
