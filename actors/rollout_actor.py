@@ -18,14 +18,11 @@ import torch
 from actors.data import load_train_prompts
 from actors.engine import SamplingParams
 from actors.reward import RewardScorer
+from broker.prompts import take_prompt_indices
 from broker.schema import SampleRecord, TrajectoryGroup
 from broker.streams import PAUSED, GroupProducer, connect, key, queue_depth, read_learner_version
 from broker.weight_sync import WeightReceiver
 from compressors import CompressorConfig
-
-PROMPT_CURSOR = "prompt_cursor"
-"""Redis counter handing out prompt indices to all actors of a run: no prompt is taken twice, whatever the
-number of actors."""
 
 
 def build_engine(engine_cfg, model_path: str, compressor: CompressorConfig, torch_threads: int):
@@ -166,16 +163,16 @@ class RolloutWorker:
                     return
                 self._swap()
             self.counters["queue_wait_s"] += time.monotonic() - waited
-            end = self.redis.incrby(key(self.run_id, PROMPT_CURSOR), a.prompts_per_batch)
-            batch = [self.prompts[i % len(self.prompts)] for i in range(end - a.prompts_per_batch, end)]
-            params.seed = self.cfg.seed * 1_000_003 + end
+            indices = take_prompt_indices(self.redis, self.run_id, a.prompts_per_batch)
+            batch = [self.prompts[i % len(self.prompts)] for i in indices]
+            params.seed = self.cfg.seed * 1_000_003 + indices[-1] + 1
             start = time.monotonic()
             with self.generating:  # weights stay fixed for the whole batch
                 version = self.engine.weight_version
                 outputs = self.engine.generate([p.prompt_ids for p in batch], params)
             self.counters["gen_s"] += time.monotonic() - start
             groups = []
-            for prompt, samples in zip(batch, outputs):
+            for index, prompt, samples in zip(indices, batch, outputs):
                 records = []
                 for s in samples:
                     reward = self.reward(self.tokenizer.decode(s.response_ids, skip_special_tokens=True),
@@ -194,7 +191,7 @@ class RolloutWorker:
                     run_id=self.run_id, group_id=uuid.uuid4().hex, prompt_id=prompt.prompt_id,
                     weight_version=version, temperature=params.temperature,
                     compressor=a.engine.compressor.method, kv_budget=a.engine.compressor.kv_budget,
-                    samples=records, actor_id=self.actor_id, created_at=time.time()))
+                    samples=records, actor_id=self.actor_id, created_at=time.time(), prompt_index=index))
             self.producer.publish_many(groups)  # one transaction for the batch
             self.counters["groups"] += len(groups)
 

@@ -41,6 +41,9 @@ class TrajectoryGroup:
     actor_id: str = ""
     created_at: float = 0.0
     """Unix time (seconds) when the actor published the group."""
+    prompt_index: int = -1
+    """Position of the prompt in the run's prompt stream (broker.prompts: the i-th prompt handed out is
+    prompt i mod the data size), so the learner can checkpoint the data position; -1 when unknown."""
 
 
 class SchemaError(ValueError):
@@ -67,6 +70,8 @@ _ARRAYS = {"prompt_ids": np.dtype("<i4"), "response_ids": np.dtype("<i4"), "logp
 _LENS = {"prompt_ids": "prompt_lens", "response_ids": "response_lens", "logp_sparse": "response_lens"}
 _GROUP_FIELDS = {"run_id": str, "group_id": str, "prompt_id": str, "weight_version": int, "temperature": float,
                  "compressor": str, "kv_budget": int, "actor_id": str, "created_at": float}
+_OPTIONAL_GROUP_FIELDS = {"prompt_index": (int, -1)}
+"""Header fields added after schema version 1: written always, read with their default when absent."""
 _SAMPLE_FIELDS = {"finish_reason": str, "reward": float, "kv_retained_tokens": int, "kv_peak_bytes": int}
 
 
@@ -148,6 +153,7 @@ def encode_group(group: TrajectoryGroup, max_response_tokens: int = 32768, max_p
     columns = {name: [kind(getattr(s, name)) for s in group.samples] for name, kind in _SAMPLE_FIELDS.items()}
     counts = {name: sum(lens[_LENS[name]]) for name in _ARRAYS}
     msg = {name: kind(getattr(group, name)) for name, kind in _GROUP_FIELDS.items()}
+    msg.update({name: kind(getattr(group, name)) for name, (kind, _) in _OPTIONAL_GROUP_FIELDS.items()})
     msg.update(schema_version=SCHEMA_VERSION, **lens, **columns)
     msg.update({name: [dtype.str, [counts[name]]] for name, dtype in _ARRAYS.items()})
     header = msgpack.packb(msg, use_bin_type=True)
@@ -219,6 +225,8 @@ def decode_group(data: bytes, max_message_bytes: int = 64 * 1024 * 1024, max_res
     if msg.get("schema_version") != SCHEMA_VERSION:
         raise SchemaError("schema_version", f"expected {SCHEMA_VERSION}, got {msg.get('schema_version')!r}")
     fields = {name: _field(msg, name, kind) for name, kind in _GROUP_FIELDS.items()}
+    fields.update({name: _field(msg, name, kind) if name in msg else default
+                   for name, (kind, default) in _OPTIONAL_GROUP_FIELDS.items()})
     n = len(_field(msg, "finish_reason", list))
     if n == 0:
         raise SchemaError("no_samples", f"group {fields['group_id']!r} has no samples")

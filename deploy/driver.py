@@ -102,7 +102,9 @@ def _train(cfg: RunConfig, progress: dict) -> dict:
 
         redis = connect(cfg.broker)
         redis.set(key(run_id, SCALE_KEY), cfg.actors.count)
-        learner = start_learner(cfg, run_id)
+        learner_group = start_learner(cfg, run_id)
+        stack.callback(learner_group.shutdown)
+        learner = learner_group.rank0
         before = cfg.eval.enabled and cfg.eval.before
         if before:
             redis.set(key(run_id, PAUSED), 1)  # actors start, load weights, and wait for the first evaluation
@@ -132,7 +134,7 @@ def _train(cfg: RunConfig, progress: dict) -> dict:
                 if time.monotonic() - reported >= WAIT_REPORT_S:
                     reported = time.monotonic()
                     console.waiting(step, reported - waited, pool.why_waiting(queue_depth(redis, cfg.broker, run_id)))
-            metrics = ray.get(done)
+            metrics = learner_step_result(done, step, cfg, run_dir)
             pool.scale(target())
             metrics.update(pool.sync_weights())
             metrics.update(pool.metrics())
@@ -159,24 +161,42 @@ def _train(cfg: RunConfig, progress: dict) -> dict:
     return summary
 
 
+def learner_step_result(done, step: int, cfg: RunConfig, run_dir: Path) -> dict:
+    """The metrics of learner step `step`; the prompt ids it trained are appended to
+    `run_dir/trained_prompts.jsonl` ({"version", "prompt_ids"} per step). A learner rank that died, hung or
+    raised ends the run with one RuntimeError naming the rank; nothing of that step was acknowledged."""
+    from deploy.learner_worker import LearnerRankError
+
+    resume = f"resume from the last checkpoint with learner.checkpoint_dir={cfg.learner.checkpoint_dir}"
+    try:
+        metrics = ray.get(done)
+    except ray.exceptions.RayActorError as e:
+        raise RuntimeError(f"learner step {step} failed: learner rank 0 died ({str(e).strip().splitlines()[0][:200]}); "
+                           f"nothing of this step was acknowledged; {resume}") from None
+    except LearnerRankError as e:  # Ray's error is also a LearnerRankError; its cause holds the message
+        raise RuntimeError(f"learner step {step} failed: {getattr(e, 'cause', None) or e}; nothing of this step "
+                           f"was acknowledged; {resume}") from None
+    prompt_ids = metrics.pop("trained_prompt_ids", [])
+    with open(run_dir / "trained_prompts.jsonl", "a") as fh:
+        fh.write(json.dumps({"version": int(metrics["version"]), "prompt_ids": prompt_ids}) + "\n")
+    return metrics
+
+
 def start_ray(cfg: RunConfig) -> None:
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, log_to_driver=True)
     else:
         # Logical CPUs only: local processes share the machine's cores (torch threads are set per process).
-        need = cfg.train.learner_num_cpus + cfg.actors.num_cpus * max(cfg.actors.count, MAX_LOCAL_ACTORS)
+        need = cfg.train.learner_num_cpus * cfg.learner.ranks + cfg.actors.num_cpus * max(cfg.actors.count, MAX_LOCAL_ACTORS)
         ray.init(num_cpus=cfg.ray.num_cpus or max(os.cpu_count() or 1, int(need + 0.999)),
                  include_dashboard=False, log_to_driver=True)
 
 
 def start_learner(cfg: RunConfig, run_id: str):
-    from deploy.learner_worker import LearnerWorker
+    """The learner.ranks learner ranks in their placement group (deploy/learner_group.py)."""
+    from deploy.learner_group import LearnerGroup
 
-    resources = {cfg.ray.learner_resource: 1} if cfg.ray.learner_resource else None
-    return ray.remote(LearnerWorker).options(
-        num_cpus=cfg.train.learner_num_cpus, num_gpus=cfg.train.learner_num_gpus, resources=resources,
-        max_concurrency=2,
-    ).remote(to_dict(cfg), run_id)
+    return LearnerGroup(cfg, run_id)
 
 
 class ActorPool:

@@ -159,6 +159,7 @@ class Learner:
             self.ref_model.to(self.device)
         self.version = 0
         self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self.checkpoint_state: dict = {}  # the client state of the checkpoint loaded last (learner.checkpoint)
 
     # ------------------------------------------------------------------------------------------------------
     def collate(self, groups: list[TrajectoryGroup]) -> dict[str, torch.Tensor]:
