@@ -17,6 +17,20 @@ RANK_FAILURE_WAIT_S = 30.0
 """After a failed step, how long rank 0 waits for Ray to report which peer ranks died, seconds."""
 
 
+STALL_ENV = "SPARSE_RL_TEST_STALL_RANK"
+"""Test hook: "1@2=60" makes learner rank 1 wait 60 s at the start of its step from weight version 2, so a test
+can kill it mid-step. Read from the environment the rank processes inherit from the driver."""
+
+
+def stall_s(rank: int, version: int) -> float:
+    """The stall of `rank` at the step from `version`, from STALL_ENV (0 when not named)."""
+    for item in filter(None, os.environ.get(STALL_ENV, "").split(",")):
+        where, _, seconds = item.partition("=")
+        if where.strip() == f"{rank}@{version}":
+            return float(seconds)
+    return 0.0
+
+
 class LearnerRankError(RuntimeError):
     """A learner step failed because a rank died, hung or raised; the message names the rank(s). Nothing of
     the step was acknowledged: its groups are re-delivered or, after a resume, their prompts trained again."""
@@ -143,6 +157,7 @@ class LearnerWorker:
     # -- what every rank runs (rank 0 through _on_all_ranks, peers called by rank 0) ------------------------
     def step(self, groups: list, staleness: list[int]) -> dict:
         """One learner step on the step's groups (every rank gets all of them); see Learner.step."""
+        time.sleep(stall_s(self.rank, self.learner.version))  # a test hook, 0 unless STALL_ENV names this step
         return self.learner.step(groups, staleness)
 
     _step = step
