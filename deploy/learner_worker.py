@@ -199,6 +199,10 @@ class LearnerWorker:
 
     _gradients = gradients
 
+    def state_bytes(self) -> dict:
+        """Learner.state_bytes of this rank (no collective: any rank may be asked directly)."""
+        return self.learner.state_bytes()
+
     # -- rank 0 ----------------------------------------------------------------------------------------------
     def version(self) -> int:
         """The learner's weight version (0 at start, the checkpoint's after a resume)."""

@@ -419,6 +419,45 @@ class Learner:
         return grads
 
     # ------------------------------------------------------------------------------------------------------
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of training state this rank holds, each tensor storage counted once: `parameters` (the module's
+        parameters, or this rank's ZeRO-3 partitions, and the optimizer's master copies), `gradients` (their
+        .grad), `optimizer_state` (Adam moments and every other tensor the ZeRO optimizer keeps: flat buffers,
+        gradient partitions) and `total`; the frozen reference model is left out. Measured, not computed from
+        the parameter count: bench/learner.py compares it over ranks (zero3_state_bytes_per_rank_ratio)."""
+        seen: set[int] = set()
+
+        def nbytes(t) -> int:
+            if not isinstance(t, torch.Tensor) or t.numel() == 0:
+                return 0
+            storage = t.untyped_storage()
+            if storage.data_ptr() in seen:
+                return 0
+            seen.add(storage.data_ptr())
+            return storage.nbytes()
+
+        def tensors(value, depth: int = 0):
+            if isinstance(value, torch.Tensor):
+                yield value
+            elif depth < 3 and isinstance(value, (list, tuple)):
+                for v in value:
+                    yield from tensors(v, depth + 1)
+            elif depth < 3 and isinstance(value, dict):
+                for v in value.values():
+                    yield from tensors(v, depth + 1)
+
+        module = list(self.engine.module.parameters())
+        inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)  # the torch AdamW
+        master = [p for group in inner.param_groups for p in group["params"]]
+        out = {"parameters": sum(nbytes(getattr(p, "ds_tensor", p.data)) for p in module + master)}
+        out["gradients"] = sum(nbytes(p.grad) for p in module + master)
+        state = sum(nbytes(t) for v in inner.state.values() for t in tensors(v))
+        if self.engine.optimizer is not inner:  # the ZeRO wrapper's own buffers
+            state += sum(nbytes(t) for v in vars(self.engine.optimizer).values() for t in tensors(v))
+        out["optimizer_state"] = state
+        out["total"] = sum(out.values())
+        return out
+
     def sync_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """Every parameter by Hugging Face name, live (ZeRO-3: this rank's partitions), tied parameters under
         each name as the same object: what the weight sender sends with `full_shape` and `gathered` (ZeRO-3
