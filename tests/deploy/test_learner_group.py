@@ -208,3 +208,11 @@ def test_a_learner_rank_killed_mid_step_fails_the_run_and_a_resume_trains_its_pr
         "train.steps=1", f"learner.checkpoint_dir={tmp_path / run_id / 'checkpoints'}"]))
     assert resumed["accounting"]["learner_version"] == 3
     assert trained_prompts(resumed) == lost
+
+
+def test_several_ranks_need_a_zero_stage_and_say_so():
+    from deploy.config import ConfigError
+    with pytest.raises(ConfigError, match=r"^learner\.zero_stage=0: expected 1, 2 or 3 with ranks=2"):
+        load_config("tiny", ["learner.ranks=2"], check_files=False)
+    with pytest.raises(ConfigError, match=r"learner\.placement='SIDEWAYS'"):
+        load_config("tiny", ["learner.placement=SIDEWAYS"], check_files=False)
