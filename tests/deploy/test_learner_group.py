@@ -216,3 +216,23 @@ def test_several_ranks_need_a_zero_stage_and_say_so():
         load_config("tiny", ["learner.ranks=2"], check_files=False)
     with pytest.raises(ConfigError, match=r"learner\.placement='SIDEWAYS'"):
         load_config("tiny", ["learner.placement=SIDEWAYS"], check_files=False)
+
+
+@pytest.mark.timeout(600)
+def test_a_hanging_rank_fails_the_step_within_the_collective_timeout(model_dir, redis_server, tmp_path, monkeypatch):
+    """Rank 1 hangs (a test hook holds it before its step for longer than learner.collective_timeout_s): rank 0's
+    collective times out and the step fails naming rank 1, instead of waiting for it."""
+    monkeypatch.setenv(STALL_ENV, "1@0=300")      # the rank processes inherit it from this process's Ray
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        group = group_of(model_dir, redis_server.url, tmp_path, 2, zero_stage=2, collective_timeout_s=15,
+                         **{**COMMON})
+        try:
+            with pytest.raises(ray.exceptions.RayTaskError,
+                               match=r"step at learner version 0 failed: learner rank\(s\) \[1\] did not finish "
+                                     r"within learner.collective_timeout_s=15 s"):
+                ray.get(group.rank0.step_groups.remote(steps_groups(), [0, 1]))
+        finally:
+            group.shutdown()
+    finally:
+        ray.shutdown()
