@@ -61,9 +61,11 @@ def init_distributed(rank: int = 0, world_size: int = 1, master_addr: str = "127
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets on loopback unless told otherwise
     backend = "nccl" if cuda else "gloo"
     timeout = timedelta(seconds=timeout_s)
-    if world_size == 1:  # one learner process: an in-memory store, no rendezvous socket
-        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1,
-                                             timeout=timeout)
+    if world_size == 1:
+        if os.environ["WORLD_SIZE"] == "1":  # one learner process: an in-memory store, no rendezvous socket
+            torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1,
+                                                 timeout=timeout)
+        # else: an outside launcher set the environment; DeepSpeed's env:// rendezvous below uses it
     else:
         if not master_port:
             raise ValueError("a learner group of several ranks needs the master_port of rank 0's store")
