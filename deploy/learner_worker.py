@@ -116,6 +116,8 @@ class LearnerWorker:
         timeout, as the collectives themselves time out)."""
         import ray
 
+        if not self.peers:  # one rank: its own errors as they are
+            return getattr(self, "_" + method)(*args)
         refs = [getattr(p, method).remote(*args) for p in self.peers]
         try:
             result = getattr(self, "_" + method)(*args)
