@@ -22,16 +22,13 @@ from actors.data import load_train_prompts
 from actors.engine import SamplingParams
 from actors.reward import RewardScorer
 from broker.admission import Admission, ClaimExpired
+from broker.prompts import take_prompt_indices
 from broker.schema import SampleRecord, TrajectoryGroup
 from broker.streams import (PAUSED, GroupProducer, connect, key, queue_depth, read_confidences, read_kv_budget,
                             read_learner_version, write_confidences)
 from broker.weight_sync import WeightReceiver
 from compressors import CompressorConfig
 from compressors.budget import scheduled_budget, tier_budget, tier_of
-
-PROMPT_CURSOR = "prompt_cursor"
-"""Redis counter handing out prompt indices to all actors of a run: no prompt is taken twice, whatever the
-number of actors."""
 
 
 def build_engine(engine_cfg, model_path: str, compressor: CompressorConfig, torch_threads: int):
@@ -218,9 +215,9 @@ class RolloutWorker:
                 if self.admission is None or claim is not None:
                     n = claim.groups if claim is not None else a.prompts_per_batch
                     self.claim, self.busy_since = claim, time.monotonic()
-                    end = self.redis.incrby(key(self.run_id, PROMPT_CURSOR), n)
-                    batch = [self.prompts[i % len(self.prompts)] for i in range(end - n, end)]
-                    params.seed = self.cfg.seed * 1_000_003 + end
+                    indices = take_prompt_indices(self.redis, self.run_id, n)
+                    batch = [self.prompts[i % len(self.prompts)] for i in indices]
+                    params.seed = self.cfg.seed * 1_000_003 + indices[-1] + 1
                     start = time.monotonic()
                     try:
                         self._test_slow_generate()
@@ -243,7 +240,7 @@ class RolloutWorker:
             self.counters["kv_budget_sum"] += sum(budgets) / len(budgets)
             self.counters["batches"] += 1
             groups, confidences = [], {}
-            for prompt, samples, budget, tier in zip(batch, outputs, budgets, tiers):
+            for index, prompt, samples, budget, tier in zip(indices, batch, outputs, budgets, tiers):
                 records = []
                 for s in samples:
                     reward = self.reward(self.tokenizer.decode(s.response_ids, skip_special_tokens=True),
@@ -262,7 +259,8 @@ class RolloutWorker:
                     run_id=self.run_id, group_id=uuid.uuid4().hex, prompt_id=prompt.prompt_id,
                     weight_version=version, temperature=params.temperature,
                     compressor=a.engine.compressor.method, kv_budget=budget,
-                    samples=records, actor_id=self.actor_id, created_at=time.time(), budget_tier=tier))
+                    samples=records, actor_id=self.actor_id, created_at=time.time(), budget_tier=tier,
+                    prompt_index=index))
                 mean_reward = sum(r.reward for r in records) / len(records)
                 confidences[prompt.prompt_id] = min(1.0, max(0.0, mean_reward))
                 if tier:

@@ -12,8 +12,19 @@ samples, prompt 32 + response 64 tokens) for both:
     deepspeed_vs_plain_torch = ours tokens/s / baseline tokens/s   (tokens = prompt + response, target >= 0.9)
 
 Steps alternate between the two (order swapped each step) after one warm-up step each; the ratio is the
-median over `--steps` of the per-step ratios (robust to load from other processes). Prints a table and,
-as the very last line, one JSON object.
+median over `--steps` of the per-step ratios (robust to load from other processes).
+
+Then the distributed learner (deploy/learner_group.py: Ray actors, one gloo group on loopback, real Redis), on
+the same model saved to a temporary directory and the same batch, ZeRO-3 fp32, 1 rank next to 2 ranks, their
+steps alternating:
+
+    zero3_state_bytes_per_rank_ratio = parameter + gradient + optimizer-state bytes held by the larger of the
+        two ranks (Learner.state_bytes: measured tensor storages after the steps) / the same with 1 rank
+        (target <= 0.55: ZeRO-3 shards all three)
+    ranks2_vs_rank1_tokens_per_s = tokens/s of a 2-rank step / of a 1-rank step (median of per-step ratios;
+        both ranks share this machine's cores, so on a 2-core CPU it does not scale; on GPUs it should)
+
+Prints a table and, as the very last line, one JSON object.
 """
 from __future__ import annotations
 
@@ -81,6 +92,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="7 measured steps each")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--zero-stage", type=int, default=LearnerConfig.zero_stage)
+    parser.add_argument("--no-ranks", action="store_true", help="skip the 1-vs-2-rank part")
     args = parser.parse_args()
     steps = args.steps or (7 if args.quick else 15)
     torch.set_num_threads(1)
@@ -115,9 +127,60 @@ def main() -> None:
     print(f"{'':>22} {'tokens/s':>10}")
     print(f"{f'ours (ZeRO-{args.zero_stage})':>22} {ours_tps:>10.1f}")
     print(f"{'plain torch':>22} {base_tps:>10.1f}")
-    print(json.dumps({"bench": "learner", "zero_stage": args.zero_stage, "tokens_per_step": tokens, "ours_tokens_per_s": round(ours_tps, 2),
-                      "plain_torch_tokens_per_s": round(base_tps, 2),
-                      "deepspeed_vs_plain_torch": round(ratio, 4), "target": 0.9}))
+    result = {"bench": "learner", "zero_stage": args.zero_stage, "tokens_per_step": tokens,
+              "ours_tokens_per_s": round(ours_tps, 2), "plain_torch_tokens_per_s": round(base_tps, 2),
+              "deepspeed_vs_plain_torch": round(ratio, 4), "target": 0.9}
+    if not args.no_ranks:
+        result.update(compare_ranks(groups, steps, tokens))
+    print(json.dumps(result))
+
+
+def compare_ranks(groups: list[TrajectoryGroup], steps: int, tokens: int) -> dict:
+    """ZeRO-3 learner groups of 1 and 2 ranks (real Ray actors, gloo) on the same model and batch: state bytes
+    per rank and step throughput, measured in the same run (see the module doc)."""
+    import tempfile
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    from broker.redis_server import LocalRedis
+    from deploy.config import load_config
+    from deploy.learner_group import LearnerGroup
+
+    with tempfile.TemporaryDirectory() as tmp, LocalRedis() as redis:
+        make_model().save_pretrained(tmp)
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        made = {}
+        try:
+            for n in (1, 2):
+                cfg = load_config("tiny", [f"model={tmp}", f"run_dir={tmp}", f"broker.url={redis.url}",
+                                           f"learner.ranks={n}", "learner.zero_stage=3", "learner.dtype=fp32",
+                                           "learner.lr=1e-5", "learner.kl_coef=0", f"learner.micro_batch_size={MICRO}",
+                                           "train.learner_num_cpus=1"])
+                made[n] = LearnerGroup(cfg, f"bench-ranks{n}")
+            times = {1: [], 2: []}
+            for step in range(steps + 1):          # step 0 warms up; the order alternates against drifting load
+                for n in ((1, 2) if step % 2 else (2, 1)):
+                    t0 = time.perf_counter()
+                    ray.get(made[n].rank0.step_groups.remote(groups, [0] * len(groups)))
+                    if step:
+                        times[n].append(time.perf_counter() - t0)
+            state = {n: [ray.get(r.state_bytes.remote()) for r in made[n].ranks] for n in (1, 2)}
+        finally:
+            for group in made.values():
+                group.shutdown()
+            ray.shutdown()
+    one = state[1][0]["total"]
+    per_rank = max(s["total"] for s in state[2])
+    speed = statistics.median(a / b for a, b in zip(times[1], times[2]))
+    two = " / ".join(f"{s['total'] / 2**20:.1f}" for s in state[2])
+    print(f"ZeRO-3 fp32, state bytes per rank (parameters + gradients + optimizer state): 1 rank {one / 2**20:.1f} MiB, "
+          f"2 ranks {two} MiB")
+    print(f"step tokens/s: 1 rank {tokens / statistics.median(times[1]):.1f}, 2 ranks {tokens / statistics.median(times[2]):.1f}")
+    return {"zero3_state_bytes_rank1": one, "zero3_state_bytes_per_rank_ranks2": per_rank,
+            "zero3_state_bytes_per_rank_ratio": round(per_rank / one, 4), "zero3_state_bytes_target": 0.55,
+            "rank1_tokens_per_s": round(tokens / statistics.median(times[1]), 2),
+            "ranks2_tokens_per_s": round(tokens / statistics.median(times[2]), 2),
+            "ranks2_vs_rank1_tokens_per_s": round(speed, 4)}
 
 
 if __name__ == "__main__":

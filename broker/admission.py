@@ -238,6 +238,12 @@ def open_pool(client: redis.Redis, run_id: str, last_version: int, capacity: int
     pipe.execute()
 
 
+def reset_claims(client: redis.Redis, run_id: str) -> None:
+    """Forget every claim and pending group of the run (a resume: the actors that held them are gone and the
+    queue was discarded, broker.streams.discard_queue)."""
+    client.delete(key(run_id, PENDING), key(run_id, CLAIMS), key(run_id, EXPIRY))
+
+
 def step_capacity(groups_per_step: int, filtered: int, seen: int, max_extra_reads: int) -> int:
     """C, the groups admitted per learner step: groups_per_step, scaled by 1 / (1 - f) for the share
     f = filtered / seen of groups filtered out as zero-variance so far (dynamic sampling, DAPO), and at most

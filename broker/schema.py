@@ -44,6 +44,9 @@ class TrajectoryGroup:
     """Difficulty tier whose budget the group was sampled with (hard | medium | easy | new; "" = tiers off).
     Optional on the wire: a message without it decodes to ""."""
     """Unix time (seconds) when the actor published the group."""
+    prompt_index: int = -1
+    """Position of the prompt in the run's prompt stream (broker.prompts: the i-th prompt handed out is
+    prompt i mod the data size), so the learner can checkpoint the data position; -1 when unknown."""
 
 
 class SchemaError(ValueError):
@@ -70,7 +73,8 @@ _ARRAYS = {"prompt_ids": np.dtype("<i4"), "response_ids": np.dtype("<i4"), "logp
 _LENS = {"prompt_ids": "prompt_lens", "response_ids": "response_lens", "logp_sparse": "response_lens"}
 _GROUP_FIELDS = {"run_id": str, "group_id": str, "prompt_id": str, "weight_version": int, "temperature": float,
                  "compressor": str, "kv_budget": int, "actor_id": str, "created_at": float}
-_OPTIONAL_GROUP_FIELDS = {"budget_tier": (str, "")}
+_OPTIONAL_GROUP_FIELDS = {"budget_tier": (str, ""), "prompt_index": (int, -1)}
+"""Header fields added after schema version 1: written always, read with their default when absent."""
 _SAMPLE_FIELDS = {"finish_reason": str, "reward": float, "kv_retained_tokens": int, "kv_peak_bytes": int}
 
 

@@ -111,6 +111,23 @@ def queue_depth(client: redis.Redis, cfg: BrokerConfig, run_id: str) -> int:
     return client.xlen(key(run_id, cfg.stream))
 
 
+def discard_queue(client: redis.Redis, cfg: BrokerConfig, run_id: str) -> int:
+    """Remove every group still in the run's stream (delivered or not), counted as dropped_stale, in one
+    transaction: what a resumed run does with the queue its previous life
+    left (sampled for versions after the checkpoint, which are trained again); its admission pool is reset apart
+    (broker.admission.reset_claims). Returns how many were removed."""
+    stream = key(run_id, cfg.stream)
+    ids = [msg_id for msg_id, _ in client.xrange(stream)]
+    if not ids:
+        return 0
+    pipe = client.pipeline(transaction=True)
+    pipe.xack(stream, cfg.consumer_group, *ids)  # (the consumer group exists: GroupConsumer made it)
+    pipe.xdel(stream, *ids)
+    pipe.hincrby(key(run_id, "counts"), "dropped_stale", len(ids))
+    pipe.execute()
+    return len(ids)
+
+
 def run_counts(client: redis.Redis, run_id: str) -> dict[str, int]:
     """The run's persistent counters (all consumers and producers, across restarts): produced, consumed,
     groups_filtered, dropped_stale, dead_lettered, duplicates (0 when never incremented), and the admission

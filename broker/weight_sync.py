@@ -25,12 +25,14 @@ generation number on every rank: a group whose collective failed is not reused.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import socket
 import time
 from datetime import timedelta
+from typing import Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -147,7 +149,8 @@ class WeightSender(_GroupMember):
         self._build(generation, 0, world_size, self.host)
 
     def send(self, named_tensors: list[tuple[str, torch.Tensor]], version: int,
-             dtype: torch.dtype | None = None) -> dict[str, float]:
+             dtype: torch.dtype | None = None, *, shape_of: Callable[[torch.Tensor], tuple[int, ...]] | None = None,
+             gather: Callable[[list[torch.Tensor]], ContextManager] | None = None) -> dict[str, float]:
         """Broadcast a new weight version to every actor of the group.
 
         Args:
@@ -155,6 +158,12 @@ class WeightSender(_GroupMember):
                 (tied embeddings) is sent once and the other names travel as aliases.
             version: the weight version the actors will report.
             dtype: sync dtype (default: the first tensor's); every tensor is cast once, while packing.
+            shape_of: the full shape of a tensor (default `tensor.shape`); for sharded parameters whose local
+                tensor is a partition (ZeRO-3: `ds_shape`).
+            gather: for sharded parameters, `gather(tensors_of_one_bucket)` is a context manager inside which
+                those tensors hold their full values; entered once per bucket, in order (see `bucket_layout`,
+                which the other shard holders use to enter the same gathers), so at most one bucket is
+                gathered at a time.
         Returns:
             {"weight_sync_s": seconds, "weight_sync_bytes": payload bytes, "weight_sync_buckets": count}.
         Raises:
@@ -168,27 +177,17 @@ class WeightSender(_GroupMember):
         dtype_name = str(dtype).removeprefix("torch.")
         if dtype_name not in DTYPES:
             raise ValueError(f"weight sync dtype {dtype}: expected one of {list(DTYPES)}")
-        unique, tied, first_name = [], {}, {}
-        for name, t in named_tensors:
-            if id(t) in first_name:
-                tied[name] = first_name[id(t)]
-            else:
-                first_name[id(t)] = name
-                unique.append((name, t))
-        bucket_bytes = self.bucket_mb * 2**20
+        shape_of = shape_of or (lambda t: tuple(t.shape))
         itemsize = torch.empty((), dtype=dtype).element_size()
-        buckets, size = [], math.inf
-        for i, (_, t) in enumerate(unique):
-            nbytes = t.numel() * itemsize
-            if size + nbytes > bucket_bytes:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(i)
-            size += nbytes
+        unique, tied, buckets = bucket_layout(named_tensors, self.bucket_mb, itemsize, shape_of)
         manifest = {"version": version, "dtype": dtype_name, "tied": tied, "buckets": buckets,
-                    "tensors": [{"name": n, "shape": list(t.shape)} for n, t in unique]}
+                    "tensors": [{"name": n, "shape": list(shape_of(t))} for n, t in unique]}
         if self.verify:
-            manifest["checksums"] = {n: checksum(t.to(dtype)) for n, t in unique}
+            checksums = {}
+            for bucket in buckets:
+                with gather([unique[i][1] for i in bucket]) if gather else contextlib.nullcontext():
+                    checksums.update({unique[i][0]: checksum(unique[i][1].to(dtype)) for i in bucket})
+            manifest["checksums"] = checksums
         self._exchange_manifest(manifest)
         rejected = self._vote(False)
         if rejected:
@@ -198,13 +197,41 @@ class WeightSender(_GroupMember):
 
         works, payload = [], 0
         for bucket in buckets:   # pack the next bucket while the previous ones are on the wire
-            flat = torch.cat([unique[i][1].detach().reshape(-1).to(self.device, dtype) for i in bucket])
+            with gather([unique[i][1] for i in bucket]) if gather else contextlib.nullcontext():
+                flat = torch.cat([unique[i][1].detach().reshape(-1).to(self.device, dtype) for i in bucket])
             payload += flat.numel() * itemsize
             works.append((self._broadcast(flat), flat))
         for work, _ in works:
             self._wait(work)
         return {"weight_sync_s": time.perf_counter() - t0, "weight_sync_bytes": payload,
                 "weight_sync_buckets": len(buckets)}
+
+
+def bucket_layout(named_tensors: list[tuple[str, torch.Tensor]], bucket_mb: float, itemsize: int,
+                  shape_of: Callable[[torch.Tensor], tuple[int, ...]] | None = None
+                  ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str], list[list[int]]]:
+    """How `WeightSender.send` packs `named_tensors`: (unique (name, tensor) pairs in order, {tied alias: the
+    name sent}, buckets as lists of indices into unique). A bucket holds at most `bucket_mb` MiB at `itemsize`
+    bytes per element (0 = one tensor per bucket; a larger tensor travels alone). Deterministic: ranks that
+    hold shards of the same parameters compute the same layout and enter the same per-bucket gathers."""
+    shape_of = shape_of or (lambda t: tuple(t.shape))
+    unique, tied, first_name = [], {}, {}
+    for name, t in named_tensors:
+        if id(t) in first_name:
+            tied[name] = first_name[id(t)]
+        else:
+            first_name[id(t)] = name
+            unique.append((name, t))
+    bucket_bytes = bucket_mb * 2**20
+    buckets, size = [], math.inf
+    for i, (_, t) in enumerate(unique):
+        nbytes = math.prod(shape_of(t)) * itemsize
+        if size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += nbytes
+    return unique, tied, buckets
 
 
 class WeightReceiver(_GroupMember):

@@ -126,7 +126,11 @@ def _train(cfg: RunConfig, progress: dict, resume: str, report=None) -> dict:
 
         redis = connect(cfg.broker)
         redis.set(key(run_id, SCALE_KEY), cfg.actors.count)
-        learner = start_learner(cfg, run_id)
+        learner_group = start_learner(cfg, run_id)
+        stack.callback(learner_group.shutdown)
+        learner = learner_group.rank0
+        if record.resumed:  # the log of trained prompts and the metrics of the checkpoint's step, as one record
+            resume_logs(run_dir, tracker, record.start_version, ray.get(learner.resume_state.remote()))
         before = cfg.eval.enabled and cfg.eval.before and not record.resumed  # a resumed run evaluated at its start
         if before:
             redis.set(key(run_id, PAUSED), 1)  # actors start, load weights, and wait for the first evaluation
@@ -151,7 +155,9 @@ def _train(cfg: RunConfig, progress: dict, resume: str, report=None) -> dict:
         for step in range(version + 1, cfg.train.steps + 1):  # step = the weight version it makes
             # returns once groups_per_step groups are trained; meanwhile actors are replaced and joined
             metrics = pool.wait_for(learner.train_step.remote(), step, target, console,
-                                    lambda: queue_depth(redis, cfg.broker, run_id))
+                                    lambda: queue_depth(redis, cfg.broker, run_id),
+                                    f"resume with: sparse-rl train --resume {run_dir}")
+            log_trained_prompts(run_dir, metrics)
             pool.scale(target())
             metrics.update(pool.sync_weights())
             metrics.update(pool.metrics())
@@ -189,24 +195,41 @@ def _train(cfg: RunConfig, progress: dict, resume: str, report=None) -> dict:
     return summary
 
 
+def log_trained_prompts(run_dir: Path, metrics: dict) -> None:
+    """Append the step's trained prompt ids (popped from `metrics`) to run_dir/trained_prompts.jsonl
+    ({"version", "prompt_ids"} per step)."""
+    prompt_ids = metrics.pop("trained_prompt_ids", [])
+    with open(run_dir / "trained_prompts.jsonl", "a") as fh:
+        fh.write(json.dumps({"version": int(metrics["version"]), "prompt_ids": prompt_ids}) + "\n")
+
+
+def resume_logs(run_dir: Path, tracker: Tracker, version: int, state: dict) -> None:
+    """A resumed record at checkpoint `version`: trained_prompts.jsonl keeps the steps up to it (the later ones
+    are trained again), and the learner metrics of the checkpoint's own step are logged if the interrupted run
+    had not logged them (it may stop between the learner's step and its logging)."""
+    log = run_dir / "trained_prompts.jsonl"
+    if log.exists():
+        lines = [line for line in log.read_text().splitlines() if json.loads(line)["version"] <= version]
+        log.write_text("".join(line + "\n" for line in lines))
+    if state.get("step_metrics") and version not in tracker.history.get("reward_mean", {}):
+        tracker.log_metrics(state["step_metrics"], version)
+
+
 def start_ray(cfg: RunConfig) -> None:
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, log_to_driver=True)
     else:
         # Logical CPUs only: local processes share the machine's cores (torch threads are set per process).
-        need = cfg.train.learner_num_cpus + cfg.actors.num_cpus * max(cfg.actors.count, MAX_LOCAL_ACTORS)
+        need = cfg.train.learner_num_cpus * cfg.learner.ranks + cfg.actors.num_cpus * max(cfg.actors.count, MAX_LOCAL_ACTORS)
         ray.init(num_cpus=cfg.ray.num_cpus or max(os.cpu_count() or 1, int(need + 0.999)),
                  include_dashboard=False, log_to_driver=True)
 
 
 def start_learner(cfg: RunConfig, run_id: str):
-    from deploy.learner_worker import LearnerWorker
+    """The learner.ranks learner ranks in their placement group (deploy/learner_group.py)."""
+    from deploy.learner_group import LearnerGroup
 
-    resources = {cfg.ray.learner_resource: 1} if cfg.ray.learner_resource else None
-    return ray.remote(LearnerWorker).options(
-        num_cpus=cfg.train.learner_num_cpus, num_gpus=cfg.train.learner_num_gpus, resources=resources,
-        max_concurrency=2,
-    ).remote(to_dict(cfg), run_id)
+    return LearnerGroup(cfg, run_id)
 
 
 def root_cause(error: Exception) -> str:
@@ -286,10 +309,12 @@ class ActorPool:
                 reported = time.monotonic()
                 console.waiting(0, reported - since, f"{len(self.starting)} rollout actor(s) starting (loading the model)")
 
-    def wait_for(self, done, step: int, target, console, depth) -> dict:
+    def wait_for(self, done, step: int, target, console, depth, resume: str) -> dict:
         """The learner's result `done` for `step`. While it waits for groups, dead actors are replaced (target():
         the actor count wanted), actors that became ready get the weights at once, and the console says why it
-        waits every train.wait_report_s. Raises RunFailed when the learner gave up after train.group_wait_s."""
+        waits every train.wait_report_s. Raises RunFailed when the learner gave up after train.group_wait_s, or
+        when a learner rank died, hung or raised (naming the rank; nothing of the step was acknowledged; the
+        message ends with `resume`, how to resume)."""
         waited = reported = time.monotonic()
         while not ray.wait([done], timeout=WAIT_POLL_S)[0]:
             self.scale(target())
@@ -298,8 +323,16 @@ class ActorPool:
             if time.monotonic() - reported >= self.cfg.train.wait_report_s:
                 reported = time.monotonic()
                 console.waiting(step, reported - waited, self.why_waiting(depth()))
+        from deploy.learner_worker import LearnerRankError
+
         try:
             return ray.get(done)
+        except ray.exceptions.RayActorError as e:
+            raise RunFailed(f"learner step {step} failed: learner rank 0 died ({str(e).strip().splitlines()[0][:200]}); "
+                            f"nothing of this step was acknowledged; {resume}") from None
+        except LearnerRankError as e:  # Ray's error is also a LearnerRankError; its cause holds the message
+            raise RunFailed(f"learner step {step} failed: {getattr(e, 'cause', None) or e}; nothing of this step "
+                            f"was acknowledged; {resume}") from None
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, TimeoutError):  # waited train.group_wait_s for groups: say so in one line
                 raise RunFailed(f"{e.cause} ({self.why_waiting(depth())})") from None

@@ -65,6 +65,16 @@ class BudgetController:
                    target=cfg.budget_target, hysteresis=cfg.budget_hysteresis, patience=cfg.budget_patience,
                    step=cfg.budget_step)
 
+    def state(self) -> dict:
+        """What a checkpoint keeps so that a resumed run continues the same control: budget, calm count, the
+        wait before the next lowering and whether the last decision was a probe."""
+        return {"budget": self.budget, "calm": self.calm, "wait": self.wait, "probing": self.probing}
+
+    def restore(self, state: dict) -> None:
+        """Continue from `state()` (the budget clipped into this controller's bounds)."""
+        self.budget = min(self.budget_max, max(self.budget_min, int(state["budget"])))
+        self.calm, self.wait, self.probing = int(state["calm"]), int(state["wait"]), bool(state["probing"])
+
     def update(self, value: float) -> BudgetChange:
         """One learner step's measured quantile -> the decision (the new budget is also `self.budget`).
         A NaN (no valid token in the step) holds and resets the patience count."""

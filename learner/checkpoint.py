@@ -13,13 +13,17 @@ from learner.learner import Learner
 
 
 def save_checkpoint(learner: Learner, ckpt_dir: str | os.PathLike, consumed_group_ids: list[str],
-                    counters: dict[str, float]) -> str:
-    """Save everything needed to continue training under tag `version_{learner.version}`.
+                    counters: dict[str, float], data_position: dict | None = None, extra: dict | None = None) -> str:
+    """Save everything needed to continue training under tag `version_{learner.version}`. With several
+    learner ranks every rank calls it (DeepSpeed writes each rank's ZeRO shards; rank 0 the client state).
 
     Args:
-        consumed_group_ids: ids of the groups trained on so far (the caller's; used to skip re-delivered
-            messages after a resume).
+        consumed_group_ids: ids of trained groups that can still be re-delivered (the caller's; skipped as
+            duplicates after a resume). Keep it bounded: groups already acknowledged cannot come back.
         counters: the caller's running counters, e.g. staleness drops, consumed groups.
+        data_position: the caller's record of which prompts were trained (a JSON-able dict,
+            broker.prompts.DataPosition.to_dict()); restored as `learner.checkpoint_state["data_position"]`.
+        extra: anything else the caller needs back (picklable), as `learner.checkpoint_state["extra"]`.
     Returns: the checkpoint directory of this tag.
     """
     tag = f"version_{learner.version}"
@@ -27,6 +31,8 @@ def save_checkpoint(learner: Learner, ckpt_dir: str | os.PathLike, consumed_grou
         "weight_version": learner.version,
         "consumed_group_ids": list(consumed_group_ids),
         "counters": dict(counters),
+        "data_position": data_position,
+        "extra": extra,
         "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
     }
@@ -36,7 +42,8 @@ def save_checkpoint(learner: Learner, ckpt_dir: str | os.PathLike, consumed_grou
 
 def load_checkpoint(learner: Learner, ckpt_dir: str | os.PathLike) -> tuple[list[str], dict[str, float]]:
     """Restore the latest checkpoint of `ckpt_dir` into `learner` (weights, optimizer, version, RNG);
-    the next `step` continues from the saved version.
+    the next `step` continues from the saved version. With several ranks every rank calls it. The whole
+    client state (also `data_position`, None in checkpoints without one) is kept in `learner.checkpoint_state`.
 
     Returns: (consumed_group_ids, counters) as saved.
     Raises: FileNotFoundError when `ckpt_dir` holds no checkpoint.
@@ -45,6 +52,7 @@ def load_checkpoint(learner: Learner, ckpt_dir: str | os.PathLike) -> tuple[list
     if path is None:
         raise FileNotFoundError(f"no DeepSpeed checkpoint (no 'latest' tag) in {ckpt_dir}")
     learner.version = int(client_state["weight_version"])
+    learner.checkpoint_state = client_state
     rng = client_state["rng"]
     torch.set_rng_state(rng["torch"])
     np.random.set_state(rng["numpy"])

@@ -9,6 +9,7 @@ FILTERS = ("none", "zero_variance")
 CORRECTIONS = ("on", "metrics_only", "off")
 DTYPES = ("fp32", "bf16")
 BACKENDS = ("auto", "gloo", "nccl")
+PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 @dataclass
@@ -26,10 +27,21 @@ class LearnerConfig:
     """Global gradient-norm clip applied by DeepSpeed before each optimizer step (0 = off)."""
 
     # --- engine ------------------------------------------------------------------------------------------
+    ranks: int = 1
+    """Learner processes (data-parallel ranks): Ray actors in one placement group, one torch.distributed group
+    (NCCL on GPUs, gloo on CPUs), one DeepSpeed engine over them. Each rank gets train.learner_num_cpus /
+    train.learner_num_gpus. A step over N ranks is the same update as over one. N > 1 needs zero_stage >= 1."""
+    placement: str = "PACK"
+    """Ray placement-group strategy of the learner ranks: PACK (as few nodes as possible) | SPREAD |
+    STRICT_PACK (one node) | STRICT_SPREAD (one rank per node)."""
+    collective_timeout_s: float = 600.0
+    """Timeout of every collective among the learner ranks, seconds: a rank that dies or hangs fails the
+    step within this time, naming the rank, and nothing of the step is acknowledged."""
     zero_stage: int = 0
-    """DeepSpeed ZeRO stage 0-3. The learner is one process, where stages > 0 partition nothing and cost
-    time (bench/learner.py: ~1.0x plain torch at 0, ~0.9x at 1); they matter once the learner runs on several
-    ranks. Stage 3 partitions parameters; `named_weights()` gathers them."""
+    """DeepSpeed ZeRO stage 0-3. With one rank, stages > 0 partition nothing and cost time (bench/learner.py:
+    ~1.0x plain torch at 0, ~0.9x at 1); with N ranks stage 1 shards the optimizer state, 2 also the
+    gradients, 3 also the parameters (about 1/N of the per-rank state: bench/learner.py
+    zero3_state_bytes_per_rank_ratio). Stage 3 parameters are gathered bucket by bucket for the weight sync."""
     dtype: str = "fp32"
     """Training dtype: fp32 | bf16 (fp16 does not run on CPU). Weights are broadcast in this dtype."""
 
@@ -113,6 +125,11 @@ class LearnerConfig:
             (self.dtype in DTYPES, "dtype", f"expected one of {DTYPES}"),
             (self.weight_sync_backend in BACKENDS, "weight_sync_backend", f"expected one of {BACKENDS}"),
             (self.zero_stage in (0, 1, 2, 3), "zero_stage", "expected 0, 1, 2 or 3"),
+            (self.ranks >= 1, "ranks", "expected >= 1"),
+            (self.ranks == 1 or self.zero_stage >= 1, "zero_stage",
+             f"expected 1, 2 or 3 with ranks={self.ranks} (stage 0 keeps a full replica per rank)"),
+            (self.placement in PLACEMENTS, "placement", f"expected one of {PLACEMENTS}"),
+            (self.collective_timeout_s > 0, "collective_timeout_s", "expected > 0"),
             (self.ppo_epochs >= 1, "ppo_epochs", "expected >= 1"),
             (self.micro_batch_size >= 1, "micro_batch_size", "expected >= 1"),
             (self.minibatch_size >= 0, "minibatch_size", "expected >= 0"),

@@ -6,10 +6,13 @@ PPO epochs x minibatches x micro-batches -> optimizer steps -> version += 1 -> m
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import os
+import socket
 import time
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -24,27 +27,88 @@ from learner.loss import grpo_advantages, grpo_loss
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def init_distributed() -> None:
-    """Initialise DeepSpeed's default process group for a single learner process if nothing did yet:
-    sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT (free port) when absent, gloo on CPU (with
-    DeepSpeed's shared-memory op build skipped, docs/ENVIRONMENT.md), nccl on CUDA."""
+def init_distributed(rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int = 0,
+                     timeout_s: float = 600.0) -> None:
+    """Initialise the learner's default process group (the one DeepSpeed uses) if nothing did yet: gloo on
+    CPU (with DeepSpeed's shared-memory op build skipped, docs/ENVIRONMENT.md), nccl on CUDA; one code path.
+
+    One rank (`world_size` 1): an in-memory store, no socket. N ranks: rank 0 hosts a TCPStore bound to
+    `master_addr`:`master_port` only (127.0.0.1 = loopback, the default; a node address on a cluster), the
+    others connect to it; every collective of the group times out after `timeout_s` seconds, so a rank that
+    died or hangs fails the others' collective instead of blocking them. Sets RANK/WORLD_SIZE/LOCAL_RANK/
+    MASTER_ADDR/MASTER_PORT when absent (LOCAL_RANK 0: each rank sees only its own GPU, as in a Ray actor).
+
+    Raises:
+        ValueError: rank outside [0, world_size), or world_size > 1 without a master_port.
+        torch.distributed.DistStoreError: a rank did not join within `timeout_s`.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} must be in [0, {world_size})")
     cuda = torch.cuda.is_available()
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+    for key, value in (("RANK", str(rank)), ("WORLD_SIZE", str(world_size)), ("LOCAL_RANK", "0"),
+                       ("MASTER_ADDR", master_addr)):
         os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    os.environ.setdefault("MASTER_PORT", str(master_port or free_port()))
     import deepspeed
 
     if torch.distributed.is_initialized():
         return
     if not cuda:
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets on loopback unless told otherwise
+        if master_addr in ("127.0.0.1", "localhost"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets on loopback unless told otherwise
     backend = "nccl" if cuda else "gloo"
-    if os.environ["WORLD_SIZE"] == "1":  # one learner process: an in-memory store, no rendezvous socket
-        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
-    deepspeed.init_distributed(dist_backend=backend)
+    timeout = timedelta(seconds=timeout_s)
+    if world_size == 1:
+        if os.environ["WORLD_SIZE"] == "1":  # one learner process: an in-memory store, no rendezvous socket
+            torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1,
+                                                 timeout=timeout)
+        # else: an outside launcher set the environment; DeepSpeed's env:// rendezvous below uses it
+    else:
+        if not master_port:
+            raise ValueError("a learner group of several ranks needs the master_port of rank 0's store")
+        listen_fd = None
+        if rank == 0:  # bind the store's socket ourselves: TCPStore alone would listen on every interface
+            global _STORE_SOCKET
+            _STORE_SOCKET = socket.create_server((master_addr, master_port))
+            listen_fd = _STORE_SOCKET.fileno()
+        store = torch.distributed.TCPStore(master_addr, master_port, world_size, is_master=rank == 0,
+                                           timeout=timeout, wait_for_workers=False, master_listen_fd=listen_fd)
+        torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+
+
+_STORE_SOCKET = None
+"""Rank 0's listening socket of the learner group's store (kept open for the life of the process)."""
+
+
+def token_balanced_split(rows: torch.Tensor, tokens: torch.Tensor, world_size: int) -> list[torch.Tensor]:
+    """Split `rows` (int64 [n], indices of sequences) over `world_size` ranks so that the ranks' token counts
+    are balanced: longest first, each to the rank with the fewest tokens so far (ties: the lower rank).
+    Deterministic, so every rank computes the same split. Each share keeps the order of `rows`; one rank gets
+    `rows` itself. `tokens`: int64 [num_seqs] tokens of every sequence (indexed by row).
+
+    Returns: world_size int64 tensors (possibly empty) that partition `rows`."""
+    if world_size == 1:
+        return [rows]
+    load, owner = [0] * world_size, {}
+    order = sorted(range(len(rows)), key=lambda i: (-int(tokens[rows[i]]), i))
+    for i in order:
+        r = min(range(world_size), key=lambda k: (load[k], k))
+        owner[i] = r
+        load[r] += int(tokens[rows[i]])
+    return [rows[[i for i in range(len(rows)) if owner[i] == r]] for r in range(world_size)]
+
+
+def micro_batches(shares: list[torch.Tensor], size: int, rank: int) -> list[torch.Tensor | None]:
+    """This rank's share cut into micro-batches of `size`, padded with None to the largest count over the
+    ranks: ZeRO-2/3 reduce gradients (and ZeRO-3 gathers parameters) in every backward/forward, so every
+    rank runs the same number of them; a None slot is a forward/backward that contributes nothing."""
+    count = max(-(-len(s) // size) for s in shares)
+    mine = list(shares[rank].split(size)) if len(shares[rank]) else []
+    return mine + [None] * (count - len(mine))
 
 
 def deepspeed_config(cfg: LearnerConfig) -> dict:
@@ -79,7 +143,7 @@ class Learner:
     """
 
     def __init__(self, model: str | os.PathLike | nn.Module, cfg: LearnerConfig):
-        init_distributed()
+        init_distributed(timeout_s=cfg.collective_timeout_s)
         import deepspeed
 
         self.cfg = cfg
@@ -96,6 +160,8 @@ class Learner:
         if self.ref_model is not None:
             self.ref_model.to(self.device)
         self.version = 0
+        self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self.checkpoint_state: dict = {}  # the client state of the checkpoint loaded last (learner.checkpoint)
 
     # ------------------------------------------------------------------------------------------------------
     def collate(self, groups: list[TrajectoryGroup]) -> dict[str, torch.Tensor]:
@@ -180,36 +246,39 @@ class Learner:
         return logp, entropy
 
     # ------------------------------------------------------------------------------------------------------
-    def step(self, groups: list[TrajectoryGroup], staleness: list[int]) -> dict[str, float]:
-        """One learner step (SPEC §1-4) on `groups`, whose staleness (learner version at consumption minus
-        the group's weight_version) the caller measured. Advances `version` by 1.
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over the learner ranks, in place (no-op with one rank); returns it."""
+        if self.world_size > 1:
+            torch.distributed.all_reduce(t)
+        return t
 
-        Returns the SPEC §4 metrics of the step: rejection_rate, token_mask_fraction, truncate_fraction,
-        mismatch_kl, mismatch_kl_k1, pg_loss, kl_loss, clip_fraction, entropy, grad_norm, staleness_mean/max,
-        learner_tokens_per_s, reward_mean, response_length_mean, ... and weight_version (after the step).
-        Raises:
-            ValueError: empty batch, len(staleness) != len(groups), or a malformed group (see `collate`).
-        """
+    def _prepare(self, groups: list[TrajectoryGroup]) -> dict:
+        """Collate the whole step's groups, recompute logp_old (and logp_ref) over this rank's token-balanced
+        share, sum the shares over the ranks, then correction weights, loss mask, correction metrics and
+        GRPO advantages over the *whole* step: every rank holds the same tensors, whatever the number of
+        ranks (SPEC §2-3). Returns a dict of the collated batch plus logp_old/entropy/logp_ref float32 [S, T],
+        weights/loss_mask float32 [S, T], advantages float32 [S], mask bool [S, T] and `metrics`."""
         cfg = self.cfg
-        if not groups:
-            raise ValueError("step needs at least one TrajectoryGroup")
-        if len(staleness) != len(groups):
-            raise ValueError(f"staleness has {len(staleness)} values for {len(groups)} groups")
-        t0 = time.perf_counter()
         batch = self.collate(groups)
         S = batch["input_ids"].shape[0]
-        all_rows = torch.arange(S)
         mask = batch["response_mask"].to(self.device)
 
         # dense recompute of pi_old (and pi_ref) with the weights held at the start of the step
         logp_old = torch.zeros(mask.shape, device=self.device)
         entropy = torch.zeros(mask.shape, device=self.device)
         logp_ref = torch.zeros(mask.shape, device=self.device) if self.ref_model is not None else None
+        shares = token_balanced_split(torch.arange(S), batch["seq_len"], self.world_size)
         with torch.no_grad():
-            for rows in all_rows.split(cfg.micro_batch_size):
+            for rows in micro_batches(shares, cfg.micro_batch_size, self.rank):
+                if rows is None:  # keeps ZeRO-3's parameter gathers in step with the other ranks
+                    self.response_logprobs(self.engine, batch, torch.zeros(1, dtype=torch.long))
+                    continue
                 logp_old[rows], entropy[rows] = self.response_logprobs(self.engine, batch, rows, with_entropy=True)
                 if logp_ref is not None:
                     logp_ref[rows], _ = self.response_logprobs(self.ref_model, batch, rows)
+        for t in (logp_old, entropy, logp_ref):  # each row is non-zero on exactly one rank: the sum is exact
+            if t is not None:
+                self._all_reduce(t)
 
         weights, loss_mask, metrics = sparse_correction(
             logp_old, batch["logp_sparse"].to(self.device), mask, correction=cfg.correction,
@@ -217,6 +286,60 @@ class Learner:
             token_mask_bounds=cfg.token_mask_bounds, tis_cap=cfg.tis_cap)
         advantages = grpo_advantages(batch["reward"], batch["group_index"]).to(self.device)
         metrics.update(self._tier_metrics(groups, logp_old, batch["logp_sparse"].to(self.device), mask))
+        return {**batch, "mask": mask, "logp_old": logp_old, "entropy": entropy, "logp_ref": logp_ref,
+                "weights": weights, "loss_mask": loss_mask, "advantages": advantages, "metrics": metrics}
+
+    def _backward(self, prep: dict, mb_rows: torch.Tensor, sums: dict, means: dict) -> int:
+        """Forward/backward of this rank's token-balanced share of minibatch `mb_rows`, in micro-batches. Each
+        micro loss is normalised by the sequences of the whole minibatch and multiplied by the number of ranks
+        (DeepSpeed averages gradients over ranks), so the summed gradient is the one-rank gradient. Adds the
+        loss metrics to `sums`/`means`; returns the number of real (non-padding) micro-batches."""
+        cfg = self.cfg
+        shares = token_balanced_split(mb_rows, prep["seq_len"], self.world_size)
+        count = 0
+        for rows in micro_batches(shares, cfg.micro_batch_size, self.rank):
+            if rows is None:  # nothing left on this rank: a zero loss keeps the gradient reductions in step
+                logp, _ = self.response_logprobs(self.engine, prep, torch.zeros(1, dtype=torch.long))
+                self.engine.backward(logp.sum() * 0.0, scale_wrt_gas=False)
+                continue
+            logp, _ = self.response_logprobs(self.engine, prep, rows)
+            logp_ref = prep["logp_ref"]
+            loss, m = grpo_loss(
+                logp, prep["logp_old"][rows], prep["advantages"][rows], prep["loss_mask"][rows],
+                prep["weights"][rows], num_seqs=len(mb_rows), logp_ref=None if logp_ref is None else logp_ref[rows],
+                kl_coef=cfg.kl_coef, clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high)
+            self.engine.backward(loss * self.world_size if self.world_size > 1 else loss, scale_wrt_gas=False)
+            for k in sums:
+                sums[k] += m[k]
+            for k in means:
+                means[k] += m[k]
+            count += 1
+        return count
+
+    def step(self, groups: list[TrajectoryGroup], staleness: list[int]) -> dict[str, float]:
+        """One learner step (SPEC §1-4) on `groups`, whose staleness (learner version at consumption minus
+        the group's weight_version) the caller measured. Advances `version` by 1.
+
+        With several ranks every rank calls `step` with the same `groups` (read once, by rank 0): each rank
+        recomputes and backpropagates its token-balanced share, the correction, advantages and TIS
+        normalisation are computed over the whole step, and the update equals the one-rank update.
+
+        Returns the SPEC §4 metrics of the step (the same on every rank): rejection_rate, token_mask_fraction,
+        truncate_fraction, mismatch_kl, mismatch_kl_k1, pg_loss, kl_loss, clip_fraction, entropy, grad_norm,
+        staleness_mean/max, learner_tokens_per_s, reward_mean, response_length_mean, ... and weight_version
+        (after the step).
+        Raises:
+            ValueError: empty batch, len(staleness) != len(groups), or a malformed group (see `collate`).
+            RuntimeError / DistBackendError: a collective with the other ranks failed or timed out.
+        """
+        cfg = self.cfg
+        if not groups:
+            raise ValueError("step needs at least one TrajectoryGroup")
+        if len(staleness) != len(groups):
+            raise ValueError(f"staleness has {len(staleness)} values for {len(groups)} groups")
+        t0 = time.perf_counter()
+        prep = self._prepare(groups)
+        S, mask, metrics = prep["input_ids"].shape[0], prep["mask"], prep["metrics"]
 
         minibatch = cfg.minibatch_size or S
         shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.version)
@@ -227,18 +350,7 @@ class Learner:
         for _epoch in range(cfg.ppo_epochs):
             order = torch.randperm(S, generator=shuffle)
             for mb_rows in order.split(minibatch):
-                for rows in mb_rows.split(cfg.micro_batch_size):
-                    logp, _ = self.response_logprobs(self.engine, batch, rows)
-                    loss, m = grpo_loss(
-                        logp, logp_old[rows], advantages[rows], loss_mask[rows], weights[rows],
-                        num_seqs=len(mb_rows), logp_ref=None if logp_ref is None else logp_ref[rows],
-                        kl_coef=cfg.kl_coef, clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high)
-                    self.engine.backward(loss, scale_wrt_gas=False)
-                    for k in sums:
-                        sums[k] += m[k]
-                    for k in means:
-                        means[k] += m[k]
-                    micro_steps += 1
+                micro_steps += self._backward(prep, mb_rows, sums, means)
                 norm = None
                 if cfg.zero_stage == 0 and cfg.dtype == "fp32":   # DeepSpeed records no norm on this path
                     norm = torch.nn.utils.get_total_norm(
@@ -249,15 +361,23 @@ class Learner:
                 if norm is not None:
                     grad_norms.append(float(norm))
         self.version += 1
+        if self.world_size > 1:  # the loss metrics of every rank's share; micro-step means over all ranks
+            names = [*sums, *means]
+            totals = self._all_reduce(torch.tensor([*sums.values(), *means.values(), micro_steps],
+                                                   dtype=torch.float64, device=self.device)).tolist()
+            sums = dict(zip(names[:len(sums)], totals[:len(sums)]))
+            means = dict(zip(names[len(sums):], totals[len(sums):-1]))
+            micro_steps = totals[-1]
         elapsed = time.perf_counter() - t0
 
         validf = mask.float()
-        response_len = batch["response_mask"].sum(1).float()
+        response_len = prep["response_mask"].sum(1).float()
         metrics.update({k: v / optimizer_steps for k, v in sums.items()})
-        metrics.update({k: v / micro_steps for k, v in means.items()})
+        metrics.update({k: v / max(micro_steps, 1) for k, v in means.items()})
         truncated = [s.finish_reason == "length" for g in groups for s in g.samples]
         kv_ratio = [s.kv_retained_tokens / max(1, len(s.prompt_ids) + len(s.response_ids))
                     for g in groups for s in g.samples]
+        entropy = prep["entropy"]
         metrics.update({
             "weight_version": self.version,
             "entropy": ((entropy * validf).sum() / validf.sum().clamp(min=1)).item(),
@@ -265,15 +385,16 @@ class Learner:
             "optimizer_steps": optimizer_steps,
             "staleness_mean": float(np.mean(staleness)),
             "staleness_max": float(np.max(staleness)),
-            "reward_mean": batch["reward"].mean().item(),
+            "reward_mean": prep["reward"].mean().item(),
             "response_length_mean": response_len.mean().item(),
             "response_truncated_fraction": float(np.mean(truncated)),
             "kv_retained_ratio": float(np.mean(kv_ratio)),
             "kv_peak_bytes_mean": float(np.mean([s.kv_peak_bytes for g in groups for s in g.samples])),
             "kv_budget": float(np.mean([g.kv_budget for g in groups])),
             "num_sequences": S,
+            "learner_ranks": self.world_size,
             "learner_step_s": elapsed,
-            "learner_tokens_per_s": batch["seq_len"].sum().item() / elapsed,
+            "learner_tokens_per_s": prep["seq_len"].sum().item() / elapsed,
         })
         return metrics
 
@@ -293,7 +414,90 @@ class Learner:
             out[f"tier/{tier}/xi_sym_p5"] = m["xi_sym_p5"]
         return out
 
+    def gradients(self, groups: list[TrajectoryGroup]) -> dict[str, torch.Tensor]:
+        """The full gradient of the GRPO loss over `groups` taken as one minibatch (the step's code path:
+        recompute, correction, token-balanced split, micro-batches), gathered over the ranks, without an
+        optimizer step: {Hugging Face name: float32 tensor of the parameter's full shape}, the same on every
+        rank (a collective: every rank calls it). The gradients are then discarded; `version` is unchanged.
+        For tests of split invariance and for debugging."""
+        from deepspeed.utils import safe_get_full_grad
+
+        prep = self._prepare(groups)
+        self.engine.train()
+        self._backward(prep, torch.arange(prep["input_ids"].shape[0]),
+                       {"pg_loss": 0.0, "kl_loss": 0.0}, {"clip_fraction": 0.0, "ppo_kl": 0.0, "ratio_mean": 0.0})
+        # the reduction engine.step() would run at its accumulation boundary, without the update after it
+        if self.engine.zero_optimization_partition_gradients():
+            self.engine.optimizer.finalize_gradient_accumulation_boundary()
+        elif self.world_size > 1:
+            self.engine.allreduce_gradients()
+        grads = {}
+        for name, p in self.engine.module.named_parameters():
+            g = safe_get_full_grad(p)
+            grads[name] = g.detach().float().clone().reshape(getattr(p, "ds_shape", p.shape))
+        self.engine.zero_grad()
+        return grads
+
     # ------------------------------------------------------------------------------------------------------
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of training state this rank holds, each tensor storage counted once: `parameters` (the module's
+        parameters, or this rank's ZeRO-3 partitions, and the optimizer's master copies), `gradients` (their
+        .grad), `optimizer_state` (Adam moments and every other tensor the ZeRO optimizer keeps: flat buffers,
+        gradient partitions) and `total`; the frozen reference model is left out. Measured, not computed from
+        the parameter count: bench/learner.py compares it over ranks (zero3_state_bytes_per_rank_ratio)."""
+        seen: set[int] = set()
+
+        def nbytes(t) -> int:
+            if not isinstance(t, torch.Tensor) or t.numel() == 0:
+                return 0
+            storage = t.untyped_storage()
+            if storage.data_ptr() in seen:
+                return 0
+            seen.add(storage.data_ptr())
+            return storage.nbytes()
+
+        def tensors(value, depth: int = 0):
+            if isinstance(value, torch.Tensor):
+                yield value
+            elif depth < 3 and isinstance(value, (list, tuple)):
+                for v in value:
+                    yield from tensors(v, depth + 1)
+            elif depth < 3 and isinstance(value, dict):
+                for v in value.values():
+                    yield from tensors(v, depth + 1)
+
+        module = list(self.engine.module.parameters())
+        inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)  # the torch AdamW
+        master = [p for group in inner.param_groups for p in group["params"]]
+        out = {"parameters": sum(nbytes(getattr(p, "ds_tensor", p.data)) for p in module + master)}
+        out["gradients"] = sum(nbytes(p.grad) for p in module + master)
+        state = sum(nbytes(t) for v in inner.state.values() for t in tensors(v))
+        if self.engine.optimizer is not inner:  # the ZeRO wrapper's own buffers
+            state += sum(nbytes(t) for v in vars(self.engine.optimizer).values() for t in tensors(v))
+        out["optimizer_state"] = state
+        out["total"] = sum(out.values())
+        return out
+
+    def sync_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """Every parameter by Hugging Face name, live (ZeRO-3: this rank's partitions), tied parameters under
+        each name as the same object: what the weight sender sends with `full_shape` and `gathered` (ZeRO-3
+        parameters gathered bucket by bucket, never all at once)."""
+        return list(self.engine.module.named_parameters(remove_duplicate=False))
+
+    @staticmethod
+    def full_shape(p: torch.Tensor) -> tuple[int, ...]:
+        """The full shape of a parameter (ZeRO-3 keeps it in `ds_shape`; the local tensor is a partition)."""
+        return tuple(getattr(p, "ds_shape", p.shape))
+
+    def gathered(self, params: list[torch.Tensor]):
+        """Context manager inside which `params` hold their full values: ZeRO-3 gathers them from every rank (a
+        collective: every rank enters it with the same parameters in the same order); other stages hold full
+        parameters already (a no-op)."""
+        if self.cfg.zero_stage != 3:
+            return contextlib.nullcontext()
+        import deepspeed
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """Every parameter by Hugging Face name, in the engine's dtype, for the weight sender. Tied
         parameters (e.g. embed_tokens / lm_head) appear under each name as the *same* tensor object, so the

@@ -133,21 +133,27 @@ def test_overlay_wiring(overlay):
     keys = overrides_dict(overrides)
     cfg = load_config(preset, overrides, check_files=False)  # composed for the cluster's machines
 
-    # the learner and the actors each land only on their own group's nodes
-    assert cfg.ray.learner_resource == "learner" and groups["learner"]["resources"] == {"learner": "1"}
+    # the learner ranks and the actors each land only on their own group's nodes; the learner group offers
+    # exactly one `learner` slot per rank, on a fixed number of pods
+    learner = groups["learner"]
+    slots = int(learner["resources"]["learner"])
+    assert cfg.ray.learner_resource == "learner" and set(learner["resources"]) == {"learner"}
+    assert learner["minReplicas"] == learner["replicas"] == learner["maxReplicas"]
+    assert slots * learner["replicas"] == cfg.learner.ranks
     assert cfg.ray.actor_resource == "rollout" and groups["actors"]["resources"] == {"rollout": "1"}
     assert cluster["enableInTreeAutoscaling"] is True and cluster["authOptions"] == {"mode": "token"}
     actors = groups["actors"]
     assert actors["minReplicas"] <= actors["replicas"] <= actors["maxReplicas"] and actors["maxReplicas"] > 1
     assert cfg.actors.count <= actors["maxReplicas"]
     assert float(actors["rayStartParams"]["num-cpus"]) >= cfg.actors.num_cpus
-    assert float(groups["learner"]["rayStartParams"]["num-cpus"]) >= cfg.train.learner_num_cpus
+    assert float(learner["rayStartParams"]["num-cpus"]) >= cfg.train.learner_num_cpus * slots
 
     # GPUs requested by the config are GPUs the pods get, and none in the CPU demo
     learner_gpus = groups["learner"]["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu", 0)
     actor_gpus = actors["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu", 0)
-    assert (learner_gpus, actor_gpus) == (cfg.train.learner_num_gpus, cfg.actors.num_gpus)
+    assert (learner_gpus, actor_gpus) == (cfg.train.learner_num_gpus * slots, cfg.actors.num_gpus)
     assert (learner_gpus > 0) == (overlay == "gpu")
+    assert (cfg.learner.ranks > 1) == (overlay == "gpu")   # the GPU overlay's learner spans two pods
 
     # one image for head, workers and MLflow
     pods = [cluster["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in groups.values()]
@@ -229,10 +235,13 @@ def test_compose_services_are_wired():
     for name, value in defaults.items():
         head = head.replace(f'"${{{name}}}"', value).replace(f"${{{name}}}", value)
     ray_start, driver = head.split(" && exec ")
-    assert "--resources='{\"learner\": 1}'" in ray_start
+    assert '--resources="{\\"learner\\": 1}"' in ray_start   # one learner slot per rank
     preset, overrides = driver_args(driver)
     keys = overrides_dict(overrides)
     cfg = load_config(preset, overrides, check_files=False)  # composed for the cluster's machines
+    assert cfg.learner.ranks == 1
+    two = load_config(preset, overrides + ["learner.ranks=2", "learner.zero_stage=2"], check_files=False)
+    assert two.learner.ranks == 2                             # SPARSE_RL_LEARNER_RANKS=2 with ZeRO-2
     assert (cfg.ray.address, cfg.ray.actor_resource, cfg.ray.learner_resource) == ("auto", "rollout", "learner")
     assert urlsplit(keys["broker.url"]).hostname == "redis" and urlsplit(keys["mlflow.tracking_uri"]).hostname == "mlflow"
     assert cfg.actors.count == services["actor"]["deploy"]["replicas"]

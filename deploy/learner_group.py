@@ -1,0 +1,95 @@
+"""Placement of the learner: `learner.ranks` Ray actors (deploy.learner_worker.LearnerWorker) in one placement
+group, wired into one torch.distributed group (NCCL on GPUs, gloo on CPUs) whose rendezvous is rank 0's store.
+
+    group = LearnerGroup(cfg, run_id)      # the ranks start together and load their shards
+    learner = group.rank0                  # the driver talks to rank 0 only; rank 0 calls the others
+    ...
+    group.shutdown()
+
+Bundles: one per rank, {"CPU": train.learner_num_cpus, "GPU": train.learner_num_gpus} (+ the custom
+`ray.learner_resource`), strategy `learner.placement` (PACK by default: as few nodes as possible; SPREAD or
+STRICT_SPREAD to put ranks on different nodes). The rendezvous address is 127.0.0.1 on a local Ray, rank 0's
+node address on a cluster; its port is picked on rank 0's node.
+"""
+from __future__ import annotations
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from deploy.config import RunConfig, to_dict
+
+PLACEMENT_TIMEOUT_S = 600.0
+"""How long to wait for the cluster to offer the learner's bundles before failing, seconds."""
+
+
+@ray.remote(num_cpus=0)
+def _rendezvous_address(loopback: bool) -> tuple[str, int]:
+    """On rank 0's node: (its address, or 127.0.0.1 on a local Ray; a port free there now)."""
+    from broker.redis_server import free_port
+
+    host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+    if loopback:
+        return host, free_port()
+    import socket
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return host, s.getsockname()[1]
+
+
+class LearnerGroup:
+    """The learner ranks of a run. `rank0`: the handle the driver uses (train_step, send_weights, version,
+    sync_address, save_final, ...); `ranks`: every rank's handle, in rank order.
+
+    Raises TimeoutError when the cluster cannot offer the bundles within PLACEMENT_TIMEOUT_S (naming them)."""
+
+    def __init__(self, cfg: RunConfig, run_id: str):
+        from deploy.learner_worker import LearnerWorker
+
+        n = cfg.learner.ranks
+        bundle = {"CPU": cfg.train.learner_num_cpus}
+        if cfg.train.learner_num_gpus:
+            bundle["GPU"] = cfg.train.learner_num_gpus
+        if cfg.ray.learner_resource:
+            bundle[cfg.ray.learner_resource] = 1
+        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy=cfg.learner.placement,
+                                  name=f"{run_id}-learner")
+        ready, _ = ray.wait([self.pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            remove_placement_group(self.pg)
+            raise TimeoutError(f"the cluster did not offer {n} learner bundle(s) of {bundle} "
+                               f"(learner.ranks={n}, learner.placement={cfg.learner.placement}) within "
+                               f"{PLACEMENT_TIMEOUT_S:.0f} s")
+
+        def on(rank: int) -> PlacementGroupSchedulingStrategy:
+            return PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=rank)
+
+        master = None
+        if n > 1:
+            master = ray.get(_rendezvous_address.options(scheduling_strategy=on(0)).remote(not cfg.ray.address))
+        plain = to_dict(cfg)
+        self.ranks = [
+            ray.remote(LearnerWorker).options(
+                name=f"{run_id}-learner-{rank}", num_cpus=cfg.train.learner_num_cpus,
+                num_gpus=cfg.train.learner_num_gpus, resources={cfg.ray.learner_resource: 1} if cfg.ray.learner_resource else None,
+                scheduling_strategy=on(rank), max_concurrency=2 if rank == 0 else 1, max_restarts=0,
+            ).remote(plain, run_id, rank, n, master)
+            for rank in range(n)]
+        self.rank0 = self.ranks[0]
+        pending = [r.pid.remote() for r in self.ranks]  # answered once a rank has started (joined the group)
+        while pending:  # a rank that fails to start fails the group at once (Ray's error names the actor)
+            done, pending = ray.wait(pending, num_returns=1)
+            ray.get(done)
+        ray.get(self.rank0.set_peers.remote(self.ranks[1:]))
+
+    def shutdown(self) -> None:
+        """Kill every rank and free the placement group."""
+        for handle in self.ranks:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:
+                pass
+        try:
+            remove_placement_group(self.pg)
+        except Exception:
+            pass

@@ -1,0 +1,240 @@
+"""The distributed learner: `learner.ranks` DeepSpeed ranks as real Ray actors in one placement group, one gloo
+group on loopback, real DeepSpeed on the CPU, real Redis. The one-rank reference runs the same `Learner` code
+in this process.
+
+- 2 ranks vs 1 rank on the same groups (ZeRO-2 and ZeRO-3, fp32): weights after one step within 1e-5 and the
+  step metrics (loss, rejection_rate, mismatch_kl, ...) equal;
+- gradients do not depend on the split (verl#5625): micro-batch 1, 2 and the whole minibatch on one rank, and
+  two ranks, give the same gradients (rtol 1e-5);
+- whole runs with `learner.ranks=2`: end to end with 2 actors (ZeRO-3 weight sync), a resumed run trains the
+  prompts of an uninterrupted one, and a rank SIGKILLed mid-step fails the run naming the rank, nothing of the
+  step acknowledged, and a resume trains that step's prompts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import uuid
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import pytest  # noqa: E402
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+from broker.config import BrokerConfig  # noqa: E402
+from broker.schema import decode_group  # noqa: E402
+from broker.streams import connect, key, read_learner_version, run_counts  # noqa: E402
+from deploy.config import load_config  # noqa: E402
+from deploy.driver import train  # noqa: E402
+from deploy.learner_group import LearnerGroup  # noqa: E402
+from deploy.learner_worker import STALL_ENV  # noqa: E402
+from learner.config import LearnerConfig  # noqa: E402
+from learner.learner import Learner  # noqa: E402
+from tests.deploy.test_e2e import check_accounting  # noqa: E402
+from tests.learner.conftest import make_groups, tiny_llama  # noqa: E402
+
+COMMON = {"lr": 1e-3, "kl_coef": 0.05, "minibatch_size": 4, "micro_batch_size": 2, "ppo_epochs": 1,
+          "dtype": "fp32", "token_mask": True, "rejection": "veto"}
+METRICS = ("pg_loss", "kl_loss", "rejection_rate", "token_mask_fraction", "truncate_fraction", "mismatch_kl",
+           "mismatch_kl_k1", "entropy", "reward_mean", "grad_norm", "optimizer_steps", "num_sequences")
+
+
+@pytest.fixture
+def local_ray():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model")
+    tiny_llama().save_pretrained(path)
+    return path
+
+
+def steps_groups():
+    groups = make_groups(num_groups=2, G=4, seed=3)
+    groups[0].samples[1].logp_sparse[0] = 12.0   # vetoed: the rejection must count it once over all ranks
+    groups[1].samples[2].logp_sparse[1] = 0.0    # token-masked
+    return groups
+
+
+def group_of(model_dir, redis_url, tmp_path, ranks: int, **learner) -> LearnerGroup:
+    overrides = [f"model={model_dir}", f"run_dir={tmp_path}", f"broker.url={redis_url}", f"learner.ranks={ranks}",
+                 "learner.collective_timeout_s=60", "train.learner_num_cpus=1"]
+    overrides += [f"learner.{k}={v}" for k, v in learner.items()]
+    return LearnerGroup(load_config("tiny", overrides), f"test-{uuid.uuid4().hex[:8]}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_two_ranks_make_the_same_update_as_one(zero_stage, local_ray, model_dir, redis_server, tmp_path):
+    torch.set_num_threads(1)
+    groups = steps_groups()
+    one = Learner(str(model_dir), LearnerConfig(zero_stage=zero_stage, **COMMON))
+    before = {n: t.clone() for n, t in one.named_weights()}
+    expected = one.step(groups, staleness=[0, 1])
+    after_one = {n: t.clone() for n, t in one.named_weights()}
+
+    group = group_of(model_dir, redis_server.url, tmp_path, 2, zero_stage=zero_stage, **COMMON)
+    try:
+        got = ray.get(group.rank0.step_groups.remote(groups, [0, 1]))
+        after_two = ray.get(group.rank0.full_weights.remote())
+    finally:
+        group.shutdown()
+
+    assert got["learner_ranks"] == 2 and expected["learner_ranks"] == 1
+    assert expected["rejection_rate"] == pytest.approx(1 / 8) and expected["token_mask_fraction"] > 0
+    for name in METRICS:
+        assert got[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-7), name
+    assert set(after_two) == set(after_one)
+    moved = max((after_one[n] - before[n]).abs().max().item() for n in after_one)
+    assert moved > 1e-4                          # the step changed the weights: the comparison can fail
+    for name, t in after_one.items():
+        torch.testing.assert_close(after_two[name], t, rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.timeout(600)
+def test_gradients_do_not_depend_on_the_split(local_ray, model_dir, redis_server, tmp_path):
+    torch.set_num_threads(1)
+    groups = steps_groups()                     # 8 sequences, one minibatch
+    grads = {}
+    for micro in (1, 2, 8):
+        cfg = LearnerConfig(zero_stage=2, **{**COMMON, "micro_batch_size": micro, "minibatch_size": 0})
+        grads[f"1 rank, micro-batch {micro}"] = Learner(str(model_dir), cfg).gradients(groups)
+    group = group_of(model_dir, redis_server.url, tmp_path, 2, zero_stage=2, **{**COMMON, "minibatch_size": 0})
+    try:
+        grads["2 ranks, micro-batch 2"] = ray.get(group.rank0.full_gradients.remote(groups))
+    finally:
+        group.shutdown()
+
+    reference = grads.pop("1 rank, micro-batch 8")
+    assert max(g.abs().max().item() for g in reference.values()) > 1e-3   # a real gradient
+    for label, g in grads.items():
+        assert set(g) == set(reference), label
+        for name, t in reference.items():
+            torch.testing.assert_close(g[name], t, rtol=1e-5, atol=1e-7, msg=f"{label}: {name}")
+
+
+def trained_prompts(summary: dict) -> list[str]:
+    """The prompt ids a run trained, in order (run_dir/trained_prompts.jsonl)."""
+    lines = open(os.path.join(summary["run_dir"], "trained_prompts.jsonl")).read().splitlines()
+    return [p for line in lines for p in json.loads(line)["prompt_ids"]]
+
+
+@pytest.mark.timeout(900)
+def test_two_rank_learner_run_end_to_end(tmp_path, redis_server):
+    """learner.ranks=2 with ZeRO-3 and 2 actors: the weights reach the actors (gathered bucket by bucket,
+    checksums verified by the actors), actors end on the last version, the accounting is exact."""
+    cfg = load_config("tiny", [f"run_dir={tmp_path}", f"broker.url={redis_server.url}", "learner.ranks=2",
+                               "learner.zero_stage=3", "learner.weight_sync_verify=true",
+                               "learner.weight_sync_bucket_mb=0.05", "learner.weight_sync_timeout_s=60",
+                               "eval.enabled=false"])
+    summary = train(cfg)
+
+    check_accounting(summary, steps=3, groups_per_step=cfg.train.groups_per_step)
+    assert summary["learner_ranks"] == 2
+    assert summary["weight_sync_buckets"] > 1           # several buckets, each gathered on its own
+    assert (tmp_path / summary["run_id"] / "final" / "config.json").exists()
+    assert len(trained_prompts(summary)) == 3 * cfg.train.groups_per_step
+
+
+@pytest.mark.timeout(1200)
+def test_resumed_run_trains_the_prompts_of_an_uninterrupted_one(tmp_path, redis_server):
+    """k=2 steps with checkpoints, stop, resume to version 4 (the same record: its embedded Redis comes back with
+    the queue the first life left, which is discarded): the prompt ids trained, in order, are those of one
+    uninterrupted 4-step run with the same seed. Two learner ranks (ZeRO-2 shards)."""
+    common = [f"run_dir={tmp_path}", "actors.count=1", "broker.max_staleness=100", "eval.enabled=false",
+              "learner.ranks=2", "learner.zero_stage=2", "learner.checkpoint_interval=1",
+              "learner.weight_sync_timeout_s=60"]
+    whole = train(load_config("tiny", common + ["train.steps=4", f"broker.url={redis_server.url}"]))
+    first = train(load_config("tiny", common + ["train.steps=2"]))
+    first_prompts = trained_prompts(first)
+    second = train(load_config("tiny", common + ["train.steps=4",
+                                                  f"learner.checkpoint_dir={first['run_dir']}/checkpoints"]))
+
+    assert second["run_dir"] == first["run_dir"] and second["accounting"]["learner_version"] == 4
+    assert len(trained_prompts(whole)) == 8 and len(first_prompts) == 4
+    assert trained_prompts(second) == trained_prompts(whole)  # the record's log: versions 1..4
+
+
+@pytest.mark.timeout(900)
+def test_a_learner_rank_killed_mid_step_fails_the_run_and_a_resume_trains_its_prompts(tmp_path, redis_server,
+                                                                                     monkeypatch):
+    """Rank 1 is SIGKILLed while it is in the step from version 2 (a test hook holds it there): the run ends with
+    an error naming the rank (within learner.collective_timeout_s, no hang), the step's groups are not
+    acknowledged, and a resume from the checkpoint of version 2 trains those groups' prompts first."""
+    monkeypatch.setenv(STALL_ENV, "1@2=120")
+    common = [f"run_dir={tmp_path}", "actors.count=1", "broker.max_staleness=100", "eval.enabled=false",
+              "learner.ranks=2", "learner.zero_stage=2", "learner.checkpoint_interval=1",
+              "learner.collective_timeout_s=60", "learner.weight_sync_timeout_s=60"]
+    cfg = load_config("tiny", common + ["train.steps=4", f"broker.url={redis_server.url}"])
+    redis = connect(BrokerConfig(url=redis_server.url))
+    killed = {}
+
+    def operator():
+        run_id = None
+        while run_id is None:
+            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)] if ray.is_initialized() else []
+            run_id = next((n.rsplit("-learner-", 1)[0] for n in names if n.endswith("-learner-1")), None)
+            time.sleep(0.5)
+        pid = ray.get(ray.get_actor(f"{run_id}-learner-1").pid.remote())
+        stream = key(run_id, cfg.broker.stream)
+        while not (read_learner_version(redis, run_id) == 2
+                   and redis.xpending(stream, cfg.broker.consumer_group)["pending"] > 0):
+            time.sleep(0.2)   # step 3 has read its groups: rank 1 is held in the step from version 2
+        killed["pending"] = [m["message_id"] for m in
+                             redis.xpending_range(stream, cfg.broker.consumer_group, "-", "+", 100)]
+        killed["run_id"] = run_id
+        os.kill(pid, signal.SIGKILL)
+
+    threading.Thread(target=operator, daemon=True).start()
+    with pytest.raises(RuntimeError, match=r"learner step 3 failed: .*learner rank 1 died") as failure:
+        train(cfg)
+    assert "nothing of this step was acknowledged" in str(failure.value)
+    run_id, stream = killed["run_id"], key(killed["run_id"], cfg.broker.stream)
+    assert run_counts(redis, run_id)["consumed"] == 2 * cfg.train.groups_per_step
+    assert read_learner_version(redis, run_id) == 2
+    pending = redis.xrange(stream)  # the step's groups are still in the stream, unacknowledged
+    lost = [decode_group(fields[b"group"]).prompt_id for msg_id, fields in pending
+            if msg_id.decode() in {m.decode() if isinstance(m, bytes) else m for m in killed["pending"]}]
+    assert len(lost) == cfg.train.groups_per_step
+
+    monkeypatch.delenv(STALL_ENV)
+    resumed = train(load_config("tiny", common + [
+        "train.steps=3", f"learner.checkpoint_dir={tmp_path / run_id / 'checkpoints'}"]))  # the same record
+    assert resumed["run_dir"] == str(tmp_path / run_id) and resumed["accounting"]["learner_version"] == 3
+    assert trained_prompts(resumed)[-len(lost):] == lost  # the step from version 2 trained the lost prompts
+
+
+def test_several_ranks_need_a_zero_stage_and_say_so():
+    from deploy.config import ConfigError
+    with pytest.raises(ConfigError, match=r"^learner\.zero_stage=0: expected 1, 2 or 3 with ranks=2"):
+        load_config("tiny", ["learner.ranks=2"], check_files=False)
+    with pytest.raises(ConfigError, match=r"learner\.placement='SIDEWAYS'"):
+        load_config("tiny", ["learner.placement=SIDEWAYS"], check_files=False)
+
+
+@pytest.mark.timeout(600)
+def test_a_hanging_rank_fails_the_step_within_the_collective_timeout(model_dir, redis_server, tmp_path, monkeypatch):
+    """Rank 1 hangs (a test hook holds it before its step for longer than learner.collective_timeout_s): rank 0's
+    collective times out and the step fails naming rank 1, instead of waiting for it."""
+    monkeypatch.setenv(STALL_ENV, "1@0=300")      # the rank processes inherit it from this process's Ray
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        group = group_of(model_dir, redis_server.url, tmp_path, 2, zero_stage=2, collective_timeout_s=15,
+                         **{**COMMON})
+        try:
+            with pytest.raises(ray.exceptions.RayTaskError,
+                               match=r"step at learner version 0 failed: learner rank\(s\) \[1\] did not finish "
+                                     r"within learner.collective_timeout_s=15 s"):
+                ray.get(group.rank0.step_groups.remote(steps_groups(), [0, 1]))
+        finally:
+            group.shutdown()
+    finally:
+        ray.shutdown()
