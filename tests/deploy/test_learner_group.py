@@ -137,7 +137,8 @@ def test_two_rank_learner_run_end_to_end(tmp_path, redis_server):
                                "eval.enabled=false"])
     summary = train(cfg)
 
-    check_accounting(summary, steps=3, groups_per_step=cfg.train.groups_per_step)
+    check_accounting(summary, steps=3, groups_per_step=cfg.train.groups_per_step,
+                     prompts_per_batch=cfg.actors.prompts_per_batch)
     assert summary["learner_ranks"] == 2
     assert summary["weight_sync_buckets"] > 1           # several buckets, each gathered on its own
     assert (tmp_path / summary["run_id"] / "final" / "config.json").exists()
