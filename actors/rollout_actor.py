@@ -60,7 +60,8 @@ def expected_weights(engine):
 
 SLOW_START_ENV = "SPARSE_RL_TEST_SLOW_START"
 """Test hook: "actor-1=20,actor-3=5" delays those actors' start (before the model loads) by that many seconds,
-as a large model's load would. Read from the environment the actor processes inherit from the driver."""
+as a large model's load would; "*=fail" makes every actor fail to start (as one that cannot load its model or
+engine). Read from the environment the actor processes inherit from the driver."""
 
 
 SLOW_GENERATE_ENV = "SPARSE_RL_TEST_SLOW_GENERATE"
@@ -69,10 +70,13 @@ the engine runs), as a slower node would."""
 
 
 def slow_start_s(actor_id: str, env: str = SLOW_START_ENV) -> float:
-    """The start delay of `actor_id` from SLOW_START_ENV (or another hook variable `env`; 0 when not named)."""
+    """The start delay of `actor_id` from SLOW_START_ENV (or another hook variable `env`; 0 when not named; the
+    name "*" matches every actor). Raises RuntimeError when its value is "fail"."""
     for item in filter(None, os.environ.get(env, "").split(",")):
         name, _, seconds = item.partition("=")
-        if name.strip() == actor_id:
+        if name.strip() in (actor_id, "*"):
+            if seconds.strip() == "fail":
+                raise RuntimeError(f"{env}: {actor_id} fails to start (test hook)")
             return float(seconds)
     return 0.0
 
@@ -302,11 +306,12 @@ class RolloutWorker:
 
     # -- evaluation ------------------------------------------------------------------------------------------
     def evaluate(self, items: list, mode: str) -> dict:
-        """Score this actor's weights on `items` with the run's reward, with the full cache (dense) or the run's
-        compressor (sparse); see actors.evaluate. Waits for the current batch (weights stay fixed meanwhile)."""
+        """Score this actor's weights on `items` with the run's reward, with the full cache (dense) or
+        eval.sparse_compressor, by default the run's compressor (sparse); see actors.evaluate. Waits for the current batch (weights stay fixed meanwhile)."""
         from actors.evaluate import evaluate
         e = self.cfg.eval
         with self.generating:
-            return evaluate(self.engine, self.tokenizer, items, mode, self.cfg.actors.engine.compressor, reward=self.reward,
+            return evaluate(self.engine, self.tokenizer, items, mode, e.sparse_compressor or self.cfg.actors.engine.compressor,
+                            reward=self.reward,
                             max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p,
                             batch_size=e.batch_size, seed=self.cfg.seed, instruction=self.cfg.actors.data.instruction)

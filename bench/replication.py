@@ -10,7 +10,8 @@ same config, prompts, seeds and settings, differing only in what the arm names:
     sparse_rl_geometric   the same with the length-normalised (geometric-mean) rejection
 
 Each run evaluates its model before and after training on held-out items of the training task, with dense and
-with sparse inference (seed 002 §5.1). All runs go to one MLflow experiment (`replication`, sqlite in --out),
+with sparse inference (seed 002 §5.1); the dense arm's sparse inference uses the sparse arms' compressor
+(`eval.sparse_compressor`), so the "sparse" column means the same cache for every arm. All runs go to one MLflow experiment (`replication`, sqlite in --out),
 one run per arm and seed. The command is resumable: a finished (arm, seed) run (its summary.json) is kept and
 skipped when the command is run again, and the plot and JSON are rebuilt from what exists.
 
@@ -95,6 +96,12 @@ def run_one(args, arm: str, seed: int) -> None:
                  f"run_dir={out / 'runs'}", f"mlflow.tracking_uri=sqlite:///{out / 'mlflow.db'}",
                  "mlflow.experiment=replication", f"train.steps={args.steps}", "eval.enabled=true",
                  "eval.before=true", "eval.data=train_task", f"broker.max_staleness={args.max_staleness}"]
+    if arm == "dense":  # its sparse evaluation under the sparse arms' compressor (its own rollouts use none)
+        from dataclasses import asdict
+
+        from deploy.config import load_config
+        sparse = load_config(args.config, args.overrides, check_files=False).actors.engine.compressor
+        overrides += [f"eval.sparse_compressor.{k}={v}" for k, v in asdict(sparse).items()]
     log = out / "logs" / f"{arm}-s{seed}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"[{time.strftime('%H:%M:%S')}] {arm} seed {seed}: running (log {log})", flush=True)

@@ -242,9 +242,9 @@ class Admission:
 
 def open_pool(client: redis.Redis, run_id: str, last_version: int, capacity: int) -> None:
     """Open admission (the learner, once it knows its version): `last_version` is the last learner version
-    whose step trains (start version + train.steps - 1), so no group is admitted that could only be trained
-    after the run, and the run stops with (almost) nothing left in the queue; `capacity` is C, the groups per
-    step (step_capacity)."""
+    whose step trains (train.steps - 1: the driver trains up to version train.steps), so no group is admitted
+    that could only be trained after the run, and the run stops with (almost) nothing left in the queue;
+    `capacity` is C, the groups per step (step_capacity)."""
     pipe = client.pipeline(transaction=True)
     pipe.set(key(run_id, LAST_VERSION), int(last_version))
     pipe.set(key(run_id, STEP_CAPACITY), int(capacity))

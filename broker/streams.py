@@ -175,7 +175,8 @@ class GroupConsumer:
 
     read() returns groups to train on; everything else is settled inside read(): undecodable or invalid
     messages go to the dead-letter stream, already-consumed group ids (duplicates) and groups staler than
-    cfg.max_staleness are dropped; all three are acked, deleted and counted. commit() is called after the
+    cfg.max_staleness (or sampled with a weight version the learner does not have: after a resume from an
+    earlier checkpoint) are dropped; all three are acked, deleted and counted. commit() is called after the
     learner step that used the deliveries is committed (checkpointed): it marks the group ids consumed and
     acks them. A consumer restarted under the same name first gets back its own uncommitted messages;
     messages of a dead consumer are taken over after cfg.claim_min_idle_ms (XAUTOCLAIM).
@@ -260,7 +261,9 @@ class GroupConsumer:
             staleness = learner_version - group.weight_version
             if already or group.group_id in seen:
                 drops["duplicates"].append(msg_id)
-            elif staleness > cfg.max_staleness:
+            elif staleness > cfg.max_staleness or staleness < 0:
+                # < 0: sampled with weights newer than the learner's, which a resume from an earlier checkpoint
+                # discarded; no learner will ever have those weights, so the group counts as stale
                 drops["dropped_stale"].append(msg_id)
             else:
                 seen.add(group.group_id)

@@ -1,6 +1,7 @@
 """`sparse-rl` command line: train, eval, scale.
 
     sparse-rl train [--config smollm2-copy] [dotted.key=value ...]
+    sparse-rl train --resume runs/<run id> [dotted.key=value ...]   (the same record; e.g. train.steps=N to go further)
     sparse-rl eval --model runs/<run id>/final [--mode dense|sparse] [--config ...] [dotted.key=value ...]
     sparse-rl scale --run <run id> --actors N [--run-dir runs] [--redis redis://127.0.0.1:6379/0]
 """
@@ -19,7 +20,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="run the actor-learner training job")
-    train.add_argument("--config", default="smollm2-copy", help="preset name in deploy/configs/ or a YAML path")
+    train.add_argument("--config", default=None, help="preset name in deploy/configs/ or a YAML path "
+                                                      "(default smollm2-copy)")
+    train.add_argument("--resume", default="", metavar="RUN_DIR",
+                       help="continue this run (runs/<run id>) from its latest checkpoint: same directory, MLflow run "
+                            "and counters; its config.yaml with the overrides applied")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actors.count=3 learner.lr=2e-6")
 
     ev = sub.add_parser("eval", help="score a model or checkpoint on a prompt set, dense or sparse")
@@ -49,13 +54,25 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "train":
-            from deploy.driver import Interrupted, train as run_train
-            command = ["sparse-rl", "train", "--config", args.config, *args.overrides]
+            from deploy.driver import Interrupted, RunFailed, train as run_train
+            if args.resume:
+                if args.config:
+                    raise ConfigError(f"--config {args.config} with --resume: a resumed run keeps its own config "
+                                      f"({args.resume}/config.yaml); give changes as overrides")
+                from deploy.record import resume_config
+                cfg = resume_config(args.resume, args.overrides)
+                command = ["sparse-rl", "train", "--resume", args.resume, *args.overrides]
+            else:
+                cfg = load_config(args.config or "smollm2-copy", args.overrides)
+                command = ["sparse-rl", "train", "--config", args.config or "smollm2-copy", *args.overrides]
             try:
-                run_train(load_config(args.config, args.overrides), command)
+                run_train(cfg, command, resume=args.resume)
             except Interrupted as e:
                 print(f"sparse-rl: {e}", file=sys.stderr)
                 return 130
+            except RunFailed as e:
+                print(f"sparse-rl: run failed: {e}", file=sys.stderr)
+                return 1
         else:  # eval
             from deploy.evaluate import evaluate_model
             cfg = load_config(args.config, args.overrides, check_files=False)  # the model is --model

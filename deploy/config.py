@@ -12,6 +12,7 @@ import secrets
 import time
 import typing
 from dataclasses import dataclass, field
+from typing import Optional
 from pathlib import Path
 
 from omegaconf import MISSING, OmegaConf
@@ -19,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from actors.config import DataConfig, EngineConfig, SamplingConfig
 from actors.reward import RewardConfig
+from compressors import CompressorConfig
 from broker.config import BrokerConfig
 from deploy.model_cache import SMOLLM2, TINY_CHAR, TINY_LLAMA
 from learner.config import LearnerConfig
@@ -78,6 +80,9 @@ class TrainConfig:
     """Prompt groups (each of samples_per_prompt responses) consumed by one learner step."""
     group_wait_s: float = 1800.0
     """Longest a learner step waits for its groups before the run fails, seconds."""
+    wait_report_s: float = 30.0
+    """While the run waits (for starting actors, or the learner for groups), the console says why after this
+    long and again every this many seconds."""
     learner_num_cpus: float = 1.0
     """Ray CPUs of the learner."""
     learner_num_gpus: float = 0.0
@@ -97,7 +102,11 @@ class EvalConfig:
     limit: int = 100
     """First N items of the prompt set (0 = all)."""
     modes: list[str] = field(default_factory=lambda: ["dense", "sparse"])
-    """dense: full KV cache; sparse: the run's compressor and budget."""
+    """dense: full KV cache; sparse: `sparse_compressor`, by default the run's compressor and budget."""
+    sparse_compressor: Optional[CompressorConfig] = None
+    """The compressor of sparse evaluation when it is not the training rollouts' (None): e.g. a dense-rollout
+    baseline evaluated under the sparse arms' budget (`eval.sparse_compressor.method=rkv
+    eval.sparse_compressor.kv_budget=48 ...`; unset fields take CompressorConfig's defaults). Torch engine only."""
     max_new_tokens: int = 256
     """Response length limit at evaluation, tokens."""
     temperature: float = 0.0
@@ -250,6 +259,13 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
         validate_training_sampling(run.actors.sampling)
     except ValueError as e:
         raise ConfigError(dotted_names(str(e))) from None
+    if run.eval.sparse_compressor is not None:
+        try:
+            build_compressor(run.eval.sparse_compressor)
+        except ValueError as e:
+            raise ConfigError(re.sub(r"\bcompressor\.", "eval.sparse_compressor.", str(e))) from None
+        check(run.actors.engine.backend != "sglang", "eval.sparse_compressor: the SGLang engine evaluates with its own "
+              "compressor only (its attention backend is fixed when it starts); leave it unset")
     if check_files:  # user code named in the config is imported here, so a typo fails before anything starts
         from actors.data import load_task_function
         from actors.reward import load_reward_function
@@ -270,6 +286,7 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
     check(run.actors.start_timeout_s > 0, f"actors.start_timeout_s={run.actors.start_timeout_s}: expected > 0")
     check(run.actors.prompts_per_batch >= 1, f"actors.prompts_per_batch={run.actors.prompts_per_batch}: expected >= 1")
     check(run.train.steps >= 1, f"train.steps={run.train.steps}: expected >= 1")
+    check(run.train.wait_report_s > 0, f"train.wait_report_s={run.train.wait_report_s}: expected > 0")
     check(run.train.groups_per_step >= 1, f"train.groups_per_step={run.train.groups_per_step}: expected >= 1")
     for mode in run.eval.modes:
         check(mode in ("dense", "sparse"), f"eval.modes: {mode!r} is not one of dense, sparse")

@@ -18,8 +18,14 @@ class Console:
     def __init__(self):
         self.out = RichConsole(soft_wrap=True)  # long URIs and commands stay on one line (copy-pasteable)
 
-    def start(self, run_id, run_dir, redis_url, mlflow_where) -> None:
+    def start(self, run_id, run_dir, redis_url, mlflow_where, record=None) -> None:
         self.out.rule(f"sparse-rl run [bold]{run_id}[/]")
+        if record is not None and record.resumed:
+            self.out.print(f"resumed at weight version {record.start_version}: same run directory, MLflow run and "
+                           "broker counters; steps after that checkpoint are trained again")
+        elif record is not None and record.parent:
+            self.out.print(f"forked from {record.parent['checkpoint']} (weight version {record.start_version}); "
+                           f"parent run {record.parent['run_id'] or '(unknown)'}")
         self.out.print(f"run directory: {run_dir}\nredis: {redis_url}\nMLflow: {mlflow_where}")
         self.out.print(f"scale actors while it runs: sparse-rl scale --run {run_id} --actors N "
                        f"--run-dir {Path(run_dir).parent}")

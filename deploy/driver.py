@@ -1,6 +1,7 @@
 """The driver: the whole system on one screen (slime's train.py style).
 
-    services (Ray, Redis, MLflow) -> learner + N rollout actors (Ray actors)
+    the run's record (new, resumed or forked: deploy/record.py) -> services (Ray, Redis, MLflow)
+    -> learner + N rollout actors (Ray actors)
     for step: learner consumes groups and steps -> actors rescaled/replaced -> weights broadcast -> log
     (evaluation of the initial weights first, if eval.before) -> evaluation dense and sparse -> plot and artifacts -> everything shut down (also on Ctrl-C / error)
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import threading
@@ -20,18 +22,17 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import ray  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from broker.redis_server import LocalRedis  # noqa: E402
+from broker.redis_server import LocalRedis, RedisInUse  # noqa: E402
 from broker.streams import PAUSED, connect, key, queue_depth, run_counts  # noqa: E402
-from deploy.config import RunConfig, make_run_dir, to_dict  # noqa: E402
+from deploy.config import RunConfig, to_dict  # noqa: E402
 from deploy.console import Console  # noqa: E402
 from deploy.model_cache import resolve_model  # noqa: E402
+from deploy.record import open_record  # noqa: E402
 from deploy.scale import SCALE_KEY, write_run_info  # noqa: E402
 from deploy.tracking import Tracker  # noqa: E402
 
 WAIT_POLL_S = 2.0
 """While the learner waits for groups, the driver checks the actors (replacing the dead) this often, seconds."""
-WAIT_REPORT_S = 30.0
-"""... and says why the learner is still waiting after this long, then again every this many seconds."""
 MAX_START_FAILURES = 3
 """Rollout actors in a row that die while starting (each after Ray's own restarts) before the run fails:
 no actor can ever produce."""
@@ -39,23 +40,30 @@ MAX_LOCAL_ACTORS = 16
 """A local Ray is given enough logical CPUs for the learner and this many actors (to scale up at run time)."""
 
 
+class RunFailed(RuntimeError):
+    """The run cannot go on for a reason the driver diagnosed (e.g. no rollout actor can start); str() is the
+    one line to print. The MLflow run is FAILED and everything is shut down."""
+
+
 class Interrupted(Exception):
     """Ctrl-C stopped the run: the MLflow run is KILLED and everything is shut down; str() is the one line
     to print (step reached, last checkpoint, how to resume)."""
 
 
-def train(cfg: RunConfig, command: tuple[str, ...] = ("sparse-rl", "train")) -> dict:
+def train(cfg: RunConfig, command: tuple[str, ...] = ("sparse-rl", "train"), resume: str = "") -> dict:
     """Run one training job end to end; returns the last step's metrics and the evaluation scores.
-    `command` is how the run was started (argv words), for the resume hint printed on Ctrl-C.
-    Raises Interrupted on Ctrl-C (SIGINT), after shutting everything down."""
-    progress = {"step": 0}
+    `command` is how the run was started (argv words), for the hint printed on Ctrl-C; `resume`: the directory
+    of a run to continue as the same record (deploy/record.py; cfg is then that run's config, see resume_config).
+    Raises Interrupted on Ctrl-C (SIGINT), after shutting everything down; ConfigError (nothing started) when the
+    record cannot be opened."""
+    progress = {"step": 0, "run_dir": None}
     previous = signal.getsignal(signal.SIGINT)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _interrupt)
     try:
-        return _train(cfg, progress)
+        return _train(cfg, progress, resume)
     except KeyboardInterrupt:
-        raise Interrupted(interrupted_line(cfg, progress["step"], command)) from None
+        raise Interrupted(interrupted_line(cfg, progress, command)) from None
     finally:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, previous)
@@ -67,52 +75,63 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def interrupted_line(cfg: RunConfig, step: int, command: tuple[str, ...]) -> str:
-    """One line: how far the run got, its last checkpoint, and the command that resumes from it."""
+def interrupted_line(cfg: RunConfig, progress: dict, command: tuple[str, ...]) -> str:
+    """One line: how far the run got, its last checkpoint, and the command that resumes it."""
     ckpt_dir = Path(cfg.learner.checkpoint_dir)
     latest = ckpt_dir / "latest"
-    head = f"interrupted at step {step} of {cfg.train.steps}"
-    if not latest.is_file():
+    head = f"interrupted at step {progress['step']} of {cfg.train.steps}"
+    if progress["run_dir"] is None or not latest.is_file():
         return (f"{head}; last checkpoint: none (one every learner.checkpoint_interval="
                 f"{cfg.learner.checkpoint_interval} versions); start again with: {shlex.join(command)}")
-    kept = [word for word in command if not word.startswith("learner.checkpoint_dir=")]
     return (f"{head}; last checkpoint: {ckpt_dir / latest.read_text().strip()}; "
-            f"resume with: {shlex.join([*kept, f'learner.checkpoint_dir={ckpt_dir}'])}")
+            f"resume with: sparse-rl train --resume {progress['run_dir']}")
 
 
-def _train(cfg: RunConfig, progress: dict) -> dict:
-    run_id, run_dir = make_run_dir(cfg)  # unique, created atomically
+def _train(cfg: RunConfig, progress: dict, resume: str) -> dict:
+    record = open_record(cfg, resume)  # new (directory created atomically), resumed, or forked from a checkpoint
+    run_id, run_dir = record.run_id, record.run_dir
+    progress["run_dir"] = run_dir
     cfg.model = resolve_model(cfg.model)  # build/convert preset model files once, before any worker starts
-    if not cfg.learner.checkpoint_dir:
-        cfg.learner.checkpoint_dir = str(run_dir / "checkpoints")
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # what --resume loads
     console = Console()
     with ExitStack() as stack:
-        if not cfg.broker.url:  # embedded default: a private redis-server on 127.0.0.1
-            cfg.broker.url = stack.enter_context(LocalRedis(password=os.environ.get(cfg.broker.password_env) or None)).url
-        write_run_info(run_dir, run_id, cfg.broker)  # how `sparse-rl scale --run <id>` finds the broker
+        if not cfg.broker.url:  # embedded default: a private redis-server on 127.0.0.1, its data in the run directory
+            try:  # (append-only file: a resume finds queue and counters)
+                cfg.broker.url = stack.enter_context(LocalRedis(
+                    password=os.environ.get(cfg.broker.password_env) or None, data_dir=run_dir / "redis",
+                    appendonly=True, appendfsync="everysec")).url
+            except RedisInUse as e:
+                raise RunFailed(str(e)) from None
         start_ray(cfg)
         stack.callback(ray.shutdown)
-        tracker = Tracker(cfg.mlflow.tracking_uri, cfg.mlflow.experiment, run_id, run_dir)
+        tracker = Tracker(cfg.mlflow.tracking_uri, cfg.mlflow.experiment, run_id, run_dir,
+                          resume_run_id=record.mlflow_run_id, tags={f"parent_{k}": v for k, v in record.parent.items()})
         # KILLED on Ctrl-C, FAILED on an error; a no-op once the run ended FINISHED
         stack.push(lambda kind, *_: tracker.end("KILLED" if kind is KeyboardInterrupt else "FAILED"))
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-        tracker.log_params(to_dict(cfg))
+        # how `sparse-rl scale --run <id>` finds the broker, and `--resume` the MLflow run and checkpoints
+        write_run_info(run_dir, run_id, cfg.broker, mlflow_uri=tracker.uri, mlflow_run_id=tracker.run_id,
+                       checkpoint_dir=cfg.learner.checkpoint_dir)
+        changed = tracker.log_params(to_dict(cfg))
+        if record.resumed:
+            tracker.record_resume(record.start_version, changed)
         tracker.log_artifact(run_dir / "config.yaml")
-        console.start(run_id, run_dir, cfg.broker.url, tracker.where())
+        console.start(run_id, run_dir, cfg.broker.url, tracker.where(), record)
 
         redis = connect(cfg.broker)
         redis.set(key(run_id, SCALE_KEY), cfg.actors.count)
         learner = start_learner(cfg, run_id)
-        before = cfg.eval.enabled and cfg.eval.before
+        before = cfg.eval.enabled and cfg.eval.before and not record.resumed  # a resumed run evaluated at its start
         if before:
             redis.set(key(run_id, PAUSED), 1)  # actors start, load weights, and wait for the first evaluation
+        else:
+            redis.delete(key(run_id, PAUSED))  # (left set by a run interrupted while it evaluated)
         pool = ActorPool(cfg, run_id, learner)
         stack.callback(pool.shutdown)
         pool.scale(cfg.actors.count)
         pool.wait_ready(console)  # nothing to train or evaluate with before the first actors have started
         pool.sync_weights()  # initial weights to everyone: one code path for initial and later weights
         version = int(ray.get(learner.version.remote()))
-        scores_before = {}
+        scores_before = tracker.first_values("eval/") if record.resumed else {}
         if before:
             scores_before = pool.evaluate()
             tracker.log_metrics(scores_before, version)  # eval/* at the initial version, again at the last
@@ -122,18 +141,10 @@ def _train(cfg: RunConfig, progress: dict) -> dict:
             return int(redis.get(key(run_id, SCALE_KEY)) or cfg.actors.count)
 
         actor_idle = []  # actor_idle_fraction of every step, for the run's figure
-        for step in range(1, cfg.train.steps + 1):
-            done = learner.train_step.remote()  # returns once groups_per_step groups are trained
-            waited = time.monotonic()
-            reported = waited
-            while not ray.wait([done], timeout=WAIT_POLL_S)[0]:
-                pool.scale(target())  # dead actors are replaced while the learner waits, new ones start
-                if pool.membership_changed():  # an actor became ready: weights now (it cannot sample without)
-                    pool.sync_weights()
-                if time.monotonic() - reported >= WAIT_REPORT_S:
-                    reported = time.monotonic()
-                    console.waiting(step, reported - waited, pool.why_waiting(queue_depth(redis, cfg.broker, run_id)))
-            metrics = ray.get(done)
+        for step in range(version + 1, cfg.train.steps + 1):  # step = the weight version it makes
+            # returns once groups_per_step groups are trained; meanwhile actors are replaced and joined
+            metrics = pool.wait_for(learner.train_step.remote(), step, target, console,
+                                    lambda: queue_depth(redis, cfg.broker, run_id))
             pool.scale(target())
             metrics.update(pool.sync_weights())
             metrics.update(pool.metrics())
@@ -187,6 +198,14 @@ def start_learner(cfg: RunConfig, run_id: str):
     ).remote(to_dict(cfg), run_id)
 
 
+def root_cause(error: Exception) -> str:
+    """The innermost exception line of a Ray error (for an actor that died in its constructor, the error its
+    constructor raised, e.g. "OSError: ... model ..."), else its type and first line; ANSI colours removed."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    raised = [line.strip() for line in text.splitlines() if re.match(r"^\s*[\w.]+(Error|Exception|Exit|Interrupt)\b.*:", line)]
+    return raised[-1] if raised else f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 class ActorPool:
     """The rollout actors of a run: start, scale, replace the dead, weight sync rounds, evaluation."""
 
@@ -232,7 +251,7 @@ class ActorPool:
                     self.incarnations[i] = ray.get(first_ping)["incarnation"]
                     self.start_failures = 0
                 except ray.exceptions.RayActorError as e:
-                    reason = f"died while starting ({type(e).__name__}: {str(e).splitlines()[0]})"
+                    reason = f"died while starting ({root_cause(e)})"
             elif time.monotonic() - since > self.cfg.actors.start_timeout_s:
                 del self.starting[i]
                 reason = f"did not start within actors.start_timeout_s={self.cfg.actors.start_timeout_s:g} s"
@@ -242,7 +261,7 @@ class ActorPool:
                 self.replaced += 1
                 self.start_failures += 1
                 if self.start_failures >= MAX_START_FAILURES:
-                    raise RuntimeError(f"no rollout actor can start: {self.start_failures} in a row failed, "
+                    raise RunFailed(f"no rollout actor can start: {self.start_failures} in a row failed, "
                                        f"the last one {reason}")
 
     def wait_ready(self, console) -> None:
@@ -252,9 +271,28 @@ class ActorPool:
             ray.wait([ref for _, ref in self.starting.values()], num_returns=len(self.starting), timeout=WAIT_POLL_S)
             self._check_starting()
             self.scale(self.target)
-            if self.starting and time.monotonic() - reported >= WAIT_REPORT_S:
+            if self.starting and time.monotonic() - reported >= self.cfg.train.wait_report_s:
                 reported = time.monotonic()
                 console.waiting(0, reported - since, f"{len(self.starting)} rollout actor(s) starting (loading the model)")
+
+    def wait_for(self, done, step: int, target, console, depth) -> dict:
+        """The learner's result `done` for `step`. While it waits for groups, dead actors are replaced (target():
+        the actor count wanted), actors that became ready get the weights at once, and the console says why it
+        waits every train.wait_report_s. Raises RunFailed when the learner gave up after train.group_wait_s."""
+        waited = reported = time.monotonic()
+        while not ray.wait([done], timeout=WAIT_POLL_S)[0]:
+            self.scale(target())
+            if self.membership_changed():  # an actor became ready: weights now (it cannot sample without)
+                self.sync_weights()
+            if time.monotonic() - reported >= self.cfg.train.wait_report_s:
+                reported = time.monotonic()
+                console.waiting(step, reported - waited, self.why_waiting(depth()))
+        try:
+            return ray.get(done)
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, TimeoutError):  # waited train.group_wait_s for groups: say so in one line
+                raise RunFailed(f"{e.cause} ({self.why_waiting(depth())})") from None
+            raise
 
     def membership_changed(self) -> bool:
         """The ready actors differ from the current weight-sync group (one started, restarted or left)."""

@@ -20,9 +20,10 @@ def evaluate_model(cfg: RunConfig, model: str, modes: list[str]) -> dict[str, fl
     items = load_eval_items(e.data, e.limit, train=a.data, seed=cfg.seed)
     scores = {}
     for mode in modes:  # one engine per mode: SGLang fixes its attention backend when it starts
-        compressor = CompressorConfig(method="full") if mode == "dense" else a.engine.compressor
+        sparse = e.sparse_compressor or a.engine.compressor
+        compressor = CompressorConfig(method="full") if mode == "dense" else sparse
         engine = build_engine(a.engine, resolve_model(model), compressor, a.torch_threads)
-        result = evaluate(engine, engine.tokenizer, items, mode, a.engine.compressor, max_new_tokens=e.max_new_tokens,
+        result = evaluate(engine, engine.tokenizer, items, mode, sparse, max_new_tokens=e.max_new_tokens,
                           temperature=e.temperature, top_p=e.top_p, batch_size=e.batch_size, seed=cfg.seed,
                           instruction=a.data.instruction, reward=RewardScorer(a.reward))
         scores.update({f"eval/{mode}/{k}": float(v) for k, v in result.items()})

@@ -32,7 +32,7 @@ class LearnerWorker:
         self.consumer = GroupConsumer(self.redis, self.cfg.broker, run_id, "learner-0")
         self.counters = {"groups_trained": 0}
         self.trained_ids: list[str] = []
-        ckpt_dir = self.cfg.learner.checkpoint_dir
+        ckpt_dir = self.cfg.learner.resume_from or self.cfg.learner.checkpoint_dir
         if ckpt_dir and (Path(ckpt_dir) / "latest").exists():  # resume: version, counters and RNG continue
             self.trained_ids, counters = load_checkpoint(self.learner, ckpt_dir)
             self.counters.update(counters)
@@ -51,7 +51,8 @@ class LearnerWorker:
         self.zero_variance = {"zero": counts["groups_filtered"], "seen": counts["consumed"] + counts["groups_filtered"]}
         self.capacity = want if informative is None else step_capacity(
             want, self.zero_variance["zero"], self.zero_variance["seen"], l.max_extra_reads)
-        open_pool(self.redis, run_id, self.learner.version + self.cfg.train.steps - 1, self.capacity)
+        # the driver trains up to weight version train.steps: the last step runs at learner version steps - 1
+        open_pool(self.redis, run_id, self.cfg.train.steps - 1, self.capacity)
         self.idle = {"wait_s": 0.0, "step_s": 0.0}  # over the run, for learner_idle_fraction_run
         host = "127.0.0.1"
         if self.cfg.ray.address:  # on a cluster the actors reach the learner's node address
@@ -116,6 +117,7 @@ class LearnerWorker:
                 "step_capacity": float(self.capacity),
                 "rollout_utilization": (counts["consumed"] + counts["groups_filtered"])
                 / max(1, counts["produced"] - depth),
+                "groups_trained": float(self.counters["groups_trained"]),
                 "queue_depth": float(depth),
                 **{f"broker_{k}": float(v) for k, v in counts.items()}}
 

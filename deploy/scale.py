@@ -26,9 +26,10 @@ class ScaleError(Exception):
     """The scale request cannot be applied: unknown run, no broker found or reachable, bad count."""
 
 
-def write_run_info(run_dir: Path, run_id: str, broker: BrokerConfig) -> None:
-    """What `scale` needs to find a running job: its id, broker URL (without a password) and password_env."""
-    info = {"run_id": run_id, "redis_url": broker.url, "password_env": broker.password_env}
+def write_run_info(run_dir: Path, run_id: str, broker: BrokerConfig, **more) -> None:
+    """What `scale` needs to find a running job: its id, broker URL (without a password) and password_env;
+    `more`: what else the driver records (a resume reads the MLflow run and the checkpoint directory)."""
+    info = {"run_id": run_id, "redis_url": broker.url, "password_env": broker.password_env, **more}
     (Path(run_dir) / RUN_INFO).write_text(json.dumps(info, indent=1) + "\n")
 
 

@@ -45,17 +45,30 @@ def public_params(resolved: dict) -> dict[str, str]:
 
 
 class Tracker:
-    """One MLflow run. `tracking_uri` empty -> `sqlite:///<run_dir>/mlflow.db`."""
+    """One MLflow run. `tracking_uri` empty -> `sqlite:///<run_dir>/mlflow.db`.
 
-    def __init__(self, tracking_uri: str, experiment: str, run_name: str, run_dir: Path):
+    resume_run_id: reopen this MLflow run (status back to RUNNING, its plotted history reloaded) instead of
+        creating one: a resumed run continues the same metric history (step = weight version).
+    tags: set on the run (e.g. a fork's parent)."""
+
+    def __init__(self, tracking_uri: str, experiment: str, run_name: str, run_dir: Path, resume_run_id: str = "",
+                 tags: dict[str, str] | None = None):
         self.uri = tracking_uri or f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
         mlflow.set_tracking_uri(self.uri)
         exp = mlflow.get_experiment_by_name(experiment)
         exp_id = exp.experiment_id if exp else mlflow.create_experiment(
             experiment, artifact_location=self._local_artifacts(tracking_uri, run_dir))
         self.client = MlflowClient(self.uri)
-        self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
-        self.history: dict[str, list[tuple[int, float]]] = {}
+        self.history: dict[str, dict[int, float]] = {}  # key -> {step: last value} (for the plot)
+        if resume_run_id:
+            self.run_id = resume_run_id
+            self.client.update_run(resume_run_id, status="RUNNING")
+            for key in PLOTTED:
+                self.history[key] = {m.step: m.value for m in self.client.get_metric_history(resume_run_id, key)}
+        else:
+            self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
+        for name, value in (tags or {}).items():
+            self.client.set_tag(self.run_id, name, value)
         self.ended = False
 
     @staticmethod
@@ -68,10 +81,31 @@ class Tracker:
             return (Path(tracking_uri[len("sqlite:///"):]).resolve().parent / "artifacts").as_uri()
         return None
 
-    def log_params(self, resolved: dict) -> None:
-        params = [Param(k, v) for k, v in public_params(resolved).items()]
+    def log_params(self, resolved: dict) -> dict[str, str]:
+        """Log the config as params. A reopened run keeps its params (MLflow never changes one): new keys are
+        added, and the changed ones are returned ({key: new value}) for the caller to record."""
+        logged = self.client.get_run(self.run_id).data.params
+        changed = {k: v for k, v in public_params(resolved).items() if k in logged and logged[k] != v}
+        params = [Param(k, v) for k, v in public_params(resolved).items() if k not in logged]
         for i in range(0, len(params), 100):  # MLflow caps one batch at 100 params
             self.client.log_batch(self.run_id, params=params[i:i + 100])
+        return changed
+
+    def record_resume(self, version: int, changed: dict[str, str]) -> None:
+        """Tags of a resumed run: `resumed_at_versions` (comma-separated, one per resume) and, for each param
+        given a new value at this resume, `resume_v<version>.<param>` = the new value."""
+        tags = self.client.get_run(self.run_id).data.tags
+        earlier = tags.get("resumed_at_versions", "")
+        self.client.set_tag(self.run_id, "resumed_at_versions", f"{earlier},{version}" if earlier else str(version))
+        for name, value in changed.items():
+            self.client.set_tag(self.run_id, f"resume_v{version}.{name}", value)
+
+    def first_values(self, prefix: str) -> dict[str, float]:
+        """{metric: its value at the lowest step} for the run's metrics named `prefix`* (e.g. the evaluation
+        before training of a resumed run)."""
+        names = [k for k in self.client.get_run(self.run_id).data.metrics if k.startswith(prefix)]
+        return {k: min(self.client.get_metric_history(self.run_id, k), key=lambda m: (m.step, m.timestamp)).value
+                for k in names}
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """All metrics of one step in one `log_batch` call; non-finite and non-numeric values are skipped."""
@@ -80,7 +114,7 @@ class Tracker:
         for key, value in metrics.items():
             if isinstance(value, (int, float)) and value == value and abs(value) != float("inf"):
                 batch.append(Metric(key, float(value), now, step))
-                self.history.setdefault(key, []).append((step, float(value)))
+                self.history.setdefault(key, {})[step] = float(value)
         for i in range(0, len(batch), 1000):
             self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
 
@@ -96,7 +130,7 @@ class Tracker:
 
         fig, axes = plt.subplots(1, len(PLOTTED), figsize=(4 * len(PLOTTED), 3.2))
         for ax, key in zip(axes, PLOTTED):
-            points = self.history.get(key, [])
+            points = sorted(self.history.get(key, {}).items())
             ax.plot([s for s, _ in points], [v for _, v in points], marker="o")
             ax.set_title(key)
             ax.set_xlabel("learner step")

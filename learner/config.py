@@ -80,6 +80,9 @@ class LearnerConfig:
     """Directory of DeepSpeed checkpoints (one tag per version); empty = no checkpoints."""
     checkpoint_interval: int = 50
     """The driver saves a checkpoint every this many learner versions."""
+    resume_from: str = ""
+    """Checkpoint directory whose latest checkpoint the learner loads at start, when it is not checkpoint_dir
+    (a fork: another run's checkpoints, never written to). Empty: load checkpoint_dir's latest if it has one."""
 
     # --- weight sync (broker/weight_sync.py) ---------------------------------------------------------------
     weight_sync_bucket_mb: float = 16.0

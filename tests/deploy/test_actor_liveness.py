@@ -2,11 +2,14 @@
 
 - an actor that starts slower than learner.weight_sync_timeout_s is not killed: it joins the weight sync once
   ready, while the learner keeps stepping without it;
-- a dead actor is replaced while the learner waits for groups, and the run completes.
+- a dead actor is replaced while the learner waits for groups, and the run completes; meanwhile the console
+  says why the learner waits;
+- when no actor can ever start, the run fails fast saying so (not after train.group_wait_s).
 """
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -78,7 +81,7 @@ def test_dead_actor_is_replaced_while_the_learner_waits(tmp_path, redis_server, 
     steps = 5
     cfg = load_config("tiny", [f"run_dir={tmp_path}", f"broker.url={redis_server.url}", "actors.count=1",
                                "actors.max_restarts=0", f"train.steps={steps}", "eval.enabled=false",
-                               "learner.weight_sync_timeout_s=30", "train.group_wait_s=90"])
+                               "learner.weight_sync_timeout_s=30", "train.group_wait_s=90", "train.wait_report_s=2"])
     redis = connect(BrokerConfig(url=redis_server.url))
     killed: list[int] = []
 
@@ -96,5 +99,24 @@ def test_dead_actor_is_replaced_while_the_learner_waits(tmp_path, redis_server, 
 
     assert killed and summary["actors_replaced"] >= 1
     assert "rollout actor 0 is gone" in out, out
+    # while the replacement loads (a new Ray worker needs > 2 s here), the console says why the learner waits
+    assert re.search(r"learner waiting for the groups of step \d+ for \d+ s: no live rollout actor, "
+                     r"1 starting \(loading the model\)", out), out
     assert summary["accounting"]["learner_version"] == steps
     assert list(summary["accounting"]["actor_versions"].values()) == [steps]  # the replacement, on the last version
+
+
+@pytest.mark.timeout(600)
+def test_the_run_fails_fast_when_no_actor_can_start(tmp_path, redis_server, monkeypatch, capfd):
+    monkeypatch.setenv(SLOW_START_ENV, "*=fail")  # every actor dies in its constructor, as with a model it cannot load
+    cfg = load_config("tiny", [f"run_dir={tmp_path}", f"broker.url={redis_server.url}", "actors.count=1",
+                               "actors.max_restarts=0", "eval.enabled=false", "train.group_wait_s=1800",
+                               "train.wait_report_s=1"])
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"no rollout actor can start: 3 in a row failed, the last one died while "
+                                           r"starting \(.*fails to start \(test hook\)"):
+        train(cfg)
+    out = capfd.readouterr().out
+    assert out.count("died while starting") == 3, out
+    assert "waiting for the rollout actors for" in out and "rollout actor(s) starting (loading the model)" in out, out
+    assert time.monotonic() - started < 1800  # long before train.group_wait_s (no timing target: it must not wait it)

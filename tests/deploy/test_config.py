@@ -76,6 +76,8 @@ def test_bad_config_names_the_field(override, field):
     ("learner.max_extra_reads=-1", "learner.max_extra_reads=-1: expected >= 0"),
     ("actors.engine.compressor.kv_budget=8",
      "actors.engine.compressor.kv_budget=8 must be > actors.engine.compressor.window=8"),
+    ("eval.sparse_compressor.kv_budget=8", "eval.sparse_compressor.kv_budget=8 must be > eval.sparse_compressor.window=8"),
+    ("train.wait_report_s=0", "train.wait_report_s=0.0: expected > 0"),
 ])
 def test_component_errors_name_the_dotted_field(override, message):
     """Components name their own fields (LearnerConfig.eps, compressor.kv_budget); the run config reports

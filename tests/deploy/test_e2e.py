@@ -7,10 +7,12 @@
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
@@ -20,8 +22,9 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 
 from broker.config import BrokerConfig  # noqa: E402
 from broker.streams import connect, read_learner_version  # noqa: E402
-from deploy.config import load_config  # noqa: E402
+from deploy.config import ConfigError, load_config  # noqa: E402
 from deploy.driver import train  # noqa: E402
+from deploy.record import resume_config  # noqa: E402
 from deploy.scale import request_scale  # noqa: E402
 
 STEP_METRICS = ("rejection_rate", "mismatch_kl", "mismatch_kl_k1", "token_mask_fraction", "reward_mean",
@@ -118,16 +121,49 @@ def test_actors_scaled_and_killed_while_learner_steps(tmp_path, redis_server):
 
 
 @pytest.mark.timeout(900)
-def test_resume_from_checkpoint_continues_versions(tmp_path, redis_server):
-    common = [f"run_dir={tmp_path}", "train.steps=2", "eval.enabled=false", "learner.weight_sync_timeout_s=60"]
-    first = train(load_config("tiny", common + [f"broker.url={redis_server.url}", "learner.checkpoint_interval=1"]))
-    ckpt = f"{first['run_dir']}/checkpoints"
-    second = train(load_config("tiny", common + [f"learner.checkpoint_dir={ckpt}"]))  # embedded Redis this time
+def test_resume_continues_the_same_record_and_a_fork_starts_its_own(tmp_path, redis_server):
+    """Resume: the same run directory, MLflow run (versions 1..4 in one history) and learner counters, new
+    checkpoints in its own directory. Fork (learner.resume_from): a new record tagged with its parent, whose
+    checkpoints it never writes."""
+    common = [f"run_dir={tmp_path}", "eval.enabled=false", "learner.weight_sync_timeout_s=60",
+              "learner.checkpoint_interval=1", f"broker.url={redis_server.url}"]
+    first = train(load_config("tiny", common + ["train.steps=2"]))
+    run_dir = first["run_dir"]
+    second = train(resume_config(run_dir, ["train.steps=4"]), resume=run_dir)
 
-    assert second["accounting"]["learner_version"] == 4
-    assert set(second["accounting"]["actor_versions"].values()) == {4}
-    history = MlflowClient(second["mlflow_uri"]).get_metric_history(second["mlflow_run_id"], "rejection_rate")
-    assert [m.step for m in history] == [3, 4]
+    assert (second["run_dir"], second["mlflow_run_id"]) == (run_dir, first["mlflow_run_id"])
+    gps = first["accounting"]["consumed"] // 2
+    assert second["groups_trained"] == 4 * gps  # the learner's counter continued from the checkpoint's 2 * gps
+    assert second["accounting"]["learner_version"] == 4 and set(second["accounting"]["actor_versions"].values()) == {4}
+    client = MlflowClient(second["mlflow_uri"])
+    history = client.get_metric_history(first["mlflow_run_id"], "rejection_rate")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4]
+    run = client.get_run(first["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["resumed_at_versions"] == "2"
+    assert run.data.tags["resume_v2.train.steps"] == "4"
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+    assert (Path(run_dir) / "checkpoints" / "latest").read_text() == "version_4"
+
+    forked = train(load_config("tiny", common + ["train.steps=5", f"learner.resume_from={run_dir}/checkpoints"]))
+    assert forked["run_dir"] != run_dir and forked["accounting"]["learner_version"] == 5
+    tags = MlflowClient(forked["mlflow_uri"]).get_run(forked["mlflow_run_id"]).data.tags
+    assert tags["parent_run_id"] == first["run_id"] and tags["parent_mlflow_run_id"] == first["mlflow_run_id"]
+    assert (Path(forked["run_dir"]) / "checkpoints" / "latest").read_text() == "version_5"
+    assert (Path(run_dir) / "checkpoints" / "latest").read_text() == "version_4"  # the parent's are untouched
+
+
+def test_a_record_that_cannot_be_resumed_fails_before_anything_starts(tmp_path):
+    """No checkpoint yet, or train.steps not beyond the checkpoint: ConfigError naming the cause, no new run."""
+    run = tmp_path / "tiny-20260101-000000-ab12"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"run_id": run.name, "checkpoint_dir": str(run / "checkpoints")}))
+    cfg = load_config("tiny", [f"run_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="no checkpoint in .*checkpoint_interval"):
+        train(cfg, resume=str(run))
+    (run / "checkpoints" / "latest").write_text("version_3")
+    with pytest.raises(ConfigError, match=r"train.steps=3: the checkpoint .* is at weight version 3"):
+        train(load_config("tiny", [f"run_dir={tmp_path}", "train.steps=3"]), resume=str(run))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [run.name]  # nothing else was created
 
 
 @pytest.mark.timeout(600)

@@ -20,3 +20,23 @@ def test_eval_cli_dense_and_sparse():
         assert scores[f"eval/{mode}/response_length"] > 0
     # tiny preset: budget 48 < prompt + 64 tokens, so the sparse cache peaks lower than the dense one
     assert scores["eval/sparse/kv_peak_bytes"] < scores["eval/dense/kv_peak_bytes"]
+
+
+def test_sparse_evaluation_of_a_dense_rollout_run_uses_eval_sparse_compressor():
+    """A dense-rollout run (compressor full) evaluated "sparse" under eval.sparse_compressor: a bounded cache.
+    Control: without it, sparse evaluation of that run is dense (the same peak KV bytes)."""
+    model = resolve_model("tiny-llama")
+
+    def peaks(*overrides):
+        proc = subprocess.run([sys.executable, "-m", "deploy.cli", "eval", "--model", model, "--config", "tiny",
+                               "eval.limit=2", "eval.max_new_tokens=64", "actors.engine.compressor.method=full",
+                               *overrides], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        scores = json.loads(proc.stdout[proc.stdout.index("{"):])
+        return scores["eval/dense/kv_peak_bytes"], scores["eval/sparse/kv_peak_bytes"]
+
+    dense, sparse = peaks()
+    assert sparse == dense
+    dense, sparse = peaks("eval.sparse_compressor.method=rkv", "eval.sparse_compressor.kv_budget=24",
+                          "eval.sparse_compressor.interval=8")
+    assert sparse < 0.75 * dense

@@ -1,0 +1,142 @@
+"""A run's record: its id, directory, MLflow run, broker keys and checkpoints; new, resumed or forked.
+
+    new      sparse-rl train ...                                   a new id and directory
+    resumed  sparse-rl train --resume runs/<id> [overrides]        the same id, directory, MLflow run, broker keys
+             (or learner.checkpoint_dir=runs/<id>/checkpoints)     and checkpoint directory: one record
+    forked   sparse-rl train learner.resume_from=runs/<id>/checkpoints ...
+                                                                   starts from another run's latest checkpoint, in a
+                                                                   new record tagged with its parent
+
+A checkpoint directory names the run that writes it in its OWNER file, so a checkpoint directory given by path is
+either the record's own (a resume) or another's (a fork); checkpoints are only ever written by their owner.
+`train.steps` counts weight versions of the record: a resumed or forked run trains from the checkpoint's version
+to `train.steps`.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deploy.config import ConfigError, RunConfig, load_config, make_run_dir
+from deploy.scale import RUN_INFO
+
+OWNER = "OWNER"
+"""File in a checkpoint directory: the run directory that writes its checkpoints."""
+
+
+@dataclass
+class RunRecord:
+    run_id: str
+    run_dir: Path
+    resumed: bool = False
+    """True: this continues the record in run_dir (same MLflow run, broker keys, checkpoint directory)."""
+    start_version: int = 0
+    """Weight version of the checkpoint the learner loads (0 for a new run)."""
+    mlflow_run_id: str = ""
+    """The MLflow run to reopen when resumed ("" = create one)."""
+    parent: dict = field(default_factory=dict)
+    """A fork's parent: {"run_id", "run_dir", "mlflow_run_id", "checkpoint"}; {} otherwise."""
+
+
+def read_run_info(run_dir: str | Path) -> dict:
+    """The run directory's run.json ({} when absent)."""
+    path = Path(run_dir) / RUN_INFO
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def checkpoint_version(ckpt_dir: str | Path) -> int | None:
+    """Weight version of the latest checkpoint in ckpt_dir (DeepSpeed's `latest` names tag version_<v>);
+    None when there is none."""
+    latest = Path(ckpt_dir) / "latest"
+    if not latest.is_file():
+        return None
+    tag = latest.read_text().strip()
+    match = re.fullmatch(r"version_(\d+)", tag)
+    if not match:
+        raise ConfigError(f"checkpoint directory {ckpt_dir}: its latest tag {tag!r} is not version_<n>")
+    return int(match.group(1))
+
+
+def resume_config(run_dir: str | Path, overrides: list[str] = ()) -> RunConfig:
+    """The config of the run in run_dir (its config.yaml) with `overrides` applied on top (e.g. train.steps=20
+    to train further). Raises ConfigError when run_dir is not a run directory."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"--resume {run_dir}: no config.yaml there; expected a run directory made by "
+                          "`sparse-rl train` (runs/<run id>)")
+    return load_config(str(path), list(overrides))
+
+
+def open_record(cfg: RunConfig, resume: str | Path = "") -> RunRecord:
+    """Decide and prepare the record `cfg` trains into; sets cfg.learner.checkpoint_dir (where checkpoints are
+    written) and cfg.learner.resume_from (what the learner loads, "" = its checkpoint_dir if it holds one).
+
+    Raises ConfigError (nothing created) when the resumed run has no checkpoint, a checkpoint's version is
+    already at or past train.steps, or learner.checkpoint_dir belongs to another run without one to load."""
+    ckpt = cfg.learner.checkpoint_dir
+    if resume:
+        return _resumed(Path(resume).resolve(), cfg)
+    if ckpt and checkpoint_version(ckpt) is not None and not cfg.learner.resume_from:
+        owner = _owner(ckpt)
+        if owner is not None:
+            return _resumed(owner, cfg)  # the run's own checkpoints: the same as --resume <its directory>
+        cfg.learner.resume_from, cfg.learner.checkpoint_dir = ckpt, ""  # nobody's: start from it, write our own
+    parent = {}
+    start_version = 0
+    if cfg.learner.resume_from:
+        src = cfg.learner.resume_from
+        start_version = checkpoint_version(src)
+        if start_version is None:
+            raise ConfigError(f"learner.resume_from={src!r}: no checkpoint there (no 'latest' file)")
+        _check_steps(cfg, start_version, src)
+        owner = _owner(src)
+        info = read_run_info(owner) if owner else {}
+        parent = {"run_id": info.get("run_id", ""), "run_dir": str(owner or ""),
+                  "mlflow_run_id": info.get("mlflow_run_id", ""), "checkpoint": str(Path(src).resolve())}
+    if cfg.learner.checkpoint_dir:
+        other = _owner(cfg.learner.checkpoint_dir)
+        if other is not None:
+            raise ConfigError(f"learner.checkpoint_dir={cfg.learner.checkpoint_dir!r} belongs to the run in {other}; "
+                              f"resume it with `sparse-rl train --resume {other}`, or start from its checkpoint in "
+                              f"a new run with learner.resume_from={cfg.learner.checkpoint_dir}")
+    run_id, run_dir = make_run_dir(cfg)
+    if not cfg.learner.checkpoint_dir:
+        cfg.learner.checkpoint_dir = str(run_dir / "checkpoints")
+    _claim(cfg.learner.checkpoint_dir, run_dir)
+    return RunRecord(run_id, run_dir, start_version=start_version, parent=parent)
+
+
+def _resumed(run_dir: Path, cfg: RunConfig) -> RunRecord:
+    info = read_run_info(run_dir)
+    if not info:
+        raise ConfigError(f"--resume {run_dir}: no {RUN_INFO} there; expected a run directory made by "
+                          "`sparse-rl train` (runs/<run id>)")
+    ckpt = info.get("checkpoint_dir") or str(run_dir / "checkpoints")
+    version = checkpoint_version(ckpt)
+    if version is None:
+        raise ConfigError(f"--resume {run_dir}: no checkpoint in {ckpt} (one is written every "
+                          f"learner.checkpoint_interval={cfg.learner.checkpoint_interval} versions); start a new run")
+    _check_steps(cfg, version, ckpt)
+    cfg.learner.checkpoint_dir, cfg.learner.resume_from = ckpt, ""
+    return RunRecord(info["run_id"], run_dir, resumed=True, start_version=version,
+                     mlflow_run_id=info.get("mlflow_run_id", ""))
+
+
+def _check_steps(cfg: RunConfig, version: int, ckpt: str | Path) -> None:
+    if cfg.train.steps <= version:
+        raise ConfigError(f"train.steps={cfg.train.steps}: the checkpoint in {ckpt} is at weight version {version} "
+                          f"already; train.steps counts versions, so give train.steps > {version} to train on")
+
+
+def _owner(ckpt_dir: str | Path) -> Path | None:
+    path = Path(ckpt_dir) / OWNER
+    return Path(path.read_text().strip()) if path.is_file() else None
+
+
+def _claim(ckpt_dir: str | Path, run_dir: Path) -> None:
+    """Create the checkpoint directory and name run_dir its owner."""
+    Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
+    (Path(ckpt_dir) / OWNER).write_text(f"{run_dir}\n")
+
