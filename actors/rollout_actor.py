@@ -75,7 +75,7 @@ def slow_start_s(actor_id: str, env: str = SLOW_START_ENV) -> float:
         name, _, seconds = item.partition("=")
         if name.strip() in (actor_id, "*"):
             if seconds.strip() == "fail":
-                raise RuntimeError(f"{SLOW_START_ENV}: {actor_id} fails to start (test hook)")
+                raise RuntimeError(f"{env}: {actor_id} fails to start (test hook)")
             return float(seconds)
     return 0.0
 
@@ -136,9 +136,10 @@ class RolloutWorker:
                     print(f"{self.actor_id}: claim heartbeat failed: {type(e).__name__}: {e}")
 
     def ping(self) -> dict:
-        """Liveness: this process's incarnation id, weight version and whether its loop is running."""
+        """Liveness: this process's incarnation id, weight version, whether its loop is running and whether it
+        holds an admission claim (is in the middle of a batch)."""
         return {"incarnation": self.incarnation, "pid": os.getpid(), "weight_version": self.engine.weight_version,
-                "loop_alive": self.loop.is_alive(), "error": self.error}
+                "loop_alive": self.loop.is_alive(), "error": self.error, "in_batch": self.claim is not None}
 
     # -- weights -----------------------------------------------------------------------------------------
     def receive_weights(self, address: tuple[str, int], generation: int, rank: int, world_size: int) -> int:

@@ -216,6 +216,19 @@ class Admission:
                                f"{self.cfg.claim_ttl_s:g} s); its {len(messages)} group(s) were not published")
         return int(reply[0]), [m.decode() if isinstance(m, bytes) else m for m in reply[1:]]
 
+    def last_version(self) -> int | None:
+        """The run's last training version (open_pool), None when not set."""
+        value = self.client.get(key(self.run_id, LAST_VERSION))
+        return None if value is None else int(value)
+
+    def pool_size(self, version: int, capacity: int) -> int:
+        """The most groups that can be admitted and unsettled at learner `version`: capacity for each version
+        from `version` to min(version + max_staleness, last version). A learner holding that many can get
+        no more (a step must not wait for reads that admission can never let the actors make)."""
+        last = self.last_version()
+        top = version + self.cfg.max_staleness if last is None else min(last, version + self.cfg.max_staleness)
+        return max(0, top - version + 1) * capacity
+
     def pending(self, version: int) -> dict[int, int]:
         """{deadline: groups claimed and not yet settled} for deadlines >= `version`, after reaping the
         expired claims (one round trip)."""
@@ -229,9 +242,9 @@ class Admission:
 
 def open_pool(client: redis.Redis, run_id: str, last_version: int, capacity: int) -> None:
     """Open admission (the learner, once it knows its version): `last_version` is the last learner version
-    whose step trains (start version + train.steps - 1), so no group is admitted that could only be trained
-    after the run, and the run stops with (almost) nothing left in the queue; `capacity` is C, the groups per
-    step (step_capacity)."""
+    whose step trains (train.steps - 1: the driver trains up to version train.steps), so no group is admitted
+    that could only be trained after the run, and the run stops with (almost) nothing left in the queue;
+    `capacity` is C, the groups per step (step_capacity)."""
     pipe = client.pipeline(transaction=True)
     pipe.set(key(run_id, LAST_VERSION), int(last_version))
     pipe.set(key(run_id, STEP_CAPACITY), int(capacity))
@@ -310,7 +323,8 @@ class StepCollector:
 
     `informative(group) -> bool`: False for a group to filter out (zero-variance rewards), None = no filter.
     `max_extra_reads`: with a filter, a step reads at most groups_per_step + max_extra_reads groups before it
-    trains what it has (it still reads the groups admission requires)."""
+    trains what it has (it still reads the groups admission requires); it also stops reading once it holds
+    the whole admission pool (Admission.pool_size): no more groups can come."""
 
     def __init__(self, consumer: GroupConsumer, admission: Admission | None, groups_per_step: int,
                  informative=None, max_extra_reads: int = 0):
@@ -329,9 +343,10 @@ class StepCollector:
         self.held = [(d, h) for d, h in self.held if version - d.group.weight_version <= max_staleness]
         reads, start = 0, time.monotonic()
         bound = self.groups_per_step + self.max_extra_reads if self.informative else None
+        pool = self.admission.pool_size(version, capacity) if self.admission and bound is not None else None
         while True:
             pending = self.admission.pending(version) if self.admission else {}
-            exhausted = bound is not None and reads >= bound
+            exhausted = bound is not None and (reads >= bound or (pool is not None and len(self.held) >= pool))
             plan = plan_step([h for _, h in self.held], pending, version, capacity, self.groups_per_step, exhausted)
             if plan is not None:
                 break

@@ -118,8 +118,10 @@ class LearnerWorker:
         admission = Admission(self.redis, self.cfg.broker, run_id) if self.cfg.broker.admission else None
         self.collector = StepCollector(self.consumer, admission, want, informative, l.max_extra_reads)
         counts = run_counts(self.redis, run_id)  # after a resume: the filtered share seen so far
+        # zero-variance groups among those consumed (filtered, or trained when a step had nothing else)
+        self.zero_variance = {"zero": counts["groups_filtered"], "seen": counts["consumed"] + counts["groups_filtered"]}
         self.capacity = want if informative is None else step_capacity(
-            want, counts["groups_filtered"], counts["consumed"] + counts["groups_filtered"], l.max_extra_reads)
+            want, self.zero_variance["zero"], self.zero_variance["seen"], l.max_extra_reads)
         # the last step is the one from version train.steps - 1 (train.steps counts the record's versions)
         open_pool(self.redis, run_id, self.cfg.train.steps - 1, self.capacity)
         self.idle = {"wait_s": 0.0, "step_s": 0.0}  # over the run, for learner_idle_fraction_run
@@ -292,9 +294,10 @@ class LearnerWorker:
             self._on_all_ranks("checkpoint", {"data_position": self.position.to_dict(),
                                               "extra": self._checkpoint_extra(metrics)})
         if self.collector.informative is not None:
-            counts = run_counts(self.redis, self.run_id)
-            seen = counts["consumed"] + counts["groups_filtered"] + len(train) + len(filtered)
-            self.capacity = step_capacity(want, counts["groups_filtered"] + len(filtered), seen, l.max_extra_reads)
+            self.zero_variance["seen"] += len(train) + len(filtered)
+            self.zero_variance["zero"] += len(filtered) + sum(not self.collector.informative(d.group) for d in train)
+            self.capacity = step_capacity(want, self.zero_variance["zero"], self.zero_variance["seen"],
+                                          l.max_extra_reads)
         # acked only once every rank finished the step that used them; the new version in the same transaction
         self.consumer.commit(train, filtered, stale, learner_version=self.learner.version, step_capacity=self.capacity)
         counts, depth = run_counts(self.redis, self.run_id), queue_depth(self.redis, self.cfg.broker, self.run_id)

@@ -179,3 +179,19 @@ def test_without_the_filter_zero_variance_groups_are_trained(any_redis, make_gro
     collector = StepCollector(GroupConsumer(client, cfg, RUN, "learner-0"), None, groups_per_step=2)
     train, filtered, _, _ = collector.collect(0, 2, timeout_s=30, block_ms=100)
     assert [d.group.group_id for d in train] == ["g1", "g2"] and not filtered
+
+
+def test_a_step_stops_reading_when_it_holds_the_whole_pool(any_redis, make_group):
+    """Last version, all groups zero-variance, C = 2 < groups_per_step + max_extra_reads = 4: admission never
+    lets the actors make the 4 reads the bound asks for; the step trains the 2 it holds instead of waiting."""
+    cfg, client, admission = pool(any_redis, max_staleness=1, capacity=2, last_version=0)
+    claim, _ = admission.claim(0, 4)
+    assert claim.groups == 2 and claim.deadline == 0
+    GroupProducer(client, cfg, RUN, admission=admission).publish_many(
+        [flat(make_group("g1", run_id=RUN)), flat(make_group("g2", run_id=RUN))], claim=claim)
+    informative = lambda g: not zero_variance([s.reward for s in g.samples])  # noqa: E731
+    collector = StepCollector(GroupConsumer(client, cfg, RUN, "learner-0"), admission, groups_per_step=2,
+                              informative=informative, max_extra_reads=2)
+    train, filtered, _, stats = collector.collect(0, 2, timeout_s=20, block_ms=100)  # TimeoutError if it waits
+    assert sorted(d.group.group_id for d in train) == ["g1", "g2"] and not filtered  # nothing informative
+    assert stats["reads"] == 2

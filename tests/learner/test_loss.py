@@ -84,3 +84,9 @@ def test_kl_needs_reference():
         grpo_loss(z, z, torch.zeros(1), z, z, num_seqs=1, kl_coef=0.1)
     with pytest.raises(ValueError, match="advantages"):
         grpo_loss(z, z, torch.zeros(2), z, z, num_seqs=1)
+
+
+def test_zero_variance_is_all_rewards_equal():
+    from learner.loss import zero_variance
+    assert zero_variance([1.0, 1.0, 1.0]) and zero_variance([0.0, 0.0]) and zero_variance([0.5])
+    assert not zero_variance([0.0, 1.0]) and not zero_variance([0.25, 0.25, 0.2500001])
