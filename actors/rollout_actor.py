@@ -82,11 +82,12 @@ def slow_start_s(actor_id: str, env: str = SLOW_START_ENV) -> float:
 
 class RolloutWorker:
     def __init__(self, cfg: dict, run_id: str, actor_id: str):
-        from deploy.config import RunConfig  # plain dict over Ray -> typed config
         from omegaconf import OmegaConf
 
+        from actors.rollout_config import RolloutConfig  # plain dict over Ray -> typed config
+
         logging.getLogger("math_verify").setLevel(logging.ERROR)  # per-call notes about its signal timeout
-        self.cfg: RunConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
+        self.cfg: RolloutConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RolloutConfig), cfg))
         self.run_id, self.actor_id = run_id, actor_id
         a = self.cfg.actors
         time.sleep(slow_start_s(actor_id))  # a test hook: a model that takes long to load
@@ -102,9 +103,8 @@ class RolloutWorker:
         self.producer = GroupProducer(self.redis, self.cfg.broker, run_id, stop=self.stopping,
                                       admission=self.admission)
         self.claim = None  # the claim of the batch being generated; kept alive by the heartbeat thread
-        l = self.cfg.learner
         self.receiver = None
-        self.sync_timeout = l.weight_sync_timeout_s
+        self.sync_timeout = self.cfg.weight_sync_timeout_s
         self.staged: tuple[int, list] | None = None
         self.lock = threading.Lock()  # guards `staged`
         self.generating = threading.Lock()  # held while the engine generates or weights are swapped in
@@ -146,7 +146,7 @@ class RolloutWorker:
         """Join sync group `generation` of the learner's store at `address` if it is new, receive one broadcast
         into a staging copy; the generation loop swaps it in at its next batch boundary. Returns the version."""
         if self.receiver is None:
-            self.receiver = WeightReceiver(*address, backend=self.cfg.learner.weight_sync_backend,
+            self.receiver = WeightReceiver(*address, backend=self.cfg.weight_sync_backend,
                                            timeout_s=self.sync_timeout)
         if self.receiver.generation != generation:
             self.receiver.join_group(generation, rank, world_size)
@@ -172,7 +172,7 @@ class RolloutWorker:
             if staged is not None:
                 version, tensors = staged
                 self.engine.load_weights(tensors, version)
-                if self.cfg.learner.weight_sync_verify:  # per-tensor checksums of the live weights after the swap
+                if self.cfg.weight_sync_verify:  # per-tensor checksums of the live weights after the swap
                     self.receiver.verify(self.engine.model)
         finally:
             self.generating.release()
@@ -296,7 +296,7 @@ class RolloutWorker:
         if c.budget_control == "mismatch":
             base = read_kv_budget(self.redis, self.run_id, c.kv_budget)
         else:
-            base = scheduled_budget(c, version, self.cfg.train.steps)
+            base = scheduled_budget(c, version, self.cfg.train_steps)
         if c.budget_tiers == "off":
             return [base] * len(batch), [""] * len(batch)
         tiers = [tier_of(c, conf) for conf in read_confidences(self.redis, self.run_id, [p.prompt_id for p in batch])]
