@@ -48,7 +48,8 @@ class RayConfig:
 @dataclass
 class TrainConfig:
     steps: int = 4
-    """Learner steps (weight versions) to train."""
+    """The run's last weight version: a new run trains this many learner steps; a resumed or forked one trains
+    from its checkpoint's version up to it (deploy/record.py)."""
     groups_per_step: int = 4
     """Prompt groups (each of samples_per_prompt responses) consumed by one learner step."""
     group_wait_s: float = 1800.0
