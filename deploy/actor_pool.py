@@ -111,7 +111,9 @@ class ActorPool:
                 self.sync_weights()
             if time.monotonic() - reported >= self.cfg.train.wait_report_s:
                 reported = time.monotonic()
-                console.waiting(step, reported - waited, self.why_waiting(depth()))
+                why = self.why_waiting(depth())
+                if why:  # (nothing to say while the learner computes with groups queued)
+                    console.waiting(step, reported - waited, why)
         from deploy.learner_worker import LearnerRankError
 
         try:
@@ -124,7 +126,8 @@ class ActorPool:
                             f"was acknowledged; {resume}") from None
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, TimeoutError):  # waited train.group_wait_s for groups: say so in one line
-                raise RunFailed(f"{e.cause} ({self.why_waiting(depth())})") from None
+                why = self.why_waiting(depth())
+                raise RunFailed(f"{e.cause}" + (f" ({why})" if why else "")) from None
             raise
 
     def membership_changed(self) -> bool:
@@ -132,14 +135,15 @@ class ActorPool:
         return [(i, self.incarnations.get(i)) for i in self.ready()] != self.members
 
     def why_waiting(self, depth: int) -> str:
-        """Why the learner has no groups yet, in words for the console."""
+        """Why the learner has no groups yet, in words for the console; "" when groups are queued and actors
+        live (then the learner is computing its step, not waiting)."""
         ready, starting = len(self.ready()), len(self.starting)
         loading = f", {starting} starting (loading the model)" if starting else ""
         if not ready:
             return f"no live rollout actor{loading}"
         if depth == 0:
             return f"queue empty: {ready} live rollout actor(s) still generating{loading}"
-        return f"{depth} group(s) in the queue, {ready} live rollout actor(s){loading}"
+        return ""
 
     def alive(self) -> list[int]:
         """Indices of started actors that answer a ping with a running loop (one restarted by Ray answers once
@@ -165,6 +169,8 @@ class ActorPool:
 
     def scale(self, target: int) -> None:
         """Start or stop actors to reach `target` (started and starting ones count); never waits for a start."""
+        if target != self.target:
+            print(f"rollout actors {self.target} -> {target} (sparse-rl scale)", flush=True)
         self.target = target
         live = sorted(self.alive() + list(self.starting))
         while len(live) > target:  # remove the newest: finish the current batch, then stop

@@ -16,6 +16,15 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep local Ra
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `sparse-rl` entry point; returns the exit code (0, 1 run failed, 2 bad input, 130 interrupted)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C while Python is still importing, before a run exists: nothing to clean up
+        print("sparse-rl: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sparse-rl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)

@@ -11,6 +11,7 @@ import json
 import os
 import shlex
 import signal
+import sys
 import threading
 from contextlib import ExitStack
 from pathlib import Path
@@ -70,15 +71,19 @@ def _interrupt(signum, frame):
 
 
 def interrupted_line(cfg: RunConfig, progress: dict, command: tuple[str, ...]) -> str:
-    """One line: how far the run got, its last checkpoint, and the command that resumes it."""
+    """One line: how far the run got, its last checkpoint, and the command that resumes it (with the path of
+    this environment's `sparse-rl`, so that it runs as printed)."""
     ckpt_dir = Path(cfg.learner.checkpoint_dir)
     latest = ckpt_dir / "latest"
     head = f"interrupted at step {progress['step']} of {cfg.train.steps}"
     if progress["run_dir"] is None or not latest.is_file():
         return (f"{head}; last checkpoint: none (one every learner.checkpoint_interval="
                 f"{cfg.learner.checkpoint_interval} versions); start again with: {shlex.join(command)}")
-    return (f"{head}; last checkpoint: {ckpt_dir / latest.read_text().strip()}; "
-            f"resume with: sparse-rl train --resume {progress['run_dir']}")
+    tag = latest.read_text().strip()
+    cli = Path(sys.executable).with_name("sparse-rl")
+    return (f"{head}; last checkpoint: {ckpt_dir / tag} (the learner may be a step ahead of the console; a resume "
+            f"continues from {tag.replace('_', ' ')}); resume with: "
+            f"{cli if cli.exists() else 'sparse-rl'} train --resume {progress['run_dir']}")
 
 
 def _train(cfg: RunConfig, progress: dict, resume: str, report=None) -> dict:
@@ -193,13 +198,17 @@ def log_trained_prompts(run_dir: Path, metrics: dict) -> None:
 
 
 def resume_logs(run_dir: Path, tracker: Tracker, version: int, state: dict) -> None:
-    """A resumed record at checkpoint `version`: trained_prompts.jsonl keeps the steps up to it (the later ones
-    are trained again), and the learner metrics of the checkpoint's own step are logged if the interrupted run
-    had not logged them (it may stop between the learner's step and its logging)."""
+    """A resumed record at checkpoint `version`: trained_prompts.jsonl keeps the steps before it, then the
+    checkpoint's own step from the checkpoint (the later ones are trained again), and the learner metrics of the
+    checkpoint's own step are logged if the interrupted run had not logged them (it may stop between the
+    learner's step and its logging)."""
     log = run_dir / "trained_prompts.jsonl"
-    if log.exists():
-        lines = [line for line in log.read_text().splitlines() if json.loads(line)["version"] <= version]
-        log.write_text("".join(line + "\n" for line in lines))
+    own = bool(state.get("step_metrics"))  # checkpoints written before this was kept have no record of their step
+    lines = [line for line in log.read_text().splitlines() if json.loads(line)["version"] < version + (not own)] \
+        if log.exists() else []
+    if own:  # the checkpoint's own step, from the checkpoint (logged or not before)
+        lines.append(json.dumps({"version": version, "prompt_ids": state.get("trained_prompt_ids", [])}))
+    log.write_text("".join(line + "\n" for line in lines))
     if state.get("step_metrics") and version not in tracker.history.get("reward_mean", {}):
         tracker.log_metrics(state["step_metrics"], version)
 

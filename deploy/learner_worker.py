@@ -252,8 +252,10 @@ class LearnerWorker:
 
     def resume_state(self) -> dict:
         """What the checkpoint this learner resumed from says: {"data_position": ..., "step_metrics": the
-        learner metrics of the step that made the checkpoint's version} ({} values when it started fresh)."""
-        return {"data_position": self.data_position, "step_metrics": self.resumed_extra.get("step_metrics", {})}
+        learner metrics of the step that made the checkpoint's version, "trained_prompt_ids": that step's prompt
+        ids} (empty values when it started fresh)."""
+        return {"data_position": self.data_position, "step_metrics": self.resumed_extra.get("step_metrics", {}),
+                "trained_prompt_ids": self.resumed_extra.get("trained_prompt_ids", [])}
 
     def step_groups(self, groups: list, staleness: list[int]) -> dict:
         """Rank 0: one step of every rank on `groups` (no broker); raises LearnerRankError naming a failed rank."""
@@ -292,7 +294,7 @@ class LearnerWorker:
             metrics.update(self._control_budget(metrics, groups))
         if l.checkpoint_dir and self.learner.version % l.checkpoint_interval == 0:
             self._on_all_ranks("checkpoint", {"data_position": self.position.to_dict(),
-                                              "extra": self._checkpoint_extra(metrics)})
+                                              "extra": self._checkpoint_extra(metrics, groups)})
         if self.collector.informative is not None:
             self.zero_variance["seen"] += len(train) + len(filtered)
             self.zero_variance["zero"] += len(filtered) + sum(not self.collector.informative(d.group) for d in train)
@@ -318,11 +320,12 @@ class LearnerWorker:
                 "trained_prompt_ids": [g.prompt_id for g in groups],
                 **{f"broker_{k}": float(v) for k, v in counts.items()}}
 
-    def _checkpoint_extra(self, metrics: dict) -> dict:
-        """Rank 0's part of a checkpoint besides the data position: the step's learner metrics (a resumed run
-        logs them if the interrupted one had not: the driver may stop between this step and its logging) and
-        the budget controller's state."""
-        extra = {"step_metrics": {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}}
+    def _checkpoint_extra(self, metrics: dict, groups: list) -> dict:
+        """Rank 0's part of a checkpoint besides the data position: the step's learner metrics and trained prompt
+        ids (a resumed run logs them if the interrupted one had not: the driver may stop between this step and
+        its logging) and the budget controller's state."""
+        extra = {"step_metrics": {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
+                 "trained_prompt_ids": [g.prompt_id for g in groups]}
         if self.controller is not None:
             extra["budget_controller"] = self.controller.state()
         return extra

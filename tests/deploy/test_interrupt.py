@@ -48,8 +48,10 @@ def test_ctrl_c_stops_the_run_cleanly(tmp_path):
     assert len(lines) == 1, text
     (run_dir,) = runs.iterdir()
     ckpt = run_dir / "checkpoints"
-    match = re.fullmatch(rf"sparse-rl: interrupted at step (\d+) of 50; last checkpoint: {re.escape(str(ckpt))}/(\S+); "
-                         rf"resume with: sparse-rl train --resume {re.escape(str(run_dir))}", lines[0])
+    match = re.fullmatch(rf"sparse-rl: interrupted at step (\d+) of 50; last checkpoint: {re.escape(str(ckpt))}/(\S+) "
+                         rf"\(the learner may be a step ahead of the console; a resume continues from version \d+\); "
+                         rf"resume with: {re.escape(sys.executable.rsplit('/', 1)[0])}/sparse-rl train --resume "
+                         rf"{re.escape(str(run_dir))}", lines[0])
     assert match, lines[0]
     assert int(match.group(1)) >= 1 and (ckpt / match.group(2)).is_dir()
 
