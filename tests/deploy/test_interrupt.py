@@ -79,6 +79,9 @@ def test_ctrl_c_stops_the_run_cleanly(tmp_path):
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])  # still one MLflow run
     assert run.info.status == "FINISHED"
     assert {m.step for m in client.get_metric_history(run.info.run_id, "reward_mean")} == {1, 2, 3, 4}
+    # the record's log of trained prompts has every version once, also the one the interrupted driver never logged
+    logged = [json.loads(line)["version"] for line in (run_dir / "trained_prompts.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3, 4], logged
     summary = json.loads((run_dir / "summary.json").read_text())
     gps = int(re.search(r"^  groups_per_step: (\d+)$", (run_dir / "config.yaml").read_text(), re.M).group(1))
     assert summary["groups_trained"] == 4 * gps  # the learner's counter continued from the checkpoint
