@@ -80,6 +80,13 @@ class CompressorConfig:
         from compressors.budget import budget_range
         return budget_range(self)
 
+    def __post_init__(self):
+        # YAML 1.1 (omegaconf, also for dotted overrides) reads a bare `off` as a boolean, which reaches these str
+        # fields as "False": `budget_control=off` means "off".
+        for name in ("budget_control", "budget_tiers"):
+            if str(getattr(self, name)) == "False":
+                setattr(self, name, "off")
+
     def validate(self) -> None:
         """Raise ValueError naming the field (`compressor.<field>`) for an impossible setting.
 

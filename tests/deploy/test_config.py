@@ -239,3 +239,13 @@ def test_cli_bad_input_exits_2_before_anything_starts(override, message, tmp_pat
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not (tmp_path / "runs").exists() and not list(tmp_path.glob("mlflow*"))
     assert time.monotonic() - started < 60  # import + checks; nothing started (Ray alone takes longer to boot)
+
+
+@pytest.mark.parametrize("override", ["actors.engine.compressor.budget_control=off",
+                                      "actors.engine.compressor.budget_tiers=off",
+                                      "eval.sparse_compressor.budget_control=off"])
+def test_a_bare_off_means_off(override):
+    """YAML reads a bare `off` as False; the budget options take it as "off" (as learner.correction does)."""
+    cfg = load_config("tiny", [override])
+    compressor = cfg.eval.sparse_compressor if override.startswith("eval.") else cfg.actors.engine.compressor
+    assert getattr(compressor, override.split(".")[-1].split("=")[0]) == "off"
