@@ -4,6 +4,12 @@
   task in miniature: the answer is in the prompt, so a KV cache that evicts prompt tokens loses it, and the
   response is as long as the list (it cannot be shortened without losing reward). SmolLM2-135M-Instruct copies
   about half the time at the start, so GRPO has a signal (docs/results.md).
+- `count_numbers` / `count_reward`: list the numbers from a to b, one per line. The decode-regime task (the
+  Sparse-RL paper's setting: the prompt, ~45 tokens with SmolLM2's chat template, fits the KV budget; the
+  response, ~3 tokens a number and 40-60 numbers, is 3-4x longer): what the model must keep is two facts of
+  the prompt (where to start, where to stop) and its own recent output, and what a decode-time eviction
+  loses is the stopping number, so compressed rollouts overshoot. The reward reads the whole response:
+  every missing, wrong, repeated or extra number and every word that is not a number costs.
 - `digits` / `digits_reward`: write as many digit characters as possible. Learnable by a tiny random model in
   a few dozen steps (tiny-char preset model): the learning test's task (tests/deploy/test_learning.py).
 
@@ -47,6 +53,29 @@ def copy_reward(response: str, response_ids, item) -> float:
     list; each missing, wrong, reordered or extra number costs. Integers are read with the regex -?\\d+."""
     want = list(item.metadata["numbers"])
     got = [int(x) for x in _INT.findall(response)]
+    return lcs_length(got, want) / max(len(got), len(want))
+
+
+def count_numbers(size: int, seed: int, start_low: int = 1, start_high: int = 30, span_low: int = 40,
+                  span_high: int = 60) -> list[dict]:
+    """`size` problems "List the numbers from a to b, one per line.", a uniform in [start_low, start_high] and
+    b - a uniform in [span_low, span_high] (deterministic in seed). metadata: {"start": a, "stop": b}."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(size):
+        a = rng.randint(start_low, start_high)
+        b = a + rng.randint(span_low, span_high)
+        out.append({"question": f"List the numbers from {a} to {b}, one per line.",
+                    "answer": "\n".join(map(str, range(a, b + 1))), "metadata": {"start": a, "stop": b}})
+    return out
+
+
+def count_reward(response: str, response_ids, item) -> float:
+    """LCS(words of the response, [a, a+1, ..., b]) / max(words, b - a + 1), in [0, 1]: 1 only for exactly
+    the numbers a..b in order. Words are the response split on whitespace and commas; a word that is not an
+    integer counts as a wrong element, so stopping late, repeating, skipping or writing prose all cost."""
+    want = list(range(item.metadata["start"], item.metadata["stop"] + 1))
+    got = [int(w) if _INT.fullmatch(w) else w for w in re.split(r"[\s,]+", response) if w]
     return lcs_length(got, want) / max(len(got), len(want))
 
 
