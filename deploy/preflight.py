@@ -13,7 +13,8 @@ memory of one rollout actor:
 
 A config whose sparse batch does not fit fails (PreflightError, a ConfigError: exit code 2) naming the fields
 and the numbers; one whose dense batch does not fit but sparse does starts (that is what compression is for);
-a budget at or above prompt + response gets a warning (nothing would ever be evicted).
+a budget at or above prompt + response gets a warning (nothing would ever be evicted), and so does a prompt
+longer than the smallest budget (it is compressed at prefill: the long-context regime, not the paper's).
 """
 from __future__ import annotations
 
@@ -163,6 +164,10 @@ def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: i
     report = PreflightReport(shape, a.engine.backend, c.method, prompt, new, high, c.interval,
                              a.prompts_per_batch * a.sampling.samples_per_prompt, dense, sparse, memory, source,
                              weight_bytes)
+    if compress and prompt > low:
+        report.warnings.append(
+            f"prompts of up to {prompt} tokens exceed kv_budget={low}: the prompt itself is compressed at prefill "
+            "(the long-context regime; the Sparse-RL paper compresses only the generated trace, prompt < budget)")
     if compress and low >= prompt + new:
         report.warnings.append(
             f"actors.engine.compressor.kv_budget: the smallest budget the run uses, {low} tokens, is at or above "

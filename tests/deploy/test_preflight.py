@@ -94,8 +94,12 @@ def test_fits_sparse_not_dense_passes_and_a_large_budget_warns():
     report = preflight(cfg, model_path=resolve_model(TINY_LLAMA))
     assert report.sparse_per_batch == 234_496 and report.dense_per_batch == 375_808
     assert report.fits(report.sparse_per_seq) == 5 and report.fits(report.dense_per_seq) == 3   # 300,000 // each
-    assert not report.warnings
+    # the 101-token prompt is longer than the 48-token budget: compressed at prefill, said with the numbers
+    assert report.warnings == ["prompts of up to 101 tokens exceed kv_budget=48: the prompt itself is compressed "
+                               "at prefill (the long-context regime; the Sparse-RL paper compresses only the "
+                               "generated trace, prompt < budget)"]
     table = report.table()
+    assert "warning: prompts of up to 101 tokens exceed kv_budget=48" in table
     assert "234,496" in table and "375,808" in table and "seqs that fit" in table
     params = report.params()
     assert params["preflight_result.kv_bytes_per_seq_sparse"] == "58624"
@@ -103,6 +107,11 @@ def test_fits_sparse_not_dense_passes_and_a_large_budget_warns():
     wide = preflight(load_config("tiny", base[1:] + ["actors.engine.compressor.kv_budget=200"]),
                      model_path=resolve_model(TINY_LLAMA))
     assert any("nothing will ever be evicted" in w for w in wide.warnings)
+    assert not any("compressed at prefill" in w for w in wide.warnings)
+    # the paper's regime: a prompt within the budget, a response that is not: no warning at all
+    decode = preflight(load_config("tiny", base[1:3] + ["preflight.max_prompt_tokens=40"]),
+                       model_path=resolve_model(TINY_LLAMA))
+    assert not decode.warnings
 
 
 def test_fits_neither_fails_naming_fields_and_numbers():
