@@ -1,28 +1,36 @@
-"""The Sparse-RL paper's comparison as one command: dense vs naive sparse vs Sparse-RL rollouts (arXiv 2601.10079).
+"""The Sparse-RL paper's comparison as one command: dense vs naive sparse vs Sparse-RL rollouts (arXiv 2601.10079),
+in the paper's regime (the prompt fits the KV budget; the cache is compressed while the response is decoded).
 
-Every arm is a real `sparse-rl train` run (Ray, Redis, DeepSpeed, weight sync; one subprocess per run) on the
-same config, prompts, seeds and settings, differing only in what the arm names:
+Every run is a real `sparse-rl train` (Ray, Redis, DeepSpeed, weight sync; one subprocess per run) on the same
+config, prompts, seeds and settings, differing only in what the arm names:
 
-    dense                 actors.engine.compressor.method=full (no compression: the reference)
-    naive_sparse          the config's compressor, no correction (learner.correction=metrics_only: the same update
-                          as correction=off, weights 1 and no mask, but the mismatch is still measured and plotted)
-    sparse_rl             the config's compressor, sequence veto + token mask + truncated importance weights (SPEC §2)
-    sparse_rl_geometric   the same with the length-normalised (geometric-mean) rejection
+    dense                 actors.engine.compressor.method=full (no compression: the reference; it does not depend
+                          on the budget, so it runs once per seed and is compared with every budget)
+    naive_sparse          the config's compressor, no correction (learner.correction=metrics_only: the update of
+                          correction=off, plain GRPO that ignores the sparse sampler, the authors' baseline; the
+                          mismatch is still measured and plotted)
+    sparse_rl             the authors' mis.yaml: sequence veto (eps 1e-4) + token mask [0.5, 1.5] + truncated
+                          importance weights (cap 1.5, normalised by the batch mean) (SPEC section 2)
+    sparse_rl_geometric   the same with the length-normalised (geometric-mean) rejection (--geometric-budgets)
 
-Each run evaluates its model before and after training on held-out items of the training task, with dense and
-with sparse inference (seed 002 §5.1); the dense arm's sparse inference uses the sparse arms' compressor
-(`eval.sparse_compressor`), so the "sparse" column means the same cache for every arm. All runs go to one MLflow experiment (`replication`, sqlite in --out),
-one run per arm and seed. The command is resumable: a finished (arm, seed) run (its summary.json) is kept and
-skipped when the command is run again, and the plot and JSON are rebuilt from what exists.
+Sparse arms run at each of --budgets (KV tokens per sequence, layer and head). Each run evaluates its model after
+training (and dense / sparse_rl runs also before) on --eval-limit held-out items of the training task, greedy,
+with dense and with sparse inference; "sparse" is the same cache for every arm at a budget (the dense model is
+evaluated under each budget's compressor: `eval.sparse_compressor` in its run for the first budget, `sparse-rl
+eval`-equivalent calls for the others). All runs go to one MLflow experiment (`replication`, sqlite in --out).
+The command is resumable: a finished run (its summary.json) is kept and skipped when the command is run again
+(a run cut short restarts), and the plot and JSON are rebuilt from what exists.
 
-    python bench/replication.py --quick                       # tiny-learn, 16 steps x 2 seeds, ~5 min on 2 cores
-    python bench/replication.py                               # smollm2-copy at budget 48, 20 steps x 2 seeds (hours)
-    python bench/replication.py --config qwen2.5-math ray.address=auto   # a GPU cluster, the paper's setting
+    python bench/replication.py --quick        # tiny-decode: 2 seeds x 16 steps, one budget, a few minutes
+    python bench/replication.py                # smollm2-count, budgets 48 and 96, 3 seeds (hours on 2 cores)
+    python bench/replication.py --config qwen2.5-math --budgets 512 ray.address=auto   # a GPU cluster
 
-Writes <out>/replication.png (reward per step, mean and min-max over seeds, per arm; rejection rate; mismatch
-KL; KV retained ratio; response length; entropy) and prints, as its last line, one JSON object: per-arm reward
-gains (mean reward of the last 3 steps minus the first 3), final-reward ratios to dense, the sparse arms' KV
-retained ratio, the evaluation rewards and accuracies, steps, seeds, wall_s.
+Writes <out>/replication.png (per budget: reward, grad_norm, mismatch KL, rejection rate, response length,
+entropy, token-mask fraction, xi_sym_p5 per step; mean and min-max over seeds) and prints, as its last line, one
+JSON object: regime (decode | prefill: is the longest prompt shorter than the smallest budget?),
+prompt_tokens_max, kv_budget(s), kv_retained_ratio, per-arm and per-budget reward gains (mean of the last 3 steps
+minus the first 3) and final rewards, evaluation rewards, grad-norm spikes, and the pre-registered verdicts h1, h2,
+h3 per budget (docs/results.md section 6), steps, seeds, wall_s.
 """
 from __future__ import annotations
 
@@ -42,26 +50,39 @@ import numpy as np  # noqa: E402
 ARMS = {
     "dense": ["actors.engine.compressor.method=full"],
     "naive_sparse": ["learner.correction=metrics_only"],
-    "sparse_rl": ["learner.correction=on", "learner.rejection=veto", "learner.token_mask=true"],
+    "sparse_rl": ["learner.correction=on", "learner.rejection=veto", "learner.eps=1e-4", "learner.token_mask=true",
+                  "learner.token_mask_bounds=[0.5,1.5]", "learner.tis_cap=1.5"],
     "sparse_rl_geometric": ["learner.correction=on", "learner.rejection=geometric", "learner.token_mask=true"],
 }
 SPARSE_ARMS = ("naive_sparse", "sparse_rl", "sparse_rl_geometric")
-PLOTTED = ("reward_mean", "rejection_rate", "mismatch_kl", "kv_retained_ratio", "response_length_mean", "entropy")
+PLOTTED = ("reward_mean", "grad_norm", "mismatch_kl", "rejection_rate", "response_length_mean", "entropy",
+           "token_mask_fraction", "xi_sym_p5")
+RECORDED = (*PLOTTED, "kv_retained_ratio", "response_truncated_fraction")
 EDGE = 3
 """Steps averaged at each end of training for the reward gain and the final reward."""
+SPIKE = 10.0
+"""H2: a grad-norm spike is max / median of a run's grad_norm above this."""
 ROOT = Path(__file__).resolve().parent.parent
-CPU_DEFAULT = ("smollm2-copy", ["actors.engine.compressor.kv_budget=48", "train.learner_num_cpus=2"])
-"""The default (CPU-scale) comparison: the main job's task and model with a 48-token budget, so the sparse arms'
-training rollouts keep under half of their KV (kv_retained_ratio ~0.4), and a learner with 2 torch threads
-(with max_staleness 0 the actors are idle while it steps); overrides on the command line follow."""
+CPU_DEFAULT = {"config": "smollm2-count", "overrides": ["train.learner_num_cpus=2"], "budgets": "48,96",
+               "steps": 30, "seeds": 3, "eval_limit": 64}
+"""The default (CPU-scale) comparison: the main job's decode-regime task and model; budgets 48 and 96 keep about
+a third and a half of the rollouts' KV; a learner with 2 torch threads (with max_staleness 0 the actors are idle
+while it steps). Overrides on the command line follow."""
+QUICK = {"config": "tiny-decode", "overrides": [], "budgets": "", "steps": 16, "seeds": 2, "eval_limit": 16}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=None, help="preset or YAML (default smollm2-copy; tiny-learn with --quick)")
-    p.add_argument("--quick", action="store_true", help="tiny scale for regression checks (tiny-learn, 16 steps)")
-    p.add_argument("--steps", type=int, default=None, help="learner steps per run (default 20; 16 with --quick)")
-    p.add_argument("--seeds", type=int, default=2, help="seeds 0..N-1 per arm")
+    p.add_argument("--config", default=None, help="preset or YAML (default smollm2-count; tiny-decode with --quick)")
+    p.add_argument("--quick", action="store_true", help="tiny scale for regression checks (tiny-decode, 16 steps)")
+    p.add_argument("--steps", type=int, default=None, help="learner steps per run (default 30; 16 with --quick)")
+    p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 per arm (default 3; 2 with --quick)")
+    p.add_argument("--budgets", default=None, help="comma-separated kv_budget values of the sparse arms (default "
+                                                   "48,96; the config's own budget with --quick or --config)")
+    p.add_argument("--geometric-budgets", default=None,
+                   help="budgets at which sparse_rl_geometric runs (default: the first of --budgets)")
+    p.add_argument("--eval-limit", type=int, default=None, help="held-out items per evaluation (default 64; 16 "
+                                                                "with --quick)")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
     p.add_argument("--max-staleness", type=int, default=0,
                    help="broker.max_staleness of every run (default 0: the paper's synchronous setting, so the "
@@ -70,10 +91,19 @@ def parse_args(argv=None):
     p.add_argument("--only-report", action="store_true", help="rebuild the plot and JSON from finished runs only")
     p.add_argument("overrides", nargs="*", help="dotted overrides applied to every arm, e.g. ray.address=auto")
     args = p.parse_args(argv)
-    if args.config is None and not args.quick:
-        args.config, args.overrides = CPU_DEFAULT[0], [*CPU_DEFAULT[1], *args.overrides]
-    args.config = args.config or "tiny-learn"
-    args.steps = args.steps or (16 if args.quick else 20)
+    base = QUICK if args.quick else CPU_DEFAULT if args.config is None else {**CPU_DEFAULT, "config": args.config,
+                                                                             "overrides": [], "budgets": ""}
+    args.config = args.config or base["config"]
+    args.overrides = [*base["overrides"], *args.overrides]
+    args.steps = args.steps or base["steps"]
+    args.seeds = args.seeds or base["seeds"]
+    args.eval_limit = args.eval_limit or base["eval_limit"]
+    from deploy.config import load_config
+    cfg = load_config(args.config, args.overrides, check_files=False)
+    budgets = args.budgets if args.budgets is not None else base["budgets"]
+    args.budgets = [int(b) for b in budgets.split(",") if b] or [cfg.actors.engine.compressor.kv_budget]
+    geo = args.geometric_budgets
+    args.geometric_budgets = [int(b) for b in geo.split(",") if b] if geo else args.budgets[:1]
     args.arms = [a for a in args.arms.split(",") if a]
     unknown = [a for a in args.arms if a not in ARMS]
     if unknown:
@@ -83,96 +113,217 @@ def parse_args(argv=None):
     return args
 
 
-def finished(out: Path, arm: str, seed: int) -> dict | None:
-    """The summary.json of the finished run of (arm, seed), or None."""
-    done = sorted((out / "runs").glob(f"{arm}-s{seed}-*/summary.json"))
+def grid(args) -> list[tuple[str, int | None, int]]:
+    """(arm, budget or None for dense, seed) of every run, seed-major (an interrupted bench has every arm of the
+    first seeds)."""
+    runs = []
+    for seed in range(args.seeds):
+        for arm in args.arms:
+            budgets = [None] if arm == "dense" else args.geometric_budgets if arm == "sparse_rl_geometric" \
+                else args.budgets
+            runs += [(arm, b, seed) for b in budgets if b is None or b in args.budgets]
+    return runs
+
+
+def run_name(arm: str, budget: int | None, seed: int) -> str:
+    return f"{arm}-s{seed}" if budget is None else f"{arm}-b{budget}-s{seed}"
+
+
+def finished(out: Path, name: str) -> dict | None:
+    """The summary.json of the finished run `name`, or None."""
+    done = sorted((out / "runs").glob(f"{name}-2*/summary.json"))
     return json.loads(done[-1].read_text()) if done else None
 
 
-def run_one(args, arm: str, seed: int) -> None:
+def compressor_overrides(args, budget: int) -> list[str]:
+    """eval.sparse_compressor.* = the config's compressor at `budget` (the sparse arms' cache)."""
+    from dataclasses import asdict
+
+    from deploy.config import load_config
+    sparse = load_config(args.config, [*args.overrides, f"actors.engine.compressor.kv_budget={budget}"],
+                         check_files=False).actors.engine.compressor
+    return [f"eval.sparse_compressor.{k}={v}" for k, v in asdict(sparse).items()]
+
+
+def run_one(args, arm: str, budget: int | None, seed: int) -> None:
     """One `sparse-rl train` in a subprocess (a fresh Ray and Redis per run); its console goes to a log file."""
-    out = args.out
-    overrides = [*args.overrides, *ARMS[arm], f"seed={seed}", f"learner.seed={seed}", f"name={arm}-s{seed}",
+    out, name = args.out, run_name(arm, budget, seed)
+    overrides = [*args.overrides, *ARMS[arm], f"seed={seed}", f"learner.seed={seed}", f"name={name}",
                  f"run_dir={out / 'runs'}", f"mlflow.tracking_uri=sqlite:///{out / 'mlflow.db'}",
                  "mlflow.experiment=replication", f"train.steps={args.steps}", "eval.enabled=true",
-                 "eval.before=true", "eval.data=train_task", f"broker.max_staleness={args.max_staleness}"]
-    if arm == "dense":  # its sparse evaluation under the sparse arms' compressor (its own rollouts use none)
-        from dataclasses import asdict
-
-        from deploy.config import load_config
-        sparse = load_config(args.config, args.overrides, check_files=False).actors.engine.compressor
-        overrides += [f"eval.sparse_compressor.{k}={v}" for k, v in asdict(sparse).items()]
-    log = out / "logs" / f"{arm}-s{seed}.log"
+                 f"eval.before={str(arm in ('dense', 'sparse_rl')).lower()}", "eval.data=train_task",
+                 f"eval.limit={args.eval_limit}", f"broker.max_staleness={args.max_staleness}"]
+    if budget is not None:
+        overrides.append(f"actors.engine.compressor.kv_budget={budget}")
+    else:  # its sparse evaluation under the first budget's compressor (its own rollouts use none)
+        overrides += compressor_overrides(args, args.budgets[0])
+    log = out / "logs" / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    print(f"[{time.strftime('%H:%M:%S')}] {arm} seed {seed}: running (log {log})", flush=True)
+    print(f"[{time.strftime('%H:%M:%S')}] {name}: running (log {log})", flush=True)
     start = time.monotonic()
     with log.open("w") as fh:
         proc = subprocess.run([sys.executable, "-m", "deploy.cli", "train", "--config", args.config, *overrides],
                               cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT)
     wall = time.monotonic() - start
     if proc.returncode != 0:
-        raise SystemExit(f"{arm} seed {seed} failed (exit {proc.returncode}); see {log}")
+        raise SystemExit(f"{name} failed (exit {proc.returncode}); see {log}")
+    record_wall(out, name, wall)
+    print(f"[{time.strftime('%H:%M:%S')}] {name}: done in {wall:.0f} s", flush=True)
+
+
+def record_wall(out: Path, name: str, wall: float) -> None:
     walls = out / "wall_s.json"
     record = json.loads(walls.read_text()) if walls.exists() else {}
-    record[f"{arm}-s{seed}"] = wall
+    record[name] = wall
     walls.write_text(json.dumps(record, indent=1))
-    print(f"[{time.strftime('%H:%M:%S')}] {arm} seed {seed}: done in {wall:.0f} s", flush=True)
+
+
+def dense_sparse_eval(args, seed: int, budget: int, summary: dict) -> dict:
+    """The dense-trained model of `seed` scored with sparse inference at `budget` (cached in <out>/evals/):
+    {"eval/sparse/reward": ..., ...}. The first budget's score is in the dense run's own summary."""
+    if budget == args.budgets[0]:
+        return {k[len("eval/"):]: v for k, v in summary.items() if k.startswith("eval/sparse/")}
+    path = args.out / "evals" / f"dense-s{seed}-b{budget}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    from deploy.config import load_config
+    from deploy.evaluate import evaluate_model
+    cfg = load_config(args.config, [*args.overrides, f"seed={seed}", "eval.data=train_task",
+                                    f"eval.limit={args.eval_limit}", *compressor_overrides(args, budget)])
+    start = time.monotonic()
+    scores = evaluate_model(cfg, str(Path(summary["run_dir"]) / "final"), ["sparse"])
+    record_wall(args.out, f"eval-dense-s{seed}-b{budget}", time.monotonic() - start)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    result = {k[len("eval/"):]: v for k, v in scores.items()}
+    path.write_text(json.dumps(result, indent=1))
+    return result
 
 
 def histories(out: Path, summary: dict) -> dict[str, np.ndarray]:
-    """Per-step values of the PLOTTED metrics of one run, from its MLflow run (ordered by step)."""
+    """Per-step values of the RECORDED metrics of one run, from its MLflow run (ordered by step)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
     result = {}
-    for name in PLOTTED:
+    for name in RECORDED:
         points = sorted(client.get_metric_history(summary["mlflow_run_id"], name), key=lambda m: m.step)
         result[name] = np.array([m.value for m in points], dtype=float)
     return result
 
 
+def run_stats(h: dict[str, np.ndarray], summary: dict) -> dict:
+    """One run's figures: reward gain and final reward (EDGE steps), peak, collapse, grad-norm spike ratio,
+    evaluation rewards (after; before where measured)."""
+    r, g = h["reward_mean"], h["grad_norm"][np.isfinite(h["grad_norm"])]
+    final = float(r[-EDGE:].mean())
+    stats = {"reward_gain": float(r[-EDGE:].mean() - r[:EDGE].mean()), "final_reward": final,
+             "peak_reward": float(r.max()), "collapse": bool(final < 0.5 * r.max()),
+             "grad_norm_spike": float(g.max() / np.median(g)) if len(g) else None,
+             "kv_retained_ratio": float(h["kv_retained_ratio"].mean()),
+             "response_truncated_fraction": float(h["response_truncated_fraction"].mean()),
+             "mismatch_kl": float(np.nanmean(h["mismatch_kl"])), "rejection_rate": float(np.nanmean(h["rejection_rate"]))}
+    for key, value in summary.items():
+        if key.startswith(("eval/", "eval_before/")) and key.rsplit("/", 1)[-1] in ("reward", "accuracy"):
+            stats[key] = value
+    return stats
+
+
+def mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(np.mean(values)) if values else None
+
+
+def verdicts(arms: dict[str, dict[int, dict]], dense: dict[int, dict], dense_sparse: dict[int, dict]) -> dict:
+    """H1-H3 of docs/results.md section 6 at one budget. arms: {arm: {seed: run_stats}}; dense: {seed: run_stats}
+    of the dense arm; dense_sparse: {seed: the dense model's sparse evaluation at this budget}."""
+    srl, naive = arms.get("sparse_rl", {}), arms.get("naive_sparse", {})
+    out = {}
+    if srl and dense:
+        d_final, s_final = mean(x["final_reward"] for x in dense.values()), mean(x["final_reward"] for x in srl.values())
+        d_eval = mean(x.get("eval/dense/reward") for x in dense.values())
+        s_eval = mean(x.get("eval/dense/reward") for x in srl.values())
+        ok = s_final >= 0.95 * d_final and s_eval is not None and d_eval is not None and s_eval >= 0.95 * d_eval
+        out["h1"] = {"confirmed": bool(ok), "sparse_rl_final_reward": s_final, "dense_final_reward": d_final,
+                     "sparse_rl_eval_dense_reward": s_eval, "dense_eval_dense_reward": d_eval,
+                     "per_seed": {s: {"sparse_rl_final": srl[s]["final_reward"], "dense_final": dense[s]["final_reward"],
+                                      "sparse_rl_eval": srl[s].get("eval/dense/reward"),
+                                      "dense_eval": dense[s].get("eval/dense/reward")}
+                                  for s in sorted(set(srl) & set(dense))}}
+    if srl and naive:
+        finals = {a: [x["final_reward"] for x in arms[a].values()] for a in ("sparse_rl", "naive_sparse")}
+        spread = max(max(v) - min(v) for v in finals.values())
+        lower = mean(finals["sparse_rl"]) - mean(finals["naive_sparse"]) > spread
+        seeds = sorted(set(srl) & set(naive))
+        spikes = [s for s in seeds if (naive[s]["grad_norm_spike"] or 0) > SPIKE >= (srl[s]["grad_norm_spike"] or 0)]
+        collapses = [s for s in seeds if naive[s]["collapse"] and not srl[s]["collapse"]]
+        majority = len(seeds) // 2 + 1
+        out["h2"] = {"confirmed": bool(lower or len(spikes) >= majority or len(collapses) >= majority),
+                     "naive_final_reward": mean(finals["naive_sparse"]), "sparse_rl_final_reward": mean(finals["sparse_rl"]),
+                     "seed_spread": spread, "final_reward_lower_by_more_than_spread": bool(lower),
+                     "seeds_with_naive_only_grad_spike": spikes, "seeds_with_naive_only_collapse": collapses,
+                     "per_seed": {s: {"naive_final": naive[s]["final_reward"], "sparse_rl_final": srl[s]["final_reward"],
+                                      "naive_grad_norm_spike": naive[s]["grad_norm_spike"],
+                                      "sparse_rl_grad_norm_spike": srl[s]["grad_norm_spike"],
+                                      "naive_collapse": naive[s]["collapse"], "sparse_rl_collapse": srl[s]["collapse"]}
+                                  for s in seeds}}
+    if srl and dense_sparse:
+        seeds = sorted(set(srl) & set(dense_sparse))
+        s_sp = mean(srl[s].get("eval/sparse/reward") for s in seeds)
+        d_sp = mean(dense_sparse[s].get("sparse/reward") for s in seeds)
+        out["h3"] = {"confirmed": bool(s_sp is not None and d_sp is not None and s_sp > d_sp),
+                     "sparse_rl_eval_sparse_reward": s_sp, "dense_model_eval_sparse_reward": d_sp,
+                     "per_seed": {s: {"sparse_rl": srl[s].get("eval/sparse/reward"),
+                                      "dense_model": dense_sparse[s].get("sparse/reward")} for s in seeds}}
+    return out
+
+
 def report(args) -> dict:
     """Gather the finished runs; write the plot; return the JSON object."""
-    runs = {arm: {s: finished(args.out, arm, s) for s in range(args.seeds)} for arm in args.arms}
-    runs = {arm: {s: v for s, v in seeds.items() if v} for arm, seeds in runs.items()}
-    hist = {arm: {s: histories(args.out, v) for s, v in seeds.items()} for arm, seeds in runs.items()}
+    from deploy.config import load_config
+    from deploy.model_cache import resolve_model
+    from deploy.preflight import longest_prompt
+
+    cfg = load_config(args.config, args.overrides, check_files=False)
+    prompt_max = longest_prompt(cfg, resolve_model(cfg.model))
+    done = {(arm, b, seed): finished(args.out, run_name(arm, b, seed)) for arm, b, seed in grid(args)}
+    done = {k: v for k, v in done.items() if v}
+    hist = {k: histories(args.out, v) for k, v in done.items()}
+    stats = {k: run_stats(hist[k], v) for k, v in done.items() if len(hist[k]["reward_mean"])}
     walls = json.loads((args.out / "wall_s.json").read_text()) if (args.out / "wall_s.json").exists() else {}
     result: dict = {"config": args.config, "overrides": args.overrides, "steps": args.steps, "seeds": args.seeds,
-                    "runs_finished": {arm: sorted(seeds) for arm, seeds in runs.items()},
-                    "complete": all(len(s) == args.seeds for s in runs.values())}
-
-    def per_seed(arm, fn):
-        return [fn(h["reward_mean"]) for h in hist[arm].values() if len(h["reward_mean"])]
-
-    final = {}
-    for arm in args.arms:
-        gains = per_seed(arm, lambda r: r[-EDGE:].mean() - r[:EDGE].mean())
-        finals = per_seed(arm, lambda r: r[-EDGE:].mean())
-        result[f"{arm}_reward_gain"] = float(np.mean(gains)) if gains else None
-        result[f"{arm}_reward_gain_per_seed"] = [round(g, 4) for g in gains]
-        final[arm] = float(np.mean(finals)) if finals else None
-        result[f"{arm}_final_reward"] = final[arm]
-    for arm in SPARSE_ARMS:
-        if arm in final and final[arm] is not None and final.get("dense"):
-            result[f"{arm}_vs_dense"] = final[arm] / final["dense"]
-    kv = [h["kv_retained_ratio"].mean() for arm in SPARSE_ARMS if arm in hist for h in hist[arm].values()]
-    result["kv_retained_ratio"] = float(np.mean(kv)) if kv else None
-    kv_max = [h["kv_retained_ratio"].max() for arm in SPARSE_ARMS if arm in hist for h in hist[arm].values()]
-    result["kv_retained_ratio_max_step"] = float(np.max(kv_max)) if kv_max else None
-    for arm in SPARSE_ARMS:
-        if hist.get(arm):
-            result[f"{arm}_rejection_rate"] = float(np.mean([h["rejection_rate"].mean() for h in hist[arm].values()
-                                                             if len(h["rejection_rate"])] or [np.nan]))
-            result[f"{arm}_mismatch_kl"] = float(np.mean([h["mismatch_kl"].mean() for h in hist[arm].values()
-                                                          if len(h["mismatch_kl"])] or [np.nan]))
-    result["eval"] = {arm: {f"{when}_{mode}_{metric}": float(np.mean([v[f"{key}/{mode}/{metric}"] for v in seeds.values()]))
-                            for when, key in (("before", "eval_before"), ("after", "eval"))
-                            for mode in ("dense", "sparse") for metric in ("reward", "accuracy")}
-                      for arm, seeds in runs.items() if seeds}
-    result["wall_s"] = round(sum(walls.get(f"{arm}-s{s}", 0.0) for arm in runs for s in runs[arm]), 1)
+                    "regime": "decode" if prompt_max < min(args.budgets) else "prefill",
+                    "prompt_tokens_max": prompt_max, "kv_budget": args.budgets[0], "kv_budgets": args.budgets,
+                    "eval_limit": args.eval_limit, "max_staleness": args.max_staleness,
+                    "runs_finished": sorted(run_name(*k) for k in done),
+                    "runs_planned": len(grid(args)), "complete": len(done) == len(grid(args))}
+    dense = {seed: st for (arm, b, seed), st in stats.items() if arm == "dense"}
+    if dense:
+        result["dense"] = summarize(dense)
+    for b in args.budgets:
+        arms = {arm: {seed: st for (a, bb, seed), st in stats.items() if a == arm and bb == b} for arm in SPARSE_ARMS}
+        arms = {a: v for a, v in arms.items() if v}
+        dense_sparse = {seed: dense_sparse_eval(args, seed, b, done[("dense", None, seed)]) for seed in dense}
+        block = {arm: summarize(v) for arm, v in arms.items()}
+        block["dense_model_eval_sparse_reward"] = {s: v.get("sparse/reward") for s, v in dense_sparse.items()}
+        block.update(verdicts(arms, dense, dense_sparse))
+        result[f"budget_{b}"] = block
+    for arm, short in (("dense", "dense"), ("sparse_rl", "sparse_rl"), ("naive_sparse", "naive_sparse")):
+        gains = [st["reward_gain"] for (a, bb, _), st in stats.items() if a == arm and bb in (None, args.budgets[0])]
+        result[f"{short}_reward_gain"] = mean(gains)
+    kv = [st["kv_retained_ratio"] for (a, b, _), st in stats.items() if a != "dense" and b == args.budgets[0]]
+    result["kv_retained_ratio"] = mean(kv)
+    result["wall_s"] = round(sum(walls.values()), 1)
     plot(args, hist, args.out / "replication.png")
     result["plot"] = str(args.out / "replication.png")
     return result
+
+
+def summarize(per_seed: dict[int, dict]) -> dict:
+    """Means over seeds of every figure of run_stats, and the per-seed values."""
+    keys = sorted({k for st in per_seed.values() for k in st})
+    out = {k: mean(st.get(k) for st in per_seed.values()) for k in keys if k != "collapse"}
+    out["per_seed"] = {s: st for s, st in sorted(per_seed.items())}
+    return out
 
 
 def plot(args, hist, path: Path) -> None:
@@ -181,25 +332,29 @@ def plot(args, hist, path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(2, 3, figsize=(14, 7.5))
-    for ax, name in zip(axes.flat, PLOTTED):
-        for arm in args.arms:
-            series = [h[name] for h in hist.get(arm, {}).values() if len(h[name])]
-            if not series:
-                continue
-            n = min(len(s) for s in series)
-            stack = np.stack([s[:n] for s in series])
-            steps = np.arange(1, n + 1)
-            line, = ax.plot(steps, stack.mean(0), label=f"{arm} ({len(series)} seed{'s' * (len(series) > 1)})")
-            if len(series) > 1:
-                ax.fill_between(steps, stack.min(0), stack.max(0), color=line.get_color(), alpha=0.15)
-        ax.set_title(f"{name} (mean; band: min-max over seeds)", fontsize=10)
-        ax.set_xlabel("learner step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes.flat[0].legend(fontsize=8)
-    fig.suptitle(f"bench/replication.py --config {args.config}: {args.steps} steps")
+    rows = len(args.budgets)
+    fig, axes = plt.subplots(2 * rows, 4, figsize=(18, 6.5 * rows), squeeze=False)
+    for row, b in enumerate(args.budgets):
+        for ax, name in zip(axes[2 * row:2 * row + 2].flat, PLOTTED):
+            for arm in args.arms:
+                series = [h[name] for (a, bb, _), h in sorted(hist.items(), key=lambda kv: kv[0][2])
+                          if a == arm and bb in (None, b) and len(h[name])]
+                if not series:
+                    continue
+                n = min(len(s) for s in series)
+                stack = np.stack([s[:n] for s in series])
+                steps = np.arange(1, n + 1)
+                line, = ax.plot(steps, stack.mean(0), label=f"{arm} ({len(series)} seed{'s' * (len(series) > 1)})")
+                if len(series) > 1:
+                    ax.fill_between(steps, stack.min(0), stack.max(0), color=line.get_color(), alpha=0.15)
+            ax.set_title(f"budget {b}: {name}", fontsize=10)
+            ax.set_xlabel("learner step")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axes[2 * row][0].legend(fontsize=8)
+    fig.suptitle(f"bench/replication.py --config {args.config}: {args.steps} steps; mean and min-max over seeds; "
+                 "dense (budget-free) drawn in every row")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
@@ -207,17 +362,16 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.only_report:
-        for seed in range(args.seeds):   # seed-major: an interrupted bench has every arm of the first seeds
-            for arm in args.arms:
-                if finished(args.out, arm, seed):
-                    print(f"{arm} seed {seed}: finished earlier, kept", flush=True)
-                else:
-                    run_one(args, arm, seed)
+        for arm, budget, seed in grid(args):
+            name = run_name(arm, budget, seed)
+            if finished(args.out, name):
+                print(f"{name}: finished earlier, kept", flush=True)
+            else:
+                run_one(args, arm, budget, seed)
     result = report(args)
-    for arm in args.arms:
-        print(f"{arm:>20}: reward gain {result[f'{arm}_reward_gain']}, final {result[f'{arm}_final_reward']}, "
-              f"eval {result['eval'].get(arm)}")
-    print(json.dumps(result))
+    for key in ("dense", *[f"budget_{b}" for b in args.budgets]):
+        print(f"{key}: {json.dumps({k: v for k, v in result.get(key, {}).items() if k != 'per_seed'}, default=str)[:600]}")
+    print(json.dumps(result, default=str))
 
 
 if __name__ == "__main__":
