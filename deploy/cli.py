@@ -1,10 +1,10 @@
 """`sparse-rl` command line: train, eval, scale, preflight.
 
-    sparse-rl train [--config smollm2-copy] [dotted.key=value ...]
+    sparse-rl train [--config smollm2-count] [dotted.key=value ...]
     sparse-rl train --resume runs/<run id> [dotted.key=value ...]   (the same record; e.g. train.steps=N to go further)
     sparse-rl eval --model runs/<run id>/final [--mode dense|sparse] [--config ...] [dotted.key=value ...]
     sparse-rl scale --run <run id> --actors N [--run-dir runs] [--redis redis://127.0.0.1:6379/0]
-    sparse-rl preflight [--config smollm2-copy] [dotted.key=value ...]   # will the KV cache fit? (also run by train)
+    sparse-rl preflight [--config smollm2-count] [dotted.key=value ...]   # will the KV cache fit? (also run by train)
 """
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ import os
 import sys
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep local Ray on 127.0.0.1
+
+MAIN_JOB = "smollm2-count"
+"""The preset `sparse-rl train` (and eval, preflight) uses without --config: the decode-regime main job."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +34,7 @@ def _main(argv: list[str] | None = None) -> int:
 
     train = sub.add_parser("train", help="run the actor-learner training job")
     train.add_argument("--config", default=None, help="preset name in deploy/configs/ or a YAML path "
-                                                      "(default smollm2-copy)")
+                                                      f"(default {MAIN_JOB})")
     train.add_argument("--resume", default="", metavar="RUN_DIR",
                        help="continue this run (runs/<run id>) from its latest checkpoint: same directory, MLflow run "
                             "and counters; its config.yaml with the overrides applied")
@@ -41,7 +44,7 @@ def _main(argv: list[str] | None = None) -> int:
     ev.add_argument("--model", required=True, help="Hugging Face directory (e.g. runs/<run id>/final) or preset model")
     ev.add_argument("--mode", choices=["dense", "sparse"], action="append",
                     help="KV cache mode; repeat for both (default: the config's eval.modes)")
-    ev.add_argument("--config", default="smollm2-copy", help="preset or YAML giving the compressor and eval settings")
+    ev.add_argument("--config", default=MAIN_JOB, help="preset or YAML giving the compressor and eval settings")
     ev.add_argument("overrides", nargs="*")
 
     scale = sub.add_parser("scale", help="change the number of rollout actors of a running job")
@@ -52,7 +55,7 @@ def _main(argv: list[str] | None = None) -> int:
     scale.add_argument("--run-dir", default="runs", help="parent of the run directories (the config's run_dir)")
 
     pre = sub.add_parser("preflight", help="predict the run's KV memory per sequence and batch, check that it fits")
-    pre.add_argument("--config", default="smollm2-copy", help="preset name in deploy/configs/ or a YAML path")
+    pre.add_argument("--config", default=MAIN_JOB, help="preset name in deploy/configs/ or a YAML path")
     pre.add_argument("overrides", nargs="*")
 
     args = parser.parse_args(argv)
@@ -80,8 +83,8 @@ def _main(argv: list[str] | None = None) -> int:
                 cfg = resume_config(args.resume, args.overrides)
                 command = ["sparse-rl", "train", "--resume", args.resume, *args.overrides]
             else:
-                cfg = load_config(args.config or "smollm2-copy", args.overrides)
-                command = ["sparse-rl", "train", "--config", args.config or "smollm2-copy", *args.overrides]
+                cfg = load_config(args.config or MAIN_JOB, args.overrides)
+                command = ["sparse-rl", "train", "--config", args.config or MAIN_JOB, *args.overrides]
             try:
                 run_train(cfg, command, resume=args.resume)
             except Interrupted as e:
