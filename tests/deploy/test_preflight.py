@@ -141,8 +141,6 @@ def test_train_that_does_not_fit_exits_2_before_anything_starts(tmp_path):
 @pytest.mark.parametrize("overrides,named", [
     (["actors.engine.compressor.budget_control=mismatch", "actors.engine.compressor.kv_budget_min=16",
       "actors.engine.compressor.kv_budget_max=64", "learner.correction=off"], "actors.engine.compressor.budget_control"),
-    (["actors.engine.backend=sglang", "actors.engine.compressor.budget_tiers=confidence", "eval.enabled=false"],
-     "actors.engine.compressor.budget_tiers"),
     (["actors.engine.compressor.budget_schedule=linear", "actors.engine.compressor.kv_budget_final=4"],
      "actors.engine.compressor.kv_budget"),
     (["preflight.kv_memory_gb=-1"], "preflight.kv_memory_gb"),
@@ -151,3 +149,10 @@ def test_bad_budget_config_fails_at_start_naming_the_dotted_field(overrides, nam
     from deploy.config import ConfigError
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
         load_config("tiny", overrides, check_files=False)
+
+
+def test_sglang_engine_accepts_varying_budgets():
+    """Issue 23: per-request budgets reach SGLang's scheduler, so schedules, tiers and control load with it."""
+    cfg = load_config("tiny", ["actors.engine.backend=sglang", "actors.engine.compressor.budget_tiers=confidence",
+                               "eval.enabled=false"], check_files=False)
+    assert cfg.actors.engine.compressor.budget_tiers == "confidence"

@@ -71,3 +71,25 @@ def test_triton_backend_frees_evicted_slots(triton_engine):
     assert stats["peak_used_slots"] <= 2 * (cc.kv_budget + cc.interval + 1)
     assert stats["freed_slots"] >= 2 * (PROMPT_LEN + NEW - 1 - (cc.kv_budget + cc.interval))
     assert stats["max_live_by_budget"] == {str(cc.kv_budget): cc.kv_budget + cc.interval}
+
+
+def test_per_request_budgets_each_bounded_by_their_own(triton_engine, tiny_qwen2_dir):
+    eng, cc = triton_engine
+    if cc.selection == "shared":
+        pytest.skip("one compressor config is enough for the per-request budget check")
+    budgets = [12, 20]
+    got = [g[0] for g in eng.generate(PROMPTS, PARAMS, kv_budgets=budgets)]
+    stats = eng.kv_pool_stats()
+    assert stats["max_live_by_budget"]["12"] == 12 + cc.interval and stats["max_live_by_budget"]["20"] == 20 + cc.interval
+    model = Qwen2ForCausalLM.from_pretrained(tiny_qwen2_dir).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_qwen2_dir)
+    want = [g[0] for g in TorchEngine(model, tok, cc).generate(PROMPTS, PARAMS, kv_budgets=budgets)]
+    same = [g[0] for g in TorchEngine(model, tok, cc).generate(PROMPTS, PARAMS)]
+    for g, w in zip(got, want):
+        assert g.response_ids == w.response_ids
+        assert torch.allclose(torch.from_numpy(g.logp_sparse), torch.from_numpy(w.logp_sparse), atol=2e-5)
+        assert g.kv_retained_tokens == w.kv_retained_tokens
+    # the budgets mattered: the budget-12 row differs from its run at the config's budget 16
+    assert not torch.allclose(torch.from_numpy(got[0].logp_sparse), torch.from_numpy(same[0].logp_sparse), atol=1e-4)
+    with pytest.raises(ValueError, match="kv_budgets"):
+        eng.generate(PROMPTS, PARAMS, kv_budgets=[cc.window, 16])          # a budget <= window is refused
