@@ -6,6 +6,8 @@ import os
 
 import pytest
 import torch
+
+pytest.importorskip("sglang.srt", reason="needs the SGLang lane venv: bash scripts/setup_sglang_cpu.sh")
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
 from actors.engine import SamplingParams

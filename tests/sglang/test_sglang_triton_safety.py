@@ -11,6 +11,8 @@ import textwrap
 import pytest
 import torch
 
+pytest.importorskip("sglang.srt", reason="needs the SGLang lane venv: bash scripts/setup_sglang_cpu.sh")
+
 from actors import sglang_triton_backend as backend
 from actors.sglang_engine import SPARSE_REQUIRED, SGLangEngine, check_sparse_settings
 from compressors import CompressorConfig
