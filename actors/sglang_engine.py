@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import timedelta
 from typing import Iterable
 
@@ -42,39 +42,94 @@ from actors.torch_engine import _check_params
 from compressors import CompressorConfig
 
 SPARSE_BACKEND = "sparse_rl_kv"
-"""Name of our attention backend in SGLang's registry (`attention_backend=` of `sglang.Engine`)."""
+"""Name of our attention backend in SGLang's registry (`attention_backend=` of `sglang.Engine`): SGLang's Triton
+kernels over the compressed KV (actors/sglang_triton_backend.py)."""
+TORCH_SPARSE_BACKEND = "sparse_rl_kv_torch"
+"""The torch reference backend (actors/sglang_kv_backend.py): eager, no CUDA graphs."""
 COMPRESSOR_ENV = "SPARSE_RL_KV_COMPRESSOR"
 """Environment variable carrying the CompressorConfig (JSON) to SGLang's scheduler subprocess."""
+KV_BUDGET_PARAM = "sparse_rl_kv_budget"
+"""Key of a request's KV budget in SGLang's `custom_params` (read by actors/sglang_triton_backend.py)."""
 KV_STATS_ENV = "SPARSE_RL_KV_STATS"
 """Optional file path: the sparse backend writes its measured KV slot usage there (JSON)."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def register_sglang_plugin() -> None:
-    """SGLang general plugin (entry point `sglang.srt.plugins: sparse_rl_kv`): registers the `sparse_rl_kv`
-    attention backend and adds it to SGLang's `--attention-backend` choices. SGLang calls this in every one of
-    its processes before parsing server args; it imports nothing heavy until the backend is built."""
-    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+    """SGLang general plugin (entry point `sglang.srt.plugins: sparse_rl_kv`): registers the attention backends
+    `sparse_rl_kv` (SGLang's Triton kernels, actors/sglang_triton_backend.py) and `sparse_rl_kv_torch` (the
+    torch reference, actors/sglang_kv_backend.py), adds them to SGLang's `--attention-backend` choices and
+    to its deterministic-inference list (so `sampling_seed` is honoured). SGLang calls this in every one of its
+    processes before parsing server args; it imports nothing heavy until a backend is built."""
+    from sglang.srt.arg_groups.choices import (ATTENTION_BACKEND_CHOICES, DETERMINISTIC_ATTENTION_BACKEND_CHOICES,
+                                               add_attention_backend_choices,
+                                               add_deterministic_attention_backend_choices)
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
 
-    if SPARSE_BACKEND not in ATTENTION_BACKEND_CHOICES:
-        add_attention_backend_choices([SPARSE_BACKEND])
+    names = [SPARSE_BACKEND, TORCH_SPARSE_BACKEND]
+    add_attention_backend_choices([n for n in names if n not in ATTENTION_BACKEND_CHOICES])
+    add_deterministic_attention_backend_choices([SPARSE_BACKEND] if SPARSE_BACKEND not in
+                                                DETERMINISTIC_ATTENTION_BACKEND_CHOICES else [])
 
     @register_attention_backend(SPARSE_BACKEND)
     def _create(runner):
+        from actors.sglang_triton_backend import SparseTritonAttnBackend
+
+        return SparseTritonAttnBackend(runner, CompressorConfig(**json.loads(os.environ[COMPRESSOR_ENV])))
+
+    @register_attention_backend(TORCH_SPARSE_BACKEND)
+    def _create_torch(runner):
         from actors.sglang_kv_backend import SparseKVAttnBackend
 
         return SparseKVAttnBackend(runner, CompressorConfig(**json.loads(os.environ[COMPRESSOR_ENV])))
 
 
-def sparse_engine_kwargs() -> dict:
-    """`sglang.Engine` settings sparse mode needs (docs/sglang.md, "Sparse mode"): our backend; no radix
-    prefix cache (a compressed prefix is not the prefix's KV); no chunked prefill (a prompt is compressed
-    after its whole prefill; no mixed prefill+decode batches); page size 1 (slots are freed one token at a
-    time); no CUDA graphs and no overlap
-    scheduling (the backend rewrites request rows and frees slots between steps, with data-dependent shapes)."""
-    return {"attention_backend": SPARSE_BACKEND, "disable_radix_cache": True, "chunked_prefill_size": -1,
-            "page_size": 1, "disable_cuda_graph": True, "disable_overlap_schedule": True, "enable_mixed_chunk": False}
+SPARSE_REQUIRED = {"disable_radix_cache": True, "chunked_prefill_size": -1, "page_size": 1,
+                   "disable_overlap_schedule": True, "enable_mixed_chunk": False, "tp_size": 1, "pp_size": 1,
+                   "dp_size": 1, "kv_cache_dtype": "auto", "speculative_algorithm": None,
+                   "enable_custom_logit_processor": True}
+"""`sglang.Engine` settings sparse mode needs, and why (docs/sglang.md, "Sparse mode"): no radix prefix cache
+(a compressed prefix is not the prefix's KV); no chunked prefill or mixed chunks (a prompt is compressed after
+its whole prefill); page size 1 (slots are freed one token at a time); no overlap scheduling (compression
+between steps would race the next step's scheduling); one GPU per engine (tensor/pipeline/data parallel 1);
+KV in the model dtype (no fp8); no speculative decoding; the custom logit processor that carries per-request
+budgets."""
+
+
+def sparse_engine_kwargs(backend: str = SPARSE_BACKEND) -> dict:
+    """`sglang.Engine` settings of sparse mode: `SPARSE_REQUIRED` plus the attention backend (`sparse_rl_kv`:
+    SGLang's Triton kernels, CUDA graphs stay on; `sparse_rl_kv_torch`: the torch reference, eager)."""
+    kwargs = {"attention_backend": backend, **SPARSE_REQUIRED}
+    if backend == TORCH_SPARSE_BACKEND:
+        kwargs["disable_cuda_graph"] = True
+    return kwargs
+
+
+def check_sparse_settings(engine_kwargs: dict, backend: str = SPARSE_BACKEND) -> None:
+    """Refuse, before SGLang starts, engine settings sparse mode would silently break: ValueError naming the
+    setting. Checked: every key of `SPARSE_REQUIRED` given with another value, an attention backend other than
+    ours, SGLANG_PLUGINS without `sparse_rl_kv` (SGLang would not load our plugin), SGLANG_USE_HND_KVCACHE (KV
+    layout), SGLANG_ENABLE_METADATA_GLUE_GRAPH (it would capture the between-steps compression)."""
+    for key, need in SPARSE_REQUIRED.items():
+        got = engine_kwargs.get(key, need)
+        if key == "chunked_prefill_size" and got is None:
+            continue
+        if key == "kv_cache_dtype" and got in (None, "auto", str(engine_kwargs.get("dtype", "auto"))):
+            continue
+        if got != need:
+            raise ValueError(f"engine setting {key}={got!r}: sparse KV compression needs {key}={need!r} "
+                             f"(docs/sglang.md, Sparse mode)")
+    got = engine_kwargs.get("attention_backend", backend)
+    if got != backend:
+        raise ValueError(f"engine setting attention_backend={got!r}: sparse mode runs in {backend!r}")
+    allowed = os.environ.get("SGLANG_PLUGINS")
+    if allowed and "sparse_rl_kv" not in {x.strip() for x in allowed.split(",")}:
+        raise ValueError(f"SGLANG_PLUGINS={allowed!r} does not list sparse_rl_kv: SGLang would not register the "
+                         "sparse attention backend; add it")
+    for env in ("SGLANG_USE_HND_KVCACHE", "SGLANG_ENABLE_METADATA_GLUE_GRAPH"):
+        if os.environ.get(env, "").lower() in ("1", "true", "yes"):
+            raise ValueError(f"{env} is set: sparse KV compression needs SGLang's token-major KV layout and an "
+                             "eager metadata step; unset it")
 
 
 class SGLangEngine:
@@ -85,15 +140,18 @@ class SGLangEngine:
         cache), anything else = sparse mode through the `sparse_rl_kv` backend (validated here).
     weight_version: version of the weights at `model_path`.
     timeout_s: limit in seconds on every engine call (generate, each weight-update step).
-    engine_kwargs: passed to `sglang.Engine` (device, dtype, mem_fraction_static, tp_size, ...); in sparse
-        mode `sparse_engine_kwargs()` is applied over them.
-    Raises ValueError on an invalid compressor config or with `SGLANG_RETURN_ORIGINAL_LOGPROB` set;
-        whatever `sglang.Engine` raises if the model cannot be loaded.
+    sparse_backend: "sparse_rl_kv" (SGLang's Triton kernels, CUDA graphs on) | "sparse_rl_kv_torch" (the torch
+        reference backend, eager); sparse mode only.
+    engine_kwargs: passed to `sglang.Engine` (device, dtype, mem_fraction_static, ...); in sparse mode
+        `sparse_engine_kwargs()` is added, and a setting that contradicts it is refused (`check_sparse_settings`).
+    Raises ValueError on an invalid compressor config, a sparse-mode setting it cannot honour (naming the
+        setting; nothing is started), or with `SGLANG_RETURN_ORIGINAL_LOGPROB` set; whatever `sglang.Engine`
+        raises if the model cannot be loaded.
     Must be created under `if __name__ == "__main__":` (SGLang spawns its scheduler subprocess).
     """
 
     def __init__(self, model_path: str, compressor_cfg: CompressorConfig | None = None, weight_version: int = 0,
-                 timeout_s: float = 600.0, **engine_kwargs):
+                 timeout_s: float = 600.0, sparse_backend: str = SPARSE_BACKEND, **engine_kwargs):
         import sglang
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -107,8 +165,12 @@ class SGLangEngine:
         self.weight_version = weight_version
         kwargs = dict(engine_kwargs)
         if self.sparse:
+            if sparse_backend not in (SPARSE_BACKEND, TORCH_SPARSE_BACKEND):
+                raise ValueError(f"sparse_backend={sparse_backend!r}: expected {SPARSE_BACKEND} | {TORCH_SPARSE_BACKEND}")
+            check_sparse_settings(kwargs, sparse_backend)
             os.environ[COMPRESSOR_ENV] = json.dumps(asdict(self.compressor_cfg))
-            kwargs.update(sparse_engine_kwargs())
+            kwargs.update(sparse_engine_kwargs(sparse_backend))
+        self.sparse_backend = sparse_backend if self.sparse else None
         kwargs.setdefault("skip_tokenizer_init", False)
         self.engine = sglang.Engine(model_path=model_path, **kwargs)
         self.tokenizer = self.engine.tokenizer_manager.tokenizer
@@ -130,8 +192,14 @@ class SGLangEngine:
         """Bytes of K and V of one token over all layers in SGLang's pool."""
 
     # ---------------------------------------------------------------- generation
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 kv_budgets: list[int] | None = None) -> list[list[Sample]]:
         """Sample `params.n` responses per prompt (token ids); one list of n Samples per prompt, in order.
+
+        kv_budgets: one KV budget (tokens) per prompt, or None for `compressor_cfg.kv_budget` (issue 13:
+        schedules, controller, difficulty tiers). Each request carries its budget to SGLang's scheduler in
+        its custom params; the `sparse_rl_kv` backend compresses it to that budget (all requests still decode
+        in one batch). Only in sparse mode with `sparse_rl_kv`; a dense engine ignores them.
 
         Each of the n samples is its own SGLang request (prompt-major); with `params.seed` sample j gets
         `sampling_seed = seed + j`, which SGLang honours only when the engine runs with
@@ -144,6 +212,7 @@ class SGLangEngine:
         call exceeds `timeout_s`.
         """
         _check_params(prompts, params)
+        budgets = self._check_budgets(prompts, kv_budgets)
         rows = [p for p in prompts for _ in range(params.n)]
         sampling = []
         for j in range(len(rows)):
@@ -154,11 +223,18 @@ class SGLangEngine:
                 sp["top_k"] = params.top_k
             if params.seed is not None:
                 sp["sampling_seed"] = params.seed + j % params.n
+            if self.sparse_backend == SPARSE_BACKEND:
+                sp["custom_params"] = {KV_BUDGET_PARAM: budgets[j // params.n]}
             sampling.append(sp)
+        carrier = None
+        if self.sparse_backend == SPARSE_BACKEND:
+            from actors.sglang_triton_backend import KVBudgetCarrier
+
+            carrier = [KVBudgetCarrier.to_str()] * len(rows)
         outs = self._call(self.engine.async_generate(input_ids=[list(r) for r in rows], sampling_params=sampling,
-                                                     return_logprob=True), "generate")
+                                                     return_logprob=True, custom_logit_processor=carrier), "generate")
         samples = []
-        for row, out in zip(rows, outs):
+        for j, (row, out) in enumerate(zip(rows, outs)):
             meta = out["meta_info"]
             reason = meta["finish_reason"]
             kind = reason.get("type") if isinstance(reason, dict) else reason
@@ -168,21 +244,42 @@ class SGLangEngine:
             token_logprobs = meta["output_token_logprobs"]
             if [t for _, t, _ in token_logprobs] != response:
                 raise RuntimeError("SGLang output_token_logprobs token ids differ from output_ids")
-            retained, peak = self._kv_tokens(len(row), len(response))
+            retained, peak = self._kv_tokens(len(row), len(response), budgets[j // params.n])
             samples.append(Sample(prompt_ids=list(row), response_ids=response,
                                   logp_sparse=np.asarray([lp for lp, _, _ in token_logprobs], dtype=np.float32),
                                   finish_reason=kind, kv_retained_tokens=retained,
                                   kv_peak_bytes=peak * self.kv_bytes_per_token))
         return [samples[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
-    def _kv_tokens(self, prompt_len: int, response_len: int) -> tuple[int, int]:
+    def _check_budgets(self, prompts: list[list[int]], kv_budgets: list[int] | None) -> list[int]:
+        """One budget per prompt (the config's when None); ValueError naming kv_budgets for a wrong length, a
+        budget the compressor config rejects, or differing budgets on the torch reference backend."""
+        budget = self.compressor_cfg.kv_budget
+        if kv_budgets is None:
+            return [budget] * len(prompts)
+        if len(kv_budgets) != len(prompts):
+            raise ValueError(f"kv_budgets has {len(kv_budgets)} values for {len(prompts)} prompts")
+        budgets = [int(b) for b in kv_budgets]
+        if not self.sparse:
+            return budgets
+        for b in sorted(set(budgets)):
+            try:
+                replace(self.compressor_cfg, kv_budget=b, budget_schedule="constant", budget_control="off",
+                        budget_tiers="off").validate()
+            except ValueError as e:
+                raise ValueError(f"kv_budgets: {e}") from None
+        if self.sparse_backend != SPARSE_BACKEND and set(budgets) != {budget}:
+            raise ValueError(f"kv_budgets: per-request budgets need sparse_backend={SPARSE_BACKEND!r}")
+        return budgets
+
+    def _kv_tokens(self, prompt_len: int, response_len: int, budget: int) -> tuple[int, int]:
         """(tokens in this sequence's KV when it ended, peak tokens it held) under the compression schedule of
         the sparse backend (prompt compressed at prefill if longer than kv_budget; at decode step s, after the
         step's attention, compressed to kv_budget if s % interval == 0 and it holds more)."""
         held = prompt_len
         if not self.sparse:
             return held + response_len - 1, held + response_len - 1
-        budget, interval = self.compressor_cfg.kv_budget, self.compressor_cfg.interval
+        interval = self.compressor_cfg.interval
         peak = held
         held = min(held, budget)
         for step in range(1, response_len):

@@ -18,6 +18,6 @@ if [[ "${1:-}" == "--bare" ]]; then
   exec timeout "${GPU_CHECK_TIMEOUT_S:-470}" "$PYTHON" bench/torch_gpu_check.py "$@"
 fi
 for arg in "$@"; do
-  if [[ "$arg" == "--tiny" ]]; then export SGLANG_USE_CPU_ENGINE=1; fi
+  if [[ "$arg" == "--tiny" ]]; then export SGLANG_USE_CPU_ENGINE=1 TRITON_INTERPRET=1; fi
 done
 exec timeout "${GPU_CHECK_TIMEOUT_S:-470}" "$PYTHON" bench/sglang_gpu_check.py "$@"

@@ -11,10 +11,14 @@ Steps (each measured in this run, nothing downloaded):
   2. dense: SGLangEngine (SGLang's default GPU attention backend, CUDA graphs, prefix cache), batch
      --batch prompts x 1 sample, --response-len new tokens (ignore_eos), temperature 1: tokens/s and KV bytes;
   3. sparse: the same with R-KV (kv_budget --kv-budget, interval 128, window 8) inside SGLang
-     (`sparse_rl_kv` backend): tokens/s and the peak of KV slots held, measured from SGLang's allocator;
+     (`sparse_rl_kv` backend: SGLang's Triton kernels, CUDA graphs on): tokens/s and the peak of KV slots
+     held, measured from SGLang's allocator; then again at the largest batch whose bounded caches fit in the
+     dense run's KV pool (same memory: max_total_tokens = batch x (prompt + response));
   4. equivalence: fp32, --eq-prompts prompts, greedy, --eq-len tokens: SGLang sparse vs TorchEngine with the
      same compressor (token agreement and max |logp_sparse difference| over the common prefix).
-Prints a table, then ONE JSON object as the last line.
+Prints a table, then ONE JSON object as the last line, with `sparse_vs_dense_tokens_per_s_same_batch`
+(target >= 1.0) and `sparse_vs_dense_tokens_per_s_same_memory` (target >= 2.0); it prints what it measured
+whether or not a target is met. Needs only the `gpu` extra (`pip install -e .[gpu]`).
 """
 from __future__ import annotations
 
@@ -93,7 +97,7 @@ def build_model(model_dir: Path, tiny: bool, device: str) -> None:
         if saved.get("num_hidden_layers") != cfg.num_hidden_layers or saved.get("hidden_size") != cfg.hidden_size:
             raise ValueError(f"--model-dir {model_dir} holds a different model ({saved.get('num_hidden_layers')} "
                              f"layers, hidden {saved.get('hidden_size')}); pass another --model-dir")
-        return info
+        return
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2ForCausalLM(cfg).to(torch.float32 if tiny else torch.bfloat16)
@@ -105,19 +109,24 @@ def build_model(model_dir: Path, tiny: bool, device: str) -> None:
     del model
 
 
-def engine_kwargs(args, dtype: str, dense: bool) -> dict:
+def engine_kwargs(args, dtype: str, dense: bool, batch: int, pool_tokens: int | None = None) -> dict:
+    """sglang.Engine settings of one run: `batch` concurrent requests; `pool_tokens` fixes the KV pool size
+    (the same-memory run), with an eager admission (schedule_conservativeness 0.05) so SGLang, which budgets
+    max_new_tokens of growth per request, admits what the bounded cache really needs."""
     if args.tiny:
-        kw = dict(device="cpu", max_total_tokens=4096, mem_fraction_static=0.05, disable_cuda_graph=True,
-                  disable_overlap_schedule=True)
+        kw = dict(device="cpu", max_total_tokens=pool_tokens or 4096, mem_fraction_static=0.05,
+                  disable_cuda_graph=True, max_running_requests=batch)
         if dense:
-            kw["attention_backend"] = "torch_native"
+            kw.update(attention_backend="torch_native", disable_overlap_schedule=True)
     else:
-        kw = dict(mem_fraction_static=args.mem_fraction, max_running_requests=max(args.batch, args.eq_prompts),
-                  cuda_graph_max_bs_decode=args.batch)
+        kw = dict(mem_fraction_static=args.mem_fraction, max_running_requests=max(batch, args.eq_prompts),
+                  cuda_graph_max_bs_decode=max(batch, args.eq_prompts))
+        if pool_tokens is not None:
+            kw.update(max_total_tokens=pool_tokens, schedule_conservativeness=0.05)
     return dict(kw, dtype=dtype, random_seed=0, log_level="error")
 
 
-def run_engine(args, compressor, dtype: str, prompts, params):
+def run_engine(args, compressor, dtype: str, prompts, params, pool_tokens: int | None = None):
     """Start an SGLangEngine, generate once (timed), shut it down. Returns (samples, seconds, pool stats)."""
     from actors.sglang_engine import KV_STATS_ENV, SGLangEngine
 
@@ -126,7 +135,8 @@ def run_engine(args, compressor, dtype: str, prompts, params):
         stats_path.unlink()
     os.environ[KV_STATS_ENV] = str(stats_path)
     eng = SGLangEngine(args.model_dir, compressor, timeout_s=400,
-                       **engine_kwargs(args, dtype, dense=compressor.method == "full"))
+                       **engine_kwargs(args, dtype, dense=compressor.method == "full", batch=len(prompts),
+                                       pool_tokens=pool_tokens))
     try:
         t0 = time.perf_counter()
         out = eng.generate(prompts, params)
@@ -165,15 +175,23 @@ def main(argv=None) -> dict:
 
     dtype = "float32" if args.tiny else "bfloat16"
     params = SamplingParams(temperature=1.0, max_new_tokens=args.response_len, ignore_eos=True, seed=0)
+    # Same memory: the KV pool of the dense run at --batch (prompt + response tokens per sequence) holds
+    # `same_memory_batch` sparse sequences (budget + interval + 1 slots each at their peak).
+    pool_tokens = args.batch * (args.prompt_len + args.response_len)
+    same_memory_batch = pool_tokens // (max(args.prompt_len, args.kv_budget) + args.interval + 1)
+    big = torch.randint(1, vocab, (same_memory_batch, args.prompt_len), generator=g).tolist()
     rows = {}
-    for name, comp in (("dense", CompressorConfig(method="full")), ("sparse_rkv", rkv)):
-        samples, seconds, stats, bytes_per_token = run_engine(args, comp, dtype, prompts, params)
+    for name, comp, batch_prompts, pool in (("dense", CompressorConfig(method="full"), prompts, pool_tokens),
+                                            ("sparse_rkv", rkv, prompts, None),
+                                            ("sparse_rkv_same_memory", rkv, big, pool_tokens)):
+        samples, seconds, stats, bytes_per_token = run_engine(args, comp, dtype, batch_prompts, params, pool)
         tokens = sum(len(s.response_ids) for s in samples)
         if stats is None:   # dense: no eviction, every sequence holds all its tokens at the end (slot counts)
             kv_peak, how = sum(s.kv_peak_bytes for s in samples), "slots held (prompt + response - 1), counted"
         else:               # sparse: peak slots in use in SGLang's allocator, measured by the backend
             kv_peak, how = stats["peak_used_slots"] * bytes_per_token, "allocator peak used slots, measured"
-        rows[name] = {"tokens": tokens, "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 1),
+        rows[name] = {"batch": len(batch_prompts), "kv_pool_tokens": pool, "tokens": tokens,
+                      "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 1),
                       "kv_peak_bytes": int(kv_peak), "kv_peak_how": how,
                       "freed_slots": None if stats is None else stats["freed_slots"]}
 
@@ -203,16 +221,21 @@ def main(argv=None) -> dict:
               "first_compression_step": first, "compression_reached_before_divergence": min(agree) > first}
         del model
 
-    print(f"{'run':<12}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}{'KV peak MiB':>14}  how")
+    print(f"{'run':<24}{'batch':>6}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}{'KV peak MiB':>14}  how")
     for name, r in rows.items():
-        print(f"{name:<12}{r['tokens']:>10}{r['seconds']:>10}{r['tokens_per_s']:>12}"
+        print(f"{name:<24}{r['batch']:>6}{r['tokens']:>10}{r['seconds']:>10}{r['tokens_per_s']:>12}"
               f"{r['kv_peak_bytes'] / 2**20:>14.1f}  {r['kv_peak_how']}")
     if eq is not None:
         print(f"equivalence (fp32, greedy, {args.eq_prompts} prompts x {args.eq_len}): tokens agreeing "
               f"{eq['tokens_agreeing_before_divergence']}, max |dlogp| {eq['max_abs_logp_diff']:.2e}")
     result = {"bench": "sglang_gpu_check", **plan, "build_s": round(build_s, 1), "dense": rows["dense"],
               "sparse_rkv": rows["sparse_rkv"],
-              "sparse_vs_dense_tokens_per_s": round(rows["sparse_rkv"]["tokens_per_s"] / rows["dense"]["tokens_per_s"], 3),
+              "sparse_rkv_same_memory": rows["sparse_rkv_same_memory"],
+              "sparse_vs_dense_tokens_per_s_same_batch":
+                  round(rows["sparse_rkv"]["tokens_per_s"] / rows["dense"]["tokens_per_s"], 3),
+              "sparse_vs_dense_tokens_per_s_same_memory":
+                  round(rows["sparse_rkv_same_memory"]["tokens_per_s"] / rows["dense"]["tokens_per_s"], 3),
+              "targets": {"same_batch": ">= 1.0", "same_memory": ">= 2.0"},
               "kv_peak_ratio": round(rows["sparse_rkv"]["kv_peak_bytes"] / rows["dense"]["kv_peak_bytes"], 4),
               "equivalence": eq}
     print(json.dumps(result))

@@ -261,11 +261,6 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
     check(compressor.budget_control == "off" or run.learner.correction != "off",
           f"actors.engine.compressor.budget_control={compressor.budget_control!r} reads the ratio tail "
           f"({compressor.budget_metric}) that learner.correction=off does not compute: use on or metrics_only")
-    if run.actors.engine.backend == "sglang":
-        for name, off in (("budget_schedule", "constant"), ("budget_control", "off"), ("budget_tiers", "off")):
-            check(getattr(compressor, name) == off,
-                  f"actors.engine.compressor.{name}={getattr(compressor, name)!r}: the SGLang engine's budget is fixed "
-                  f"when it starts; budget schedules, control and tiers need actors.engine.backend=torch")
     for mode in run.eval.modes:
         check(mode in ("dense", "sparse"), f"eval.modes: {mode!r} is not one of dense, sparse")
     if run.actors.engine.backend == "sglang" and run.eval.enabled:

@@ -141,8 +141,6 @@ def test_train_that_does_not_fit_exits_2_before_anything_starts(tmp_path):
 @pytest.mark.parametrize("overrides,named", [
     (["actors.engine.compressor.budget_control=mismatch", "actors.engine.compressor.kv_budget_min=16",
       "actors.engine.compressor.kv_budget_max=64", "learner.correction=off"], "actors.engine.compressor.budget_control"),
-    (["actors.engine.backend=sglang", "actors.engine.compressor.budget_tiers=confidence", "eval.enabled=false"],
-     "actors.engine.compressor.budget_tiers"),
     (["actors.engine.compressor.budget_schedule=linear", "actors.engine.compressor.kv_budget_final=4"],
      "actors.engine.compressor.kv_budget"),
     (["preflight.kv_memory_gb=-1"], "preflight.kv_memory_gb"),
@@ -168,3 +166,10 @@ def test_main_job_compresses_the_trace_not_the_prompt():
     assert [w for w in copy.warnings if "compressed at prefill" in w] == [
         f"prompts of up to {copy.prompt_tokens} tokens exceed kv_budget=64: the prompt itself is compressed at "
         "prefill (the long-context regime; the Sparse-RL paper compresses only the generated trace, prompt < budget)"]
+
+
+def test_sglang_engine_accepts_varying_budgets():
+    """Issue 23: per-request budgets reach SGLang's scheduler, so schedules, tiers and control load with it."""
+    cfg = load_config("tiny", ["actors.engine.backend=sglang", "actors.engine.compressor.budget_tiers=confidence",
+                               "eval.enabled=false"], check_files=False)
+    assert cfg.actors.engine.compressor.budget_tiers == "confidence"

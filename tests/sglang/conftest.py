@@ -6,6 +6,7 @@ import os
 import pytest
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+os.environ.setdefault("TRITON_INTERPRET", "1")     # SGLang's Triton kernels run on CPU tensors (numpy interpreter)
 try:
     import sglang.srt  # noqa: F401  (the real package: this folder is importable as a namespace "sglang" too)
     HAVE_SGLANG = True

@@ -1,0 +1,398 @@
+"""SGLang attention backend `sparse_rl_kv`: KV compression (docs/SPEC.md §5) on SGLang's own Triton kernels.
+
+`SparseTritonAttnBackend` subclasses SGLang 0.5.23's `TritonAttnBackend` and reuses its decode and extend
+kernels unchanged; it overrides only the metadata building, so CUDA graphs stay on. Schedule as
+`actors.torch_engine.TorchEngine`: a prompt longer than its budget is compressed right after its prefill; at
+decode step s (s = 1 for the forward of the first sampled token), after the step's attention, a request
+holding more than its budget is compressed if s % interval == 0, each layer scored with its last `window`
+queries (post-RoPE).
+
+Layout (one suffix per request). SGLang keeps token t of request row r in slot `req_to_token[r, t]` of every
+layer's K/V buffer `[slots, kv_heads, head_dim]`. A compression of a row holding L tokens keeps, per layer and
+KV head, `B` tokens (its budget, time order) and packs them into the slots of row positions [L - B, L); the
+slots of [start, L - B) are freed to SGLang's allocator (one call per step) and those positions point at slot 0.
+The live KV of a request is then always the suffix [start_r, seq_len) -- SGLang's sliding-window form -- so
+the decode kernels read it through one `kv_indptr`/`kv_indices` table built with `kv_start_idx = start_r` and
+lengths `seq_len - start_r` everywhere (kv splits too). RoPE needs nothing: keys are stored rotated and
+positions stay logical. Attention over the packed slots of (layer, head) is exactly attention over that
+(layer, head)'s kept tokens.
+
+Where each part runs:
+- in the graph (decode): SGLang's KV write and Triton decode kernel, then the query written into a ring buffer
+  `qwin[layer, row, position % window]` (device ops only);
+- metadata (`_update_decode_kv_buffers`, used by SGLang's capture/replay path, and the eager decode path):
+  device ops only, into the parent's persistent buffers (`kv_indptr`, `cuda_graph_kv_indices`,
+  `cuda_graph_num_kv_splits`), no host sync;
+- between steps (`init_forward_metadata_out_graph` / `init_forward_metadata`, before the metadata): the rows
+  due for compression since the last forward are compressed in one eager call (per layer batched over all
+  due rows, left-padded; one group per distinct budget) and their slots freed with one allocator call. Which
+  rows are due is known on the host from a mirror of each row's length, start and step (rows enter at their
+  prefill, leave when SGLang frees the row), checked against SGLang's host `seq_lens_sum` every step.
+- prefill: the parent's extend kernel (batched); then the last `window` queries go to the ring.
+
+Per-request budgets: `SGLangEngine.generate(..., kv_budgets=)` sends `custom_params[KV_BUDGET_PARAM]` with the
+no-op custom logit processor `KVBudgetCarrier` (SGLang passes custom params to the model worker only with a
+custom logit processor); the backend reads them at the request's prefill.
+
+Limits (checked at start, ValueError naming the setting, see `check_server_args`): page size 1, no radix
+cache, no chunked prefill, tp/pp/dp/dcp 1, no overlap scheduling, model-dtype KV (no fp8), the plain
+`[slots, heads, dim]` MHA pool, no sliding window, no speculative decoding, no metadata glue graph.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+import torch
+from sglang.srt.layers.attention.triton_backend import ForwardMetadata, TritonAttnBackend
+from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
+
+from actors.sglang_engine import KV_BUDGET_PARAM, KV_STATS_ENV
+from compressors import CompressorConfig, build_compressor, gather_kv
+
+SELF_CHECK_ENV = "SPARSE_RL_KV_SELF_CHECK"
+"""When "1": every decode step also runs the graph-replay metadata path under a host-sync guard, checks it
+equals the eager path and the host mirror, and serves the forward from the replay buffers (CPU lane)."""
+
+
+class KVBudgetCarrier(CustomLogitProcessor):
+    """No-op custom logit processor: returns the logits unchanged. It exists so that SGLang hands each
+    request's `custom_params` (carrying `KV_BUDGET_PARAM`) to the model worker's batch."""
+
+    def __call__(self, logits, custom_param_list=None):
+        return logits
+
+
+class HostSyncError(RuntimeError):
+    """A device tensor was read on the host inside code that must be graph-safe."""
+
+
+class NoHostSync(torch.overrides.TorchFunctionMode):
+    """Raise HostSyncError on any tensor -> Python value conversion (.item, .tolist, int/float/bool of a tensor,
+    .cpu, .numpy) while active, except inside Triton's own launcher frames (under TRITON_INTERPRET=1 the
+    interpreter copies kernel arguments through numpy; a real GPU launch only passes pointers)."""
+
+    BANNED = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
+              torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.BANNED and not _inside_triton():
+            raise HostSyncError(f"host sync {getattr(func, '__name__', func)} in graph-safe code")
+        return func(*args, **(kwargs or {}))
+
+
+def _inside_triton() -> bool:
+    import sys
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        if f"{os.sep}triton{os.sep}" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class SparseTritonAttnBackend(TritonAttnBackend):
+    """SGLang's Triton attention over each request's live KV suffix, compressed with `compressors/`.
+
+    runner: SGLang's ModelRunner; cfg: CompressorConfig (rkv | snapkv | streamingllm; h2o and full raise
+    ValueError). Raises ValueError naming the setting when the runner breaks the layout assumptions.
+    """
+
+    needs_cpu_seq_lens = True        # the host mirror is checked against seq_lens_sum every step
+
+    def __init__(self, runner, cfg: CompressorConfig):
+        if cfg.method in ("h2o", "full"):
+            raise ValueError(f"compressor.method={cfg.method!r} is not supported by the SGLang sparse backend "
+                             "(h2o needs per-slot attention mass; full should use SGLang's own backend)")
+        check_runner(runner)
+        super().__init__(runner)
+        self.enable_lean_attention = False      # its eager gate reads the dense seq_lens_sum
+        self.cfg, self._compressors = cfg, {}
+        self.kv_pool, self.allocator = runner.token_to_kv_pool, runner.token_to_kv_pool_allocator
+        self.start_layer, self.num_layers = self.kv_pool.start_layer, self.kv_pool.layer_num
+        rows = self.req_to_token.shape[0]
+        head_dim = self.kv_pool.get_key_buffer(self.start_layer).shape[-1]
+        self.qwin = torch.zeros(self.num_layers, rows, cfg.window, self.num_head, head_dim,
+                                dtype=runner.model_config.dtype, device=self.device)
+        """Query ring [layers, rows, window, q_heads, head_dim]: position p of row r at slot p % window."""
+        self.start_dev = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        """Device copy of each row's live start (positions before it hold no KV)."""
+        self.alive = np.zeros(rows, dtype=bool)
+        self.seq_len, self.start = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
+        self.steps, self.budget = np.zeros(rows, dtype=np.int64), np.full(rows, cfg.kv_budget, dtype=np.int64)
+        self.pending: set[int] = set()
+        self.extend_ring = None
+        self.stats = {"peak_used_slots": 0, "freed_slots": 0, "compressions": 0, "pool_slots": self.allocator.size,
+                      "used_at_last_extend": 0, "max_live_by_budget": {}, "self_checks": 0, "decode_steps": 0}
+        self.stats_path = os.environ.get(KV_STATS_ENV)
+        self.self_check = os.environ.get(SELF_CHECK_ENV) == "1"
+        self._ptrs = None
+        self._wrap_pools(runner)
+
+    def _wrap_pools(self, runner) -> None:
+        """Slot 0 (SGLang's padding slot) is dropped when freeing (compressed rows point evicted positions at
+        it); a freed request row leaves the host mirror."""
+        free, pool = self.allocator.free, runner.req_to_token_pool
+        free_rows, clear = pool.free_rows, pool.clear
+
+        def free_slots(free_index: torch.Tensor):
+            free(free_index[free_index != 0])
+
+        def free_req_rows(indices):
+            self._leave(list(indices))
+            free_rows(indices)
+
+        def clear_rows():
+            self._leave(np.flatnonzero(self.alive).tolist())
+            clear()
+
+        self.allocator.free, pool.free_rows, pool.clear = free_slots, free_req_rows, clear_rows
+
+    def _leave(self, rows: list[int]) -> None:
+        for r in rows:
+            self.alive[r] = False
+            self.pending.discard(r)
+
+    # ------------------------------------------------------------------ between steps (eager)
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        if not in_capture:
+            self._between_steps(forward_batch)
+        super().init_forward_metadata_out_graph(forward_batch, in_capture)
+
+    def init_forward_metadata(self, forward_batch):
+        self._between_steps(forward_batch)
+        fb = forward_batch
+        if not fb.forward_mode.is_decode() or fb.spec_info is not None:
+            return super().init_forward_metadata(fb)
+        if self.self_check:
+            return self._self_checked_decode_metadata(fb)
+        self.forward_metadata = self._eager_decode_metadata(fb)
+
+    def _between_steps(self, fb) -> None:
+        """Compress the rows that became due in the last forward, then advance the host mirror for this one."""
+        mode = fb.forward_mode
+        if mode.is_idle():
+            return
+        self.stats["peak_used_slots"] = max(self.stats["peak_used_slots"],
+                                            int(self.allocator.size - self.allocator.available_size()))
+        self.compress_pending()
+        if mode.is_decode():
+            self._advance_decode(fb)
+        elif mode.is_extend():
+            self._enter_extend(fb)
+        self._write_stats()
+
+    def _advance_decode(self, fb) -> None:
+        rows = np.flatnonzero(self.alive)
+        real_bs = fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
+        self.seq_len[rows] += 1
+        self.steps[rows] += 1
+        expected = int(self.seq_len[rows].sum())
+        if len(rows) != real_bs or (fb.seq_lens_sum is not None and fb.seq_lens_sum - (fb.batch_size - real_bs)
+                                    * self.get_cuda_graph_seq_len_fill_value() != expected):
+            raise RuntimeError(f"sparse_rl_kv host mirror drifted from SGLang's batch ({len(rows)} rows, "
+                               f"{expected} tokens vs batch {real_bs}, seq_lens_sum {fb.seq_lens_sum}): a scheduler "
+                               "mode the backend does not support (see check_server_args)")
+        live = self.seq_len[rows] - self.start[rows]
+        seen = self.stats["max_live_by_budget"]
+        for b in np.unique(self.budget[rows]):
+            key = str(int(b))
+            seen[key] = max(seen.get(key, 0), int(live[self.budget[rows] == b].max()))
+        due = rows[(self.steps[rows] % self.cfg.interval == 0) & (live > self.budget[rows])]
+        self.pending.update(due.tolist())
+        self.stats["decode_steps"] += 1
+
+    def _enter_extend(self, fb) -> None:
+        if fb.extend_prefix_lens_cpu is not None and any(fb.extend_prefix_lens_cpu):
+            raise RuntimeError("sparse_rl_kv got an extend with a cached prefix; it needs disable_radix_cache=True "
+                               "and chunked_prefill_size=-1 (sparse_engine_kwargs())")
+        rows_t = fb.req_pool_indices_cpu if fb.req_pool_indices_cpu is not None else fb.req_pool_indices.cpu()
+        rows = rows_t.numpy().astype(np.int64)[:fb.batch_size]
+        lens = np.asarray(fb.extend_seq_lens_cpu[:len(rows)], dtype=np.int64)
+        params = getattr(fb.sampling_info, "custom_params", None) or [None] * len(rows)
+        budgets = [int((p or {}).get(KV_BUDGET_PARAM, self.cfg.kv_budget)) for p in params[:len(rows)]]
+        self.alive[rows], self.seq_len[rows], self.start[rows], self.steps[rows] = True, lens, 0, 0
+        self.budget[rows] = budgets
+        self.start_dev[torch.from_numpy(rows).to(self.device)] = 0
+        self.pending.update(rows[lens > self.budget[rows]].tolist())
+        self.stats["used_at_last_extend"] = int(self.allocator.size - self.allocator.available_size())
+        # ring positions of the last `window` prompt queries of each request (token index, row, ring slot)
+        w, offsets = self.cfg.window, np.concatenate([[0], np.cumsum(lens)])
+        tok = np.concatenate([np.arange(max(0, n - w), n) + o for n, o in zip(lens, offsets[:-1])])
+        pos = np.concatenate([np.arange(max(0, n - w), n) for n in lens])
+        row = np.repeat(rows, np.minimum(lens, w))
+        self.extend_ring = tuple(torch.from_numpy(a).to(self.device) for a in (tok, row, pos % w))
+
+    def compressor_for(self, budget: int):
+        if budget not in self._compressors:
+            self._compressors[budget] = build_compressor(dataclasses.replace(
+                self.cfg, kv_budget=int(budget), budget_schedule="constant", budget_control="off",
+                budget_tiers="off"))
+        return self._compressors[budget]
+
+    def compress_pending(self) -> None:
+        """Compress every pending row to its budget (all layers; one batched call per layer and distinct
+        budget, rows left-padded to the longest), then free their evicted slots with one allocator call."""
+        if not self.pending:
+            return
+        rows = np.array(sorted(self.pending), dtype=np.int64)
+        self.pending.clear()
+        freed = []
+        for b in np.unique(self.budget[rows]):
+            group = rows[self.budget[rows] == b]
+            freed.append(self._compress_group(group, int(b)))
+        freed = torch.cat(freed)
+        self.allocator.free(freed)
+        self.stats["freed_slots"] += int(freed.numel())
+        self.stats["compressions"] += len(rows)
+
+    def _write_stats(self) -> None:
+        if self.stats_path:
+            with open(self.stats_path, "w") as f:
+                json.dump(self.stats, f)
+
+    def _compress_group(self, rows: np.ndarray, budget: int) -> torch.Tensor:
+        """Compress rows (all holding more than `budget` live tokens) to `budget`; returns the freed slots."""
+        dev, w = self.device, self.cfg.window
+        length, start = self.seq_len[rows], self.start[rows]
+        n = int((length - start).max())
+        pos = length[:, None] - n + np.arange(n)[None, :]                       # left-padded live positions
+        valid = torch.from_numpy(pos >= start[:, None]).to(dev)
+        rows_t = torch.from_numpy(rows).to(dev)
+        slots = self.req_to_token[rows_t[:, None], torch.from_numpy(np.maximum(pos, 0)).to(dev)].long()
+        slots = slots.masked_fill(~valid, 0)
+        target = self.req_to_token[rows_t[:, None], torch.from_numpy(
+            length[:, None] - budget + np.arange(budget)[None, :]).to(dev)].long()
+        qpos = torch.from_numpy((length[:, None] - w + np.arange(w)[None, :]) % w).to(dev)
+        compressor, keep = self.compressor_for(budget), None
+        heads = torch.arange(self.kv_pool.head_num, device=dev)[None, :, None]
+        for li in range(self.num_layers):
+            k_buf = self.kv_pool.get_key_buffer(li + self.start_layer)
+            v_buf = self.kv_pool.get_value_buffer(li + self.start_layer)
+            ks, vs = k_buf[slots].transpose(1, 2), v_buf[slots].transpose(1, 2)   # [g, Hkv, n, D]
+            if keep is None or self.cfg.selection != "shared":
+                queries = self.qwin[li][rows_t[:, None], qpos].transpose(1, 2)     # [g, Hq, w, D]
+                keep = compressor.select(ks, queries, valid)                       # [g, Hkv, budget]
+            k_buf[target[:, None, :], heads] = gather_kv(ks, keep)
+            v_buf[target[:, None, :], heads] = gather_kv(vs, keep)
+        new_start = length - budget
+        evict = [self.req_to_token[r, s:e].long() for r, s, e in zip(rows, start, new_start)]
+        for r, s, e in zip(rows, start, new_start):
+            self.req_to_token[r, s:e] = 0
+        self.start[rows] = new_start
+        self.start_dev[rows_t] = torch.from_numpy(new_start).to(dev)
+        freed = torch.cat(evict)
+        return freed[freed != 0]
+
+    # ------------------------------------------------------------------ metadata (device ops only)
+    def _live_kv_indices(self, plan, bs: int, seq_lens, req_pool_indices, kv_indptr, kv_indices):
+        """Fill kv_indptr[:bs+1] and kv_indices with each request's live suffix [start, seq_len); returns
+        (kv_indptr[:bs+1], live lengths [bs]). Device ops only (graph-safe: no host sync)."""
+        rpi = req_pool_indices[:bs]
+        start = self.start_dev[rpi]
+        live = seq_lens[:bs] - start
+        kv_indptr[1:bs + 1] = torch.cumsum(live, dim=0)
+        self.kv_index_translator.pack_read_stream(plan, req_pool_indices=rpi, seq_lens=live,
+                                                  indptr=kv_indptr[:bs + 1], out=kv_indices, kv_start_idx=start)
+        return kv_indptr[:bs + 1], live
+
+    def _update_decode_kv_buffers(self, plan, bs, seq_lens, req_pool_indices):
+        """SGLang's capture/replay hook for decode (`_apply_cuda_graph_metadata`): the live suffixes into the
+        persistent `kv_indptr` / `cuda_graph_kv_indices`; the live lengths size the kv splits."""
+        kv_indptr, live = self._live_kv_indices(plan, bs, seq_lens, req_pool_indices, self.kv_indptr,
+                                                self.cuda_graph_kv_indices)
+        return kv_indptr, self.window_kv_indptr, None, live
+
+    def _eager_decode_metadata(self, fb) -> ForwardMetadata:
+        """Decode metadata outside a CUDA graph (fresh work buffers, as the parent's eager path)."""
+        bs, dev = fb.batch_size, self.device
+        kv_indices = torch.empty(fb.seq_lens_sum if fb.seq_lens_sum is not None else bs * self.max_context_len,
+                                 dtype=torch.int64, device=dev)
+        kv_indptr, live = self._live_kv_indices(fb.kv_loc_plan, bs, fb.seq_lens, fb.req_pool_indices,
+                                                self.kv_indptr, kv_indices)
+        num_kv_splits = torch.empty(bs, dtype=torch.int32, device=dev)
+        uneven = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.get_num_kv_splits(num_kv_splits, live, uneven)
+        return ForwardMetadata(
+            attn_logits=torch.empty(bs, self.num_head, self.max_kv_splits, self.v_head_dim, dtype=torch.float32,
+                                    device=dev),
+            attn_lse=torch.empty(bs, self.num_head, self.max_kv_splits, dtype=torch.float32, device=dev),
+            max_extend_len=None, num_kv_splits=num_kv_splits, kv_indptr=kv_indptr, kv_indices=kv_indices,
+            qo_indptr=None, custom_mask=None, mask_indptr=None, window_kv_indptr=self.window_kv_indptr,
+            window_kv_indices=None, window_num_kv_splits=None, window_kv_offsets=None, uneven_batch=uneven)
+
+    def _self_checked_decode_metadata(self, fb) -> None:
+        """SELF_CHECK_ENV: run the replay path under NoHostSync into the persistent graph buffers, check them
+        against the eager path and the host mirror, and serve this forward from them."""
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        bs = fb.batch_size
+        if self._ptrs is None:
+            self.init_cuda_graph_state(self.req_to_token.shape[0], self.req_to_token.shape[0])
+        eager = self._eager_decode_metadata(fb)
+        with NoHostSync():
+            self._apply_cuda_graph_metadata(plan=fb.kv_loc_plan, bs=bs, req_pool_indices=fb.req_pool_indices,
+                                            seq_lens=fb.seq_lens, forward_mode=ForwardMode.DECODE, spec_info=None)
+        graph = self._build_cuda_graph_forward_metadata(bs, ForwardMode.DECODE, None)
+        ptrs = (self.kv_indptr.data_ptr(), self.cuda_graph_kv_indices.data_ptr(),
+                self.cuda_graph_num_kv_splits.data_ptr(), self.cuda_graph_attn_logits.data_ptr())
+        nnz = int(eager.kv_indptr[-1])
+        rpi, lens = fb.req_pool_indices.tolist(), fb.seq_lens.tolist()
+        want = [self.req_to_token[r, int(self.start[r]):n].long() for r, n in zip(rpi, lens)]
+        problems = []
+        if self._ptrs is not None and ptrs != self._ptrs:
+            problems.append("persistent buffers moved")
+        if not torch.equal(graph.kv_indptr, eager.kv_indptr):
+            problems.append("kv_indptr differs from the eager path")
+        if not torch.equal(graph.kv_indices[:nnz], eager.kv_indices[:nnz]):
+            problems.append("kv_indices differ from the eager path")
+        if not torch.equal(graph.num_kv_splits[:bs], eager.num_kv_splits):
+            problems.append("num_kv_splits differ from the eager path")
+        if not torch.equal(eager.kv_indices[:nnz], torch.cat(want)):
+            problems.append("kv_indices differ from the host mirror's live suffixes")
+        if problems:
+            raise RuntimeError("sparse_rl_kv self-check failed: " + "; ".join(problems))
+        self._ptrs = ptrs
+        self.stats["self_checks"] += 1
+        self._write_stats()
+        self.forward_metadata = graph
+
+    # ------------------------------------------------------------------ attention
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        """The parent's decode (KV write + Triton kernel over the live suffix), then this step's query into
+        the ring (device ops only, in the graph)."""
+        o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+        ring = self.qwin[layer.layer_id - self.start_layer]
+        ring[forward_batch.req_pool_indices, forward_batch.positions % self.cfg.window] = \
+            q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim).to(ring.dtype)
+        return o
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        """The parent's extend (batched prefill), then the prompts' last `window` queries into the ring."""
+        o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+        tok, row, slot = self.extend_ring
+        ring = self.qwin[layer.layer_id - self.start_layer]
+        ring[row, slot] = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)[tok].to(ring.dtype)
+        return o
+
+
+def check_runner(runner) -> None:
+    """Refuse a ModelRunner whose pools break the suffix layout (ValueError naming the setting)."""
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    pool, alloc = runner.token_to_kv_pool, runner.token_to_kv_pool_allocator
+    if type(alloc) is not TokenToKVPoolAllocator or getattr(runner, "page_size", 1) != 1:
+        raise ValueError(f"sparse_rl_kv needs page_size=1 and SGLang's TokenToKVPoolAllocator, the engine has "
+                         f"page_size={getattr(runner, 'page_size', None)}, {type(alloc).__name__}")
+    if type(pool) is not MHATokenToKVPool or pool.get_key_buffer(pool.start_layer).dim() != 3:
+        raise ValueError(f"sparse_rl_kv needs the [slots, kv_heads, head_dim] MHA KV layout, the engine has "
+                         f"{type(pool).__name__} (SGLANG_USE_HND_KVCACHE or a hybrid/paged pool?)")
+    if runner.kv_cache_dtype != runner.model_config.dtype:
+        raise ValueError(f"kv_cache_dtype={runner.kv_cache_dtype}: sparse_rl_kv needs the model dtype "
+                         f"({runner.model_config.dtype}); fp8 KV is not supported")
+    if runner.sliding_window_size is not None:
+        raise ValueError("sparse_rl_kv does not support sliding-window models")
