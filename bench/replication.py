@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -88,6 +89,10 @@ def parse_args(argv=None):
                    help="broker.max_staleness of every run (default 0: the paper's synchronous setting, so the "
                         "measured mismatch is compression alone)")
     p.add_argument("--out", default=None, help="results folder (default bench/results/replication-<config>)")
+    p.add_argument("--records", default=None,
+                   help="folder of finished-run records (summary + per-step metrics + evaluations, one JSON each) "
+                        "to read and to add to: commit it, and a later checkout resumes the grid from it (default "
+                        "docs/results/replication-decode for the CPU default, none otherwise)")
     p.add_argument("--only-report", action="store_true", help="rebuild the plot and JSON from finished runs only")
     p.add_argument("overrides", nargs="*", help="dotted overrides applied to every arm, e.g. ray.address=auto")
     args = p.parse_args(argv)
@@ -108,6 +113,9 @@ def parse_args(argv=None):
     unknown = [a for a in args.arms if a not in ARMS]
     if unknown:
         p.error(f"--arms: unknown {unknown}; expected a subset of {list(ARMS)}")
+    default_grid = not args.quick and args.config == CPU_DEFAULT["config"]
+    args.records = Path(args.records) if args.records else ROOT / "docs" / "results" / "replication-decode" \
+        if default_grid else None
     name = Path(args.config).stem + ("-quick" if args.quick else "")
     args.out = Path(args.out or ROOT / "bench" / "results" / f"replication-{name}").resolve()
     return args
@@ -129,10 +137,38 @@ def run_name(arm: str, budget: int | None, seed: int) -> str:
     return f"{arm}-s{seed}" if budget is None else f"{arm}-b{budget}-s{seed}"
 
 
-def finished(out: Path, name: str) -> dict | None:
-    """The summary.json of the finished run `name`, or None."""
-    done = sorted((out / "runs").glob(f"{name}-2*/summary.json"))
-    return json.loads(done[-1].read_text()) if done else None
+def finished(args, name: str) -> dict | None:
+    """The record of the finished run `name` ({"summary", "history", "evals"}), from <out>/records or --records,
+    or None."""
+    for folder in (args.out / "records", args.records):
+        if folder is not None and (folder / f"{name}.json").exists():
+            return json.loads((folder / f"{name}.json").read_text())
+    return record_of_run(args, name)
+
+
+def record_of_run(args, name: str) -> dict | None:
+    """The record of a finished run in <out>/runs that has none yet (a run of an earlier version of this script),
+    made and saved now; None when the run has no summary.json."""
+    done = sorted((args.out / "runs").glob(f"{name}-2*/summary.json"))
+    if not done:
+        return None
+    summary = json.loads(done[-1].read_text())
+    walls = json.loads((args.out / "wall_s.json").read_text()) if (args.out / "wall_s.json").exists() else {}
+    record = {"summary": summary, "history": histories(args.out, summary), "wall_s": walls.get(name, 0.0),
+              "evals": {}}
+    if name.startswith("dense-"):  # the dense model under every budget's cache, while its final weights exist
+        seed = int(name.rsplit("-s", 1)[1])
+        record["evals"] = {str(b): dense_sparse_eval(args, seed, b, summary) for b in args.budgets}
+    save_record(args, name, record)
+    return record
+
+
+def save_record(args, name: str, record: dict) -> None:
+    """Write a finished run's record to <out>/records and to --records (the committed copy)."""
+    for folder in (args.out / "records", args.records):
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"{name}.json").write_text(json.dumps(record, indent=1, default=str))
 
 
 def compressor_overrides(args, budget: int) -> list[str]:
@@ -168,6 +204,7 @@ def run_one(args, arm: str, budget: int | None, seed: int) -> None:
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed (exit {proc.returncode}); see {log}")
     record_wall(out, name, wall)
+    record_of_run(args, name)
     print(f"[{time.strftime('%H:%M:%S')}] {name}: done in {wall:.0f} s", flush=True)
 
 
@@ -179,13 +216,11 @@ def record_wall(out: Path, name: str, wall: float) -> None:
 
 
 def dense_sparse_eval(args, seed: int, budget: int, summary: dict) -> dict:
-    """The dense-trained model of `seed` scored with sparse inference at `budget` (cached in <out>/evals/):
-    {"eval/sparse/reward": ..., ...}. The first budget's score is in the dense run's own summary."""
+    """The dense-trained model of `seed` scored with sparse inference at `budget`: {"sparse/reward": ...}. The
+    first budget's score is in the dense run's own summary (eval.sparse_compressor); the others are scored here,
+    from the run's final model, in this process."""
     if budget == args.budgets[0]:
         return {k[len("eval/"):]: v for k, v in summary.items() if k.startswith("eval/sparse/")}
-    path = args.out / "evals" / f"dense-s{seed}-b{budget}.json"
-    if path.exists():
-        return json.loads(path.read_text())
     from deploy.config import load_config
     from deploy.evaluate import evaluate_model
     cfg = load_config(args.config, [*args.overrides, f"seed={seed}", "eval.data=train_task",
@@ -193,13 +228,10 @@ def dense_sparse_eval(args, seed: int, budget: int, summary: dict) -> dict:
     start = time.monotonic()
     scores = evaluate_model(cfg, str(Path(summary["run_dir"]) / "final"), ["sparse"])
     record_wall(args.out, f"eval-dense-s{seed}-b{budget}", time.monotonic() - start)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    result = {k[len("eval/"):]: v for k, v in scores.items()}
-    path.write_text(json.dumps(result, indent=1))
-    return result
+    return {k[len("eval/"):]: v for k, v in scores.items()}
 
 
-def histories(out: Path, summary: dict) -> dict[str, np.ndarray]:
+def histories(out: Path, summary: dict) -> dict[str, list[float]]:
     """Per-step values of the RECORDED metrics of one run, from its MLflow run (ordered by step)."""
     from mlflow.tracking import MlflowClient
 
@@ -207,7 +239,7 @@ def histories(out: Path, summary: dict) -> dict[str, np.ndarray]:
     result = {}
     for name in RECORDED:
         points = sorted(client.get_metric_history(summary["mlflow_run_id"], name), key=lambda m: m.step)
-        result[name] = np.array([m.value for m in points], dtype=float)
+        result[name] = [m.value for m in points]
     return result
 
 
@@ -285,11 +317,11 @@ def report(args) -> dict:
 
     cfg = load_config(args.config, args.overrides, check_files=False)
     prompt_max = longest_prompt(cfg, resolve_model(cfg.model))
-    done = {(arm, b, seed): finished(args.out, run_name(arm, b, seed)) for arm, b, seed in grid(args)}
-    done = {k: v for k, v in done.items() if v}
-    hist = {k: histories(args.out, v) for k, v in done.items()}
-    stats = {k: run_stats(hist[k], v) for k, v in done.items() if len(hist[k]["reward_mean"])}
-    walls = json.loads((args.out / "wall_s.json").read_text()) if (args.out / "wall_s.json").exists() else {}
+    records = {(arm, b, seed): finished(args, run_name(arm, b, seed)) for arm, b, seed in grid(args)}
+    records = {k: v for k, v in records.items() if v}
+    hist = {k: {m: np.array(v["history"][m], dtype=float) for m in RECORDED} for k, v in records.items()}
+    stats = {k: run_stats(hist[k], v["summary"]) for k, v in records.items() if len(hist[k]["reward_mean"])}
+    done = records
     result: dict = {"config": args.config, "overrides": args.overrides, "steps": args.steps, "seeds": args.seeds,
                     "regime": "decode" if prompt_max < min(args.budgets) else "prefill",
                     "prompt_tokens_max": prompt_max, "kv_budget": args.budgets[0], "kv_budgets": args.budgets,
@@ -302,7 +334,7 @@ def report(args) -> dict:
     for b in args.budgets:
         arms = {arm: {seed: st for (a, bb, seed), st in stats.items() if a == arm and bb == b} for arm in SPARSE_ARMS}
         arms = {a: v for a, v in arms.items() if v}
-        dense_sparse = {seed: dense_sparse_eval(args, seed, b, done[("dense", None, seed)]) for seed in dense}
+        dense_sparse = {seed: records[("dense", None, seed)]["evals"].get(str(b), {}) for seed in dense}
         block = {arm: summarize(v) for arm, v in arms.items()}
         block["dense_model_eval_sparse_reward"] = {s: v.get("sparse/reward") for s, v in dense_sparse.items()}
         block.update(verdicts(arms, dense, dense_sparse))
@@ -312,7 +344,7 @@ def report(args) -> dict:
         result[f"{short}_reward_gain"] = mean(gains)
     kv = [st["kv_retained_ratio"] for (a, b, _), st in stats.items() if a != "dense" and b == args.budgets[0]]
     result["kv_retained_ratio"] = mean(kv)
-    result["wall_s"] = round(sum(walls.values()), 1)
+    result["wall_s"] = round(sum(v.get("wall_s", 0.0) for v in records.values()), 1)
     plot(args, hist, args.out / "replication.png")
     result["plot"] = str(args.out / "replication.png")
     return result
@@ -364,13 +396,16 @@ def main(argv=None) -> None:
     if not args.only_report:
         for arm, budget, seed in grid(args):
             name = run_name(arm, budget, seed)
-            if finished(args.out, name):
+            if finished(args, name):
                 print(f"{name}: finished earlier, kept", flush=True)
             else:
                 run_one(args, arm, budget, seed)
     result = report(args)
     for key in ("dense", *[f"budget_{b}" for b in args.budgets]):
         print(f"{key}: {json.dumps({k: v for k, v in result.get(key, {}).items() if k != 'per_seed'}, default=str)[:600]}")
+    if args.records is not None:  # the committed copies: the JSON and the plot beside the records
+        args.records.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+        shutil.copy(result["plot"], args.records.parent.parent / f"{args.records.name}.png")
     print(json.dumps(result, default=str))
 
 
