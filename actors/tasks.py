@@ -6,7 +6,7 @@
   about half the time at the start, so GRPO has a signal (docs/results.md).
 - `count_numbers` / `count_reward`: list the numbers from a to b, one per line. The decode-regime task (the
   Sparse-RL paper's setting: the prompt, ~45 tokens with SmolLM2's chat template, fits the KV budget; the
-  response, ~3 tokens a number and 40-60 numbers, is 3-4x longer): what the model must keep is two facts of
+  response, 3-4 tokens a number and 31-46 numbers, is 3-4x longer; 800 distinct problems): what the model must keep is two facts of
   the prompt (where to start, where to stop) and its own recent output, and what a decode-time eviction
   loses is the stopping number, so compressed rollouts overshoot. The reward reads the whole response:
   every missing, wrong, repeated or extra number and every word that is not a number costs.
@@ -56,8 +56,8 @@ def copy_reward(response: str, response_ids, item) -> float:
     return lcs_length(got, want) / max(len(got), len(want))
 
 
-def count_numbers(size: int, seed: int, start_low: int = 1, start_high: int = 30, span_low: int = 40,
-                  span_high: int = 60) -> list[dict]:
+def count_numbers(size: int, seed: int, start_low: int = 1, start_high: int = 50, span_low: int = 30,
+                  span_high: int = 45) -> list[dict]:
     """`size` problems "List the numbers from a to b, one per line.", a uniform in [start_low, start_high] and
     b - a uniform in [span_low, span_high] (deterministic in seed). metadata: {"start": a, "stop": b}."""
     rng = random.Random(seed)
