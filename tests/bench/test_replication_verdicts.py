@@ -1,0 +1,59 @@
+"""The pre-registered verdicts of bench/replication.py (docs/results.md section 6.2) on hand-made run figures."""
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+_spec = importlib.util.spec_from_file_location("replication", Path(__file__).parents[2] / "bench" / "replication.py")
+replication = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(replication)
+
+
+def run(final, spike=2.0, collapse=False, eval_dense=0.5, eval_sparse=0.4):
+    return {"final_reward": final, "grad_norm_spike": spike, "collapse": collapse,
+            "eval/dense/reward": eval_dense, "eval/sparse/reward": eval_sparse}
+
+
+def test_run_stats_by_hand():
+    h = {"reward_mean": np.array([0.1, 0.2, 0.3, 0.8, 0.3, 0.3, 0.3]), "grad_norm": np.array([1, 1, 2, 30, 1, 1, 1.0]),
+         "kv_retained_ratio": np.array([0.4] * 7), "response_truncated_fraction": np.array([0.1] * 7),
+         "mismatch_kl": np.array([0.1] * 7), "rejection_rate": np.array([0.0] * 7)}
+    st = replication.run_stats(h, {"eval/dense/reward": 0.7, "eval/dense/n": 64})
+    assert st["reward_gain"] == pytest.approx(0.3 - 0.2)            # last 3 (0.3) - first 3 (0.2)
+    assert st["final_reward"] == pytest.approx(0.3) and st["peak_reward"] == 0.8
+    assert st["collapse"] is True                                   # 0.3 < 0.8 / 2
+    assert st["grad_norm_spike"] == pytest.approx(30.0)             # max 30 / median 1
+    assert st["eval/dense/reward"] == 0.7 and "eval/dense/n" not in st
+
+
+def test_h1_needs_both_training_and_held_out_reward_within_5_percent():
+    dense = {0: run(0.60, eval_dense=0.80), 1: run(0.40, eval_dense=0.60)}          # means 0.50, 0.70
+    close = {"sparse_rl": {0: run(0.50, eval_dense=0.70), 1: run(0.46, eval_dense=0.64)}}   # 0.48 >= 0.475, 0.67 >= 0.665
+    assert replication.verdicts(close, dense, {})["h1"]["confirmed"] is True
+    low_eval = {"sparse_rl": {0: run(0.50, eval_dense=0.70), 1: run(0.46, eval_dense=0.62)}}  # 0.66 < 0.665
+    assert replication.verdicts(low_eval, dense, {})["h1"]["confirmed"] is False
+
+
+def test_h2_by_margin_spike_or_collapse_and_refuted_otherwise():
+    srl = {s: run(f) for s, f in enumerate([0.50, 0.55, 0.60])}
+    margin = {"sparse_rl": srl, "naive_sparse": {s: run(f) for s, f in enumerate([0.20, 0.25, 0.30])}}
+    h2 = replication.verdicts(margin, {}, {})["h2"]
+    assert h2["confirmed"] and h2["final_reward_lower_by_more_than_spread"] and h2["seed_spread"] == pytest.approx(0.1)
+    close = {s: run(f) for s, f in enumerate([0.48, 0.50, 0.58])}                   # 0.03 below, spread 0.1
+    assert replication.verdicts({"sparse_rl": srl, "naive_sparse": close}, {}, {})["h2"]["confirmed"] is False
+    spiky = {s: run(f, spike=25.0 if s < 2 else 2.0) for s, f in enumerate([0.48, 0.50, 0.58])}
+    h2 = replication.verdicts({"sparse_rl": srl, "naive_sparse": spiky}, {}, {})["h2"]
+    assert h2["confirmed"] and h2["seeds_with_naive_only_grad_spike"] == [0, 1]
+    one_spike = {s: run(f, spike=25.0 if s == 0 else 2.0) for s, f in enumerate([0.48, 0.50, 0.58])}
+    assert replication.verdicts({"sparse_rl": srl, "naive_sparse": one_spike}, {}, {})["h2"]["confirmed"] is False
+    both_spike = {"sparse_rl": {s: run(f, spike=25.0) for s, f in enumerate([0.50, 0.55, 0.60])}, "naive_sparse": spiky}
+    assert replication.verdicts(both_spike, {}, {})["h2"]["confirmed"] is False     # Sparse-RL spikes too
+
+
+def test_h3_compares_under_the_same_sparse_cache():
+    arms = {"sparse_rl": {0: run(0.5, eval_sparse=0.40), 1: run(0.5, eval_sparse=0.30)}}     # mean 0.35
+    above = {0: {"sparse/reward": 0.30}, 1: {"sparse/reward": 0.30}}
+    below = {0: {"sparse/reward": 0.40}, 1: {"sparse/reward": 0.35}}
+    assert replication.verdicts(arms, {}, above)["h3"]["confirmed"] is True
+    assert replication.verdicts(arms, {}, below)["h3"]["confirmed"] is False
