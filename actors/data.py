@@ -33,26 +33,58 @@ class Prompt:
     """Task-specific data for a custom reward function (e.g. the list of numbers to copy); {} otherwise."""
 
 
+class DataFileError(ValueError):
+    """A data file that cannot be read as GSM8K JSONL: `path`, `line` (1-based; 0 = the file as a whole) and
+    `reason`; str() is "<path>: line <n>: <reason>" (or "<path>: <reason>")."""
+
+    def __init__(self, path: str | Path, line: int, reason: str):
+        self.path, self.line, self.reason = str(path), line, reason
+        super().__init__(f"{path}: {self.where}")
+
+    @property
+    def where(self) -> str:
+        """The line and the reason, without the path: "line 3: not JSON (...)"."""
+        return f"line {self.line}: {self.reason}" if self.line else self.reason
+
+
 def read_gsm8k_jsonl(path: str | Path, name: str | None = None, limit: int = 0) -> list[Prompt]:
     """Rows of a GSM8K JSONL file as Prompts (no token ids yet); `limit` > 0 keeps the first `limit` rows.
+    Blank lines are skipped (a row's prompt id keeps its line number).
 
-    Raises ValueError naming the file and line for a row without `question` or a '#### N' answer."""
+    Raises DataFileError (a ValueError) naming the file and line for a line that is not a JSON object, a row
+    without string `question` and `answer` fields or without a '#### N' answer, and for a file without rows or
+    not UTF-8 text."""
     path = Path(path)
     name = name or path.stem
     out = []
-    with path.open() as fh:
-        for i, line in enumerate(fh):
-            if limit and len(out) >= limit:
-                break
-            row = json.loads(line)
-            if not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
-                raise ValueError(f"{path}:{i + 1}: expected string fields 'question' and 'answer'")
-            try:
-                answer = gold_answer(row["answer"])
-            except ValueError as e:
-                raise ValueError(f"{path}:{i + 1}: {e}") from None
-            out.append(Prompt(f"{name}-{i:04d}", row["question"], answer))
+    with path.open(encoding="utf-8") as fh:
+        try:
+            for i, line in enumerate(fh):
+                if limit and len(out) >= limit:
+                    break
+                if line.strip():
+                    out.append(_gsm8k_row(path, name, i, line))
+        except UnicodeDecodeError as e:
+            raise DataFileError(path, 0, f"not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not out:
+        raise DataFileError(path, 0, "empty file: no JSON rows (expected one {\"question\": ..., \"answer\": ...} "
+                                     "object per line)")
     return out
+
+
+def _gsm8k_row(path: Path, name: str, i: int, line: str) -> Prompt:
+    """Line i (0-based) of a GSM8K JSONL file as a Prompt; raises DataFileError."""
+    try:
+        row = json.loads(line.rstrip("\r\n"))
+    except json.JSONDecodeError as e:
+        raise DataFileError(path, i + 1, f"not JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
+        raise DataFileError(path, i + 1, "expected a JSON object with string fields 'question' and 'answer'")
+    try:
+        answer = gold_answer(row["answer"])
+    except ValueError as e:
+        raise DataFileError(path, i + 1, str(e)) from None
+    return Prompt(f"{name}-{i:04d}", row["question"], answer)
 
 
 def reasoning_gym_problems(tasks: list[str], size: int, seed: int,
@@ -130,9 +162,19 @@ def tokenize_prompts(prompts: list[Prompt], tokenizer, instruction: str = DEFAUL
     return prompts
 
 
+def train_problems(cfg: DataConfig, seed: int = 0) -> list[Prompt]:
+    """The training problems described by `cfg` (not tokenized), in the run's order.
+
+    Raises ValueError (DataFileError for a file) when they cannot be read or there are none."""
+    problems = _problems(cfg, cfg.size, seed)
+    if not problems:
+        raise ValueError(f"no training prompts (source {cfg.source}, size {cfg.size})")
+    return problems
+
+
 def load_train_prompts(cfg: DataConfig, tokenizer, seed: int = 0) -> list[Prompt]:
     """Training prompts described by `cfg`, tokenized with the chat template."""
-    return tokenize_prompts(_problems(cfg, cfg.size, seed), tokenizer, cfg.instruction)
+    return tokenize_prompts(train_problems(cfg, seed), tokenizer, cfg.instruction)
 
 
 def load_eval_items(name: str, limit: int = 0, train: DataConfig | None = None, seed: int = 0) -> list[Prompt]:

@@ -61,6 +61,11 @@ class TrainConfig:
     """Ray CPUs of the learner."""
     learner_num_gpus: float = 0.0
     """Ray GPUs of the learner (1 on a GPU node: NCCL and bf16)."""
+    sigterm_checkpoint_s: float = 20.0
+    """On SIGTERM (Slurm's time limit or scancel, pod deletion, docker stop) the learner writes a checkpoint of its
+    last completed step if it can within this many seconds, then the run stops as on Ctrl-C (exit 143); 0 = off.
+    The scheduler's grace period (the Slurm script's --signal lead time, KubeRay's terminationGracePeriodSeconds)
+    must leave room for it and the shutdown."""
 
 
 @dataclass
@@ -247,11 +252,13 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
         if run.actors.data.source == "gsm8k_jsonl":
             check(Path(run.actors.data.path).expanduser().is_file(),
                   f"actors.data.path={run.actors.data.path!r}: no such file (source gsm8k_jsonl reads a GSM8K JSONL)")
+        check_data(run)
         check_services(run)
     check(run.actors.count >= 1, f"actors.count={run.actors.count}: expected >= 1")
     check(run.actors.start_timeout_s > 0, f"actors.start_timeout_s={run.actors.start_timeout_s}: expected > 0")
     check(run.actors.prompts_per_batch >= 1, f"actors.prompts_per_batch={run.actors.prompts_per_batch}: expected >= 1")
     check(run.train.steps >= 1, f"train.steps={run.train.steps}: expected >= 1")
+    check(run.train.sigterm_checkpoint_s >= 0, f"train.sigterm_checkpoint_s={run.train.sigterm_checkpoint_s}: expected >= 0")
     check(run.train.wait_report_s > 0, f"train.wait_report_s={run.train.wait_report_s}: expected > 0")
     check(run.train.groups_per_step >= 1, f"train.groups_per_step={run.train.groups_per_step}: expected >= 1")
     compressor = run.actors.engine.compressor
@@ -283,6 +290,31 @@ def check_eval_data(run: RunConfig, *, check_files: bool = True) -> None:
     if name in EVAL_SETS or not check_files or Path(name).expanduser().is_file():
         return
     raise ConfigError(f"eval.data={name!r}: no such file, and not train_task or one of {', '.join(sorted(EVAL_SETS))}")
+
+
+def check_data(run: RunConfig) -> None:
+    """Read the training prompts and the evaluation items the way the run will (actors/data.py), so that a
+    malformed file, an empty one, rows without string `question`/`answer` or a generator that yields nothing
+    fail here, naming the field, the file and the line: `actors.data.path=F: line N: <reason>`."""
+    from actors.data import DataFileError, load_eval_items, train_problems
+
+    data = run.actors.data
+    try:
+        train_problems(data, run.seed)
+    except DataFileError as e:
+        raise ConfigError(f"actors.data.path={e.path}: {e.where}") from None
+    except Exception as e:  # a generator's own error (reasoning-gym or the user's task function)
+        raise ConfigError(f"actors.data ({data.source}): {type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+    if not run.eval.enabled:
+        return
+    try:
+        load_eval_items(run.eval.data, run.eval.limit, train=data, seed=run.seed)
+    except DataFileError as e:
+        raise ConfigError(f"eval.data={e.path}: {e.where}") from None
+    except Exception as e:
+        reason = " ".join(str(e).split())[:300]
+        raise ConfigError(reason if reason.startswith("eval.data") else f"eval.data={run.eval.data}: "
+                          f"{type(e).__name__}: {reason}") from None
 
 
 REACH_TIMEOUT_S = 2.0
@@ -334,9 +366,13 @@ def new_run_id(run: RunConfig) -> str:
 
 def make_run_dir(run: RunConfig, draw=new_run_id) -> tuple[str, Path]:
     """(run id, its directory `<run.run_dir>/<run id>`), the directory created atomically (mkdir without
-    exist_ok): when the drawn id's directory already exists, another id is drawn, so two runs never share one."""
+    exist_ok): when the drawn id's directory already exists, another id is drawn, so two runs never share one.
+    Raises ConfigError naming run_dir when it cannot be created or written."""
     parent = Path(run.run_dir).resolve()
-    parent.mkdir(parents=True, exist_ok=True)
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"run_dir={run.run_dir!r}: cannot create it ({e.strerror})") from None
     for _ in range(100):
         run_id = draw(run)
         try:
@@ -344,6 +380,8 @@ def make_run_dir(run: RunConfig, draw=new_run_id) -> tuple[str, Path]:
             return run_id, parent / run_id
         except FileExistsError:
             continue
+        except OSError as e:
+            raise ConfigError(f"run_dir={run.run_dir!r}: cannot create a run directory in it ({e.strerror})") from None
     raise RuntimeError(f"no free run directory under {parent} after 100 draws")
 
 

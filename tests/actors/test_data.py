@@ -48,7 +48,7 @@ def test_gsm8k_jsonl_source_and_bad_rows(tmp_path, tokenizer):
     assert prompts[0].answer == "2" and prompts[0].prompt_ids
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"question": "q", "answer": "no marker"}) + "\n")
-    with pytest.raises(ValueError, match="bad.jsonl:1"):
+    with pytest.raises(ValueError, match="bad.jsonl: line 1"):
         read_gsm8k_jsonl(bad)
     with pytest.raises(ValueError, match="eval data"):
         load_eval_items("no_such_set")

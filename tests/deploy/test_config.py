@@ -155,7 +155,7 @@ def test_eval_data_is_checked_at_start(tmp_path):
     with pytest.raises(ConfigError, match=r"^eval\.data='train_task': actors\.data\.source=gsm8k_jsonl"):
         load_config("tiny", ["eval.data=train_task", "actors.data.source=gsm8k_jsonl", f"actors.data.path={__file__}"])
     data = tmp_path / "items.jsonl"
-    data.write_text('{"question": "1+1?", "answer": "2"}\n')
+    data.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
     for good in ("train_task", "gsm8k_test", str(data)):
         assert load_config("tiny", [f"eval.data={good}"]).eval.data == good
     assert load_config("tiny", ["eval.data=/nonexistent.jsonl", "eval.enabled=false"])  # not evaluated: not read
