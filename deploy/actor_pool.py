@@ -98,12 +98,12 @@ class ActorPool:
                 reported = time.monotonic()
                 console.waiting(0, reported - since, f"{len(self.starting)} rollout actor(s) starting (loading the model)")
 
-    def wait_for(self, done, step: int, target, console, depth, resume: str) -> dict:
+    def wait_for(self, done, step: int, target, console, depth, hint) -> dict:
         """The learner's result `done` for `step`. While it waits for groups, dead actors are replaced (target():
         the actor count wanted), actors that became ready get the weights at once, and the console says why it
         waits every train.wait_report_s. Raises RunFailed when the learner gave up after train.group_wait_s, or
         when a learner rank died, hung or raised (naming the rank; nothing of the step was acknowledged; the
-        message ends with `resume`, how to resume)."""
+        message ends with hint(): how to go on, the resume command or, without a checkpoint, the start again)."""
         waited = reported = time.monotonic()
         while not ray.wait([done], timeout=WAIT_POLL_S)[0]:
             self.scale(target())
@@ -120,10 +120,10 @@ class ActorPool:
             return ray.get(done)
         except ray.exceptions.RayActorError as e:
             raise RunFailed(f"learner step {step} failed: learner rank 0 died ({str(e).strip().splitlines()[0][:200]}); "
-                            f"nothing of this step was acknowledged; {resume}") from None
+                            f"nothing of this step was acknowledged; {hint()}") from None
         except LearnerRankError as e:  # Ray's error is also a LearnerRankError; its cause holds the message
             raise RunFailed(f"learner step {step} failed: {getattr(e, 'cause', None) or e}; nothing of this step "
-                            f"was acknowledged; {resume}") from None
+                            f"was acknowledged; {hint()}") from None
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, TimeoutError):  # waited train.group_wait_s for groups: say so in one line
                 why = self.why_waiting(depth())

@@ -19,7 +19,8 @@ MAIN_JOB = "smollm2-count"
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The `sparse-rl` entry point; returns the exit code (0, 1 run failed, 2 bad input, 130 interrupted)."""
+    """The `sparse-rl` entry point; returns the exit code (0, 1 run failed, 2 bad input, 130 interrupted by Ctrl-C,
+    143 stopped by SIGTERM)."""
     try:
         return _main(argv)
     except KeyboardInterrupt:  # Ctrl-C while Python is still importing, before a run exists: nothing to clean up
@@ -89,7 +90,7 @@ def _main(argv: list[str] | None = None) -> int:
                 run_train(cfg, command, resume=args.resume)
             except Interrupted as e:
                 print(f"sparse-rl: {e}", file=sys.stderr)
-                return 130
+                return e.exit_code
             except RunFailed as e:
                 print(f"sparse-rl: run failed: {e}", file=sys.stderr)
                 return 1

@@ -36,32 +36,51 @@ MAX_LOCAL_ACTORS = 16
 
 
 class Interrupted(Exception):
-    """Ctrl-C stopped the run: the MLflow run is KILLED and everything is shut down; str() is the one line
-    to print (step reached, last checkpoint, how to resume)."""
+    """Ctrl-C (SIGINT) or SIGTERM stopped the run: the MLflow run is KILLED and everything is shut down; str() is
+    the one line to print (step reached, last checkpoint, how to go on); `exit_code`: 130 (SIGINT), 143 (SIGTERM)."""
+
+    def __init__(self, line: str, exit_code: int = 130):
+        super().__init__(line)
+        self.exit_code = exit_code
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (Slurm's time limit or scancel, pod deletion, docker stop, systemd): stops the run as Ctrl-C does,
+    after a checkpoint of the last completed step (train.sigterm_checkpoint_s)."""
 
 
 def train(cfg: RunConfig, command: tuple[str, ...] = ("sparse-rl", "train"), resume: str = "") -> dict:
     """Run one training job end to end; returns the last step's metrics and the evaluation scores.
     `command` is how the run was started (argv words), for the hint printed on Ctrl-C; `resume`: the directory
     of a run to continue as the same record (deploy/record.py; cfg is then that run's config, see resume_config).
-    Raises Interrupted on Ctrl-C (SIGINT), after shutting everything down; ConfigError (nothing started) when the
-    record cannot be opened."""
-    progress = {"step": 0, "run_dir": None}
-    previous = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, _interrupt)
+    Raises Interrupted on Ctrl-C (SIGINT) or SIGTERM, after shutting everything down; ConfigError (nothing
+    started) when the record cannot be opened; RunFailed when a part of the run failed."""
+    progress = {"step": 0, "run_dir": None, "trained": False}
+    main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    if main:
+        catch_signals()
     report = None
-    if cfg.preflight.enabled:  # KV capacity (issue 13): a config that cannot fit fails here, nothing started yet
-        from deploy.preflight import preflight
-        report = preflight(cfg)
-        print(report.table(), flush=True)
     try:
-        return _train(cfg, progress, resume, report)
-    except KeyboardInterrupt:
-        raise Interrupted(interrupted_line(cfg, progress, command)) from None
+        if cfg.preflight.enabled:  # KV capacity (issue 13): a config that cannot fit fails here, nothing started yet
+            from deploy.preflight import preflight
+            report = preflight(cfg)
+            print(report.table(), flush=True)
+        return _train(cfg, progress, resume, report, command)
+    except KeyboardInterrupt as e:
+        term = isinstance(e, Terminated)
+        raise Interrupted(interrupted_line(cfg, progress, command, "terminated (SIGTERM)" if term else "interrupted"),
+                          143 if term else 130) from None
     finally:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def catch_signals() -> None:
+    """SIGINT raises KeyboardInterrupt, SIGTERM Terminated (main thread only). Called again after ray.init,
+    whose native failure handler takes SIGTERM otherwise (a crash dump instead of a clean stop)."""
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _terminate)
 
 
 def _interrupt(signum, frame):
@@ -70,23 +89,61 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def interrupted_line(cfg: RunConfig, progress: dict, command: tuple[str, ...]) -> str:
-    """One line: how far the run got, its last checkpoint, and the command that resumes it (with the path of
-    this environment's `sparse-rl`, so that it runs as printed)."""
+def _terminate(signum, frame):
+    """The first SIGTERM stops the run cleanly; a second one ends the process at once (the embedded Redis and
+    Ray's processes die with it)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise Terminated
+
+
+def interrupted_line(cfg: RunConfig, progress: dict, command: tuple[str, ...], what: str = "interrupted") -> str:
+    """One line: how far the run got, its last checkpoint, and the command that goes on: the resume (with the
+    path of this environment's `sparse-rl`, so that it runs as printed), or, once training finished, the
+    evaluation of the final weights."""
+    head = f"{what} at step {progress['step']} of {cfg.train.steps}"
+    if progress.get("trained"):
+        final = Path(progress["run_dir"]) / "final"
+        return (f"{head}, after training (the final weights are in {final}); evaluate them with: {cli_path()} eval "
+                f"--model {final} --config {Path(progress['run_dir']) / 'config.yaml'}")
+    return f"{head}; {go_on_hint(cfg, progress['run_dir'], command)}"
+
+
+def cli_path() -> str:
+    """This environment's `sparse-rl` (so that a printed command runs as printed), else the bare name."""
+    cli = Path(sys.executable).with_name("sparse-rl")
+    return str(cli) if cli.exists() else "sparse-rl"
+
+
+def go_on_hint(cfg: RunConfig, run_dir: Path | None, command: tuple[str, ...]) -> str:
+    """"last checkpoint: ...; resume with: <command>" when the run has a checkpoint, else "last checkpoint:
+    none ...; start again with: <the command that started it>"."""
     ckpt_dir = Path(cfg.learner.checkpoint_dir)
     latest = ckpt_dir / "latest"
-    head = f"interrupted at step {progress['step']} of {cfg.train.steps}"
-    if progress["run_dir"] is None or not latest.is_file():
-        return (f"{head}; last checkpoint: none (one every learner.checkpoint_interval="
-                f"{cfg.learner.checkpoint_interval} versions); start again with: {shlex.join(command)}")
+    if run_dir is None or not latest.is_file():
+        return (f"last checkpoint: none (one every learner.checkpoint_interval={cfg.learner.checkpoint_interval} "
+                f"versions); start again with: {shlex.join(command)}")
     tag = latest.read_text().strip()
-    cli = Path(sys.executable).with_name("sparse-rl")
-    return (f"{head}; last checkpoint: {ckpt_dir / tag} (the learner may be a step ahead of the console; a resume "
-            f"continues from {tag.replace('_', ' ')}); resume with: "
-            f"{cli if cli.exists() else 'sparse-rl'} train --resume {progress['run_dir']}")
+    return (f"last checkpoint: {ckpt_dir / tag} (the learner may be a step ahead of the console; a resume "
+            f"continues from {tag.replace('_', ' ')}); resume with: {cli_path()} train --resume {run_dir}")
 
 
-def _train(cfg: RunConfig, progress: dict, resume: str, report=None) -> dict:
+def checkpoint_on_sigterm(cfg: RunConfig, learner) -> None:
+    """Have the learner write a checkpoint of its last completed step, waiting at most train.sigterm_checkpoint_s
+    (0: off); says in one line what happened."""
+    if cfg.train.sigterm_checkpoint_s <= 0:
+        return
+    try:
+        version = ray.get(learner.checkpoint_now.remote(), timeout=cfg.train.sigterm_checkpoint_s)
+        print(f"SIGTERM: checkpoint of weight version {version} in {cfg.learner.checkpoint_dir}", flush=True)
+    except ray.exceptions.GetTimeoutError:
+        print(f"SIGTERM: no checkpoint: the learner did not write one within train.sigterm_checkpoint_s="
+              f"{cfg.train.sigterm_checkpoint_s:g} s", flush=True)
+    except ray.exceptions.RayError as e:
+        print(f"SIGTERM: no checkpoint: {str(e).strip().splitlines()[0][:200]}", flush=True)
+
+
+def _train(cfg: RunConfig, progress: dict, resume: str, report=None, command=("sparse-rl", "train")) -> dict:
     record = open_record(cfg, resume)  # new (directory created atomically), resumed, or forked from a checkpoint
     run_id, run_dir = record.run_id, record.run_dir
     progress["run_dir"] = run_dir
@@ -103,10 +160,12 @@ def _train(cfg: RunConfig, progress: dict, resume: str, report=None) -> dict:
                 raise RunFailed(str(e)) from None
         start_ray(cfg)
         stack.callback(ray.shutdown)
+        if threading.current_thread() is threading.main_thread():
+            catch_signals()  # ray.init installed its own SIGTERM handler
         tracker = Tracker(cfg.mlflow.tracking_uri, cfg.mlflow.experiment, run_id, run_dir,
                           resume_run_id=record.mlflow_run_id, tags={f"parent_{k}": v for k, v in record.parent.items()})
         # KILLED on Ctrl-C, FAILED on an error; a no-op once the run ended FINISHED
-        stack.push(lambda kind, *_: tracker.end("KILLED" if kind is KeyboardInterrupt else "FAILED"))
+        stack.push(lambda kind, *_: tracker.end("KILLED" if kind and issubclass(kind, KeyboardInterrupt) else "FAILED"))
         # how `sparse-rl scale --run <id>` finds the broker, and `--resume` the MLflow run and checkpoints
         write_run_info(run_dir, run_id, cfg.broker, mlflow_uri=tracker.uri, mlflow_run_id=tracker.run_id,
                        checkpoint_dir=cfg.learner.checkpoint_dir)
@@ -123,6 +182,8 @@ def _train(cfg: RunConfig, progress: dict, resume: str, report=None) -> dict:
         learner_group = start_learner(cfg, run_id)
         stack.callback(learner_group.shutdown)
         learner = learner_group.rank0
+        # on SIGTERM (after the actors stopped, before the learner does): a checkpoint of the last completed step
+        stack.push(lambda kind, *_: kind is Terminated and checkpoint_on_sigterm(cfg, learner))
         if record.resumed:  # the log of trained prompts and the metrics of the checkpoint's step, as one record
             resume_logs(run_dir, tracker, record.start_version, ray.get(learner.resume_state.remote()))
         before = cfg.eval.enabled and cfg.eval.before and not record.resumed  # a resumed run evaluated at its start
@@ -150,7 +211,7 @@ def _train(cfg: RunConfig, progress: dict, resume: str, report=None) -> dict:
             # returns once groups_per_step groups are trained; meanwhile actors are replaced and joined
             metrics = pool.wait_for(learner.train_step.remote(), step, target, console,
                                     lambda: queue_depth(redis, cfg.broker, run_id),
-                                    f"resume with: sparse-rl train --resume {run_dir}")
+                                    lambda: go_on_hint(cfg, run_dir, command))
             log_trained_prompts(run_dir, metrics)
             pool.scale(target())
             metrics.update(pool.sync_weights())
@@ -165,6 +226,7 @@ def _train(cfg: RunConfig, progress: dict, resume: str, report=None) -> dict:
             (run_dir / "budget_log.jsonl").write_text("".join(log))
             tracker.log_artifact(run_dir / "budget_log.jsonl")
         ray.get(learner.save_final.remote(str(run_dir / "final")))
+        progress["trained"] = True  # from here an interrupted run is evaluated, not resumed
         pool.stop_generation()  # the last batches are published; from here the counts are final
         accounting = {**run_counts(redis, run_id), "left_in_queue": queue_depth(redis, cfg.broker, run_id),
                       "learner_version": int(metrics["version"]), "actor_versions": pool.versions()}

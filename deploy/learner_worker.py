@@ -134,6 +134,8 @@ class LearnerWorker:
                                    verify=l.weight_sync_verify)
         self.generation = -1
         self.updating = threading.Lock()  # a weight broadcast never reads weights the optimizer is changing
+        self.saved_version = self.learner.version  # of the latest checkpoint (or the start)
+        self.committed: tuple[int, dict] | None = None  # (version, checkpoint state) of the last committed step
 
     # -- the learner group ---------------------------------------------------------------------------------
     def set_peers(self, peers: list) -> None:
@@ -292,9 +294,10 @@ class LearnerWorker:
         self.position.add([d.group.prompt_index for d in train + filtered])
         if self.controller is not None:  # before the version: actors with these weights read this budget or newer
             metrics.update(self._control_budget(metrics, groups))
+        state = {"data_position": self.position.to_dict(), "extra": self._checkpoint_extra(metrics, groups)}
         if l.checkpoint_dir and self.learner.version % l.checkpoint_interval == 0:
-            self._on_all_ranks("checkpoint", {"data_position": self.position.to_dict(),
-                                              "extra": self._checkpoint_extra(metrics, groups)})
+            self._on_all_ranks("checkpoint", state)
+            self.saved_version = self.learner.version
         if self.collector.informative is not None:
             self.zero_variance["seen"] += len(train) + len(filtered)
             self.zero_variance["zero"] += len(filtered) + sum(not self.collector.informative(d.group) for d in train)
@@ -302,6 +305,7 @@ class LearnerWorker:
                                           l.max_extra_reads)
         # acked only once every rank finished the step that used them; the new version in the same transaction
         self.consumer.commit(train, filtered, stale, learner_version=self.learner.version, step_capacity=self.capacity)
+        self.committed = (self.learner.version, state)  # what checkpoint_now writes
         counts, depth = run_counts(self.redis, self.run_id), queue_depth(self.redis, self.cfg.broker, self.run_id)
         step_s = time.monotonic() - start
         self.idle["wait_s"] += wait_s
@@ -387,6 +391,19 @@ class LearnerWorker:
             except Exception as e:
                 raise self._rank_failure("send_weights", refs, e) from e
             return stats
+
+    def checkpoint_now(self) -> int:
+        """Rank 0: write the checkpoint of the last completed (committed) step now, unless it is written already
+        (the driver calls it on SIGTERM). Waits for a step in progress to commit. Returns its version."""
+        while True:
+            with self.updating:  # no step computes meanwhile
+                if self.learner.version == self.saved_version:
+                    return self.saved_version
+                if self.committed is not None and self.committed[0] == self.learner.version:
+                    self._on_all_ranks("checkpoint", self.committed[1])
+                    self.saved_version = self.learner.version
+                    return self.saved_version
+            time.sleep(0.05)  # the step's weights are ahead of its commit: a moment
 
     def save_final(self, path: str) -> str:
         """The trained weights as a Hugging Face directory (with the tokenizer), for `sparse-rl eval`."""

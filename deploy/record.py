@@ -19,8 +19,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.config import ConfigError, RunConfig, load_config, make_run_dir
+from deploy.config import PRESET_MODELS, ConfigError, RunConfig, load_config, make_run_dir
 from deploy.scale import RUN_INFO
+
+MUST_MATCH = ("seed", "actors.data", "model", "learner.ranks", "learner.zero_stage")
+"""Config fields a resume or fork cannot change: the prompt order (seed, actors.data) the data position refers
+to, and what the checkpoint's shards fit (model, learner.ranks, learner.zero_stage)."""
 
 OWNER = "OWNER"
 """File in a checkpoint directory: the run directory that writes its checkpoints."""
@@ -92,6 +96,8 @@ def open_record(cfg: RunConfig, resume: str | Path = "") -> RunRecord:
             raise ConfigError(f"learner.resume_from={src!r}: no checkpoint there (no 'latest' file)")
         _check_steps(cfg, start_version, src)
         owner = _owner(src)
+        if owner is not None:
+            _check_unchanged(owner, cfg, f"learner.resume_from={src}")
         info = read_run_info(owner) if owner else {}
         parent = {"run_id": info.get("run_id", ""), "run_dir": str(owner or ""),
                   "mlflow_run_id": info.get("mlflow_run_id", ""), "checkpoint": str(Path(src).resolve())}
@@ -119,6 +125,7 @@ def _resumed(run_dir: Path, cfg: RunConfig) -> RunRecord:
         raise ConfigError(f"--resume {run_dir}: no checkpoint in {ckpt} (one is written every "
                           f"learner.checkpoint_interval={cfg.learner.checkpoint_interval} versions); start a new run")
     _check_steps(cfg, version, ckpt)
+    _check_unchanged(run_dir, cfg, f"--resume {run_dir}")
     cfg.learner.checkpoint_dir, cfg.learner.resume_from = ckpt, ""
     return RunRecord(info["run_id"], run_dir, resumed=True, start_version=version,
                      mlflow_run_id=info.get("mlflow_run_id", ""))
@@ -128,6 +135,43 @@ def _check_steps(cfg: RunConfig, version: int, ckpt: str | Path) -> None:
     if cfg.train.steps <= version:
         raise ConfigError(f"train.steps={cfg.train.steps}: the checkpoint in {ckpt} is at weight version {version} "
                           f"already; train.steps counts versions, so give train.steps > {version} to train on")
+
+
+def _check_unchanged(run_dir: Path, cfg: RunConfig, what: str) -> None:
+    """Raise ConfigError (nothing written) when cfg gives a MUST_MATCH field another value than the config the
+    run in run_dir trained with (its config.yaml), naming each changed field and both values."""
+    from omegaconf import OmegaConf
+
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return
+    saved, now = OmegaConf.to_container(OmegaConf.load(path)), OmegaConf.to_container(OmegaConf.structured(cfg))
+    changed = []
+    for name in MUST_MATCH:
+        old, new = _dotted(saved, name), _dotted(now, name)
+        pairs = {f"{name}.{k}": (old.get(k), new.get(k)) for k in {**old, **new}} if isinstance(new, dict) \
+            else {name: (old, new)}
+        if name == "model":
+            pairs = {name: (old, new)} if _model_dir(old) != _model_dir(new) else {}
+        changed += [f"{k}={b!r} (the checkpoint's: {a!r})" for k, (a, b) in sorted(pairs.items()) if a != b]
+    if changed:
+        raise ConfigError(f"{what}: {'; '.join(changed)}: the checkpoint's prompt order and shards need the values "
+                          f"it was trained with; drop these overrides, or start a new run")
+
+
+def _dotted(tree: dict, name: str):
+    """tree["a"]["b"] for name "a.b" (None where a key is missing)."""
+    for part in name.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
+
+
+def _model_dir(model) -> str:
+    """A model value as the directory it names (a preset model: its cache directory)."""
+    from deploy.model_cache import cache_dir
+
+    path = cache_dir() / model if model in PRESET_MODELS else Path(str(model)).expanduser()
+    return str(path.resolve()) if path.exists() else str(model)
 
 
 def _owner(ckpt_dir: str | Path) -> Path | None:

@@ -70,3 +70,169 @@ def test_bad_data_files_fail_at_the_config_check(tmp_path):
         line = one_line(done.stdout)
         assert re.fullmatch(rf"sparse-rl: bad config: {re.escape(field)}: {expected[name]}.*", line), line
         assert not runs.exists(), (name, field, done.stdout)  # nothing was started or written
+
+
+class Run:
+    """`sparse-rl train` started in the background (its own session, as a job under a scheduler), its console
+    read line by line."""
+
+    def __init__(self, *args, cwd=ROOT, env=None):
+        self.proc = subprocess.Popen([*CLI, "train", *args], cwd=cwd, env=env or ENV, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines: list[str] = []
+
+    def until(self, pattern: str) -> re.Match:
+        """Read the console until a line matches `pattern` (fails if the run ends first)."""
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            match = re.search(pattern, line)
+            if match:
+                return match
+        pytest.fail(f"the run ended before a line matched {pattern!r}:\n{self.text}")
+
+    def finish(self, timeout: float) -> int:
+        """Wait for the end (reading the rest of the console); returns the exit code."""
+        self.lines.append(self.proc.stdout.read())
+        return self.proc.wait(timeout=timeout)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def processes(self) -> list:
+        """The driver's process tree now (Ray, the embedded Redis, the workers)."""
+        import psutil
+        root = psutil.Process(self.proc.pid)
+        return [root, *root.children(recursive=True)]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def redis_port(text: str) -> int:
+    return int(re.search(r"^redis: redis://127\.0\.0\.1:(\d+)/0$", text, re.M).group(1))
+
+
+def assert_all_gone(processes: list, port: int, within_s: float = 30.0) -> None:
+    """Every process of the run's tree has ended and the embedded Redis port is closed, within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        alive = [p for p in processes if p.is_running() and p.status() != "zombie"]
+        if not alive:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"still running {within_s:g} s later: {[(p.pid, p.name()) for p in alive]}")
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+def mlflow_status(run_dir: Path) -> str:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    return run.info.status
+
+
+@pytest.mark.timeout(900)
+def test_sigterm_stops_the_run_cleanly_with_a_checkpoint_of_the_last_step(tmp_path):
+    """SIGTERM (Slurm's time limit, pod deletion, docker stop) to the driver alone at step 2, no interval
+    checkpoint yet: the learner writes one of its last step, one line says where the run stopped and how to
+    resume, exit 143 within 30 s, MLflow KILLED, no process of the run left (the embedded Redis included);
+    the resume it prints works. Then SIGKILL of another run's driver: its Redis and Ray die with it."""
+    runs = tmp_path / "runs"
+    run = Run("--config", "tiny", f"run_dir={runs}", "train.steps=50", "learner.checkpoint_interval=100",
+              "eval.enabled=false")
+    try:
+        run.until(r"^step 2/50")
+        tree, sent = run.processes(), time.monotonic()
+        run.proc.send_signal(signal.SIGTERM)
+        rc = run.finish(timeout=120)
+        took = time.monotonic() - sent
+    finally:
+        run.kill()
+    assert rc == 143, run.text
+    assert took < 30, (took, run.text)
+    line = one_line(run.text)
+    (run_dir,) = runs.iterdir()
+    match = re.fullmatch(rf"sparse-rl: terminated \(SIGTERM\) at step (\d+) of 50; last checkpoint: "
+                         rf"{re.escape(str(run_dir / 'checkpoints'))}/version_(\d+) \(.*\); resume with: (\S+) train "
+                         rf"--resume {re.escape(str(run_dir))}", line)
+    assert match and int(match.group(2)) >= 2, line
+    assert "logging.cc" not in run.text and "*** SIGTERM received" not in run.text, run.text
+    assert mlflow_status(run_dir) == "KILLED"
+    assert_all_gone(tree, redis_port(run.text))
+    version = int(match.group(2))
+    resumed = subprocess.run([match.group(3), "train", "--resume", str(run_dir), f"train.steps={version + 1}"],
+                             cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"resumed at weight version {version}" in resumed.stdout
+    assert mlflow_status(run_dir) == "FINISHED"
+
+    killed = Run("--config", "tiny", f"run_dir={tmp_path / 'killed'}", "train.steps=50", "eval.enabled=false")
+    try:
+        killed.until(r"^step 1/50")
+        tree = killed.processes()
+        killed.proc.send_signal(signal.SIGKILL)  # no handler runs: what is left must die with the driver
+        killed.finish(timeout=60)
+        redis = [p for p in tree if p.name() == "redis-server"]
+        assert len(redis) == 1, [p.name() for p in tree]
+        assert_all_gone(redis, redis_port(killed.text))
+        assert_all_gone(tree, redis_port(killed.text), within_s=120)  # Ray's agents poll for their raylet's end
+    finally:
+        killed.kill()
+
+
+def record_files(run_dir: Path) -> dict[str, bytes]:
+    """The record's small files (config, run info, prompt log, checkpoint pointer), by name."""
+    names = ["config.yaml", "run.json", "trained_prompts.jsonl", "checkpoints/latest", "checkpoints/OWNER"]
+    return {n: (run_dir / n).read_bytes() for n in names if (run_dir / n).is_file()}
+
+
+@pytest.mark.timeout(900)
+def test_ctrl_c_after_training_points_at_eval_and_a_changed_resume_is_refused_untouched(tmp_path):
+    """Ctrl-C during the final evaluation: the line points at `sparse-rl eval` of the final weights (training is
+    done, a resume would exit 2), and that command works. Then `--resume` with a changed seed, data, learner.ranks
+    and model (and ZeRO stage): exit 2 naming each, before anything is written (the record's files and MLflow run untouched), so
+    that a plain `--resume` afterwards trains on."""
+    runs = tmp_path / "runs"
+    run = Run("--config", "tiny", f"run_dir={runs}", "train.steps=2", "learner.checkpoint_interval=1",
+              "eval.before=false", "eval.limit=48", "eval.max_new_tokens=48")
+    try:
+        run.until(r"^groups produced")  # training is over; the evaluation starts
+        os.killpg(run.proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C
+        rc = run.finish(timeout=120)
+    finally:
+        run.kill()
+    assert rc == 130, run.text
+    (run_dir,) = runs.iterdir()
+    final = run_dir / "final"
+    line = one_line(run.text)
+    match = re.fullmatch(rf"sparse-rl: interrupted at step 2 of 2, after training \(the final weights are in "
+                         rf"{re.escape(str(final))}\); evaluate them with: (.+)", line)
+    assert match, line
+    assert mlflow_status(run_dir) == "KILLED"
+    evaluated = subprocess.run(match.group(1).split(), cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                               timeout=600)
+    assert evaluated.returncode == 0, evaluated.stdout + evaluated.stderr
+    assert "accuracy" in evaluated.stdout
+
+    before = record_files(run_dir)
+    changed = ["seed=7", "actors.data.size=32", "learner.ranks=2", "learner.zero_stage=1", "model=tiny-char"]
+    refused = sparse_rl("train", "--resume", str(run_dir), "train.steps=3", *changed, cwd=tmp_path, timeout=300)
+    assert refused.returncode == 2, refused.stdout
+    line = one_line(refused.stdout)
+    assert line.startswith(f"sparse-rl: bad config: --resume {run_dir}: "), line
+    for field in ("seed=7 (the checkpoint's: 0)", "actors.data.size=32 (the checkpoint's: 64)",
+                  "learner.ranks=2 (the checkpoint's: 1)", "learner.zero_stage=1 (the checkpoint's: 0)",
+                  "model='tiny-char'"):
+        assert field in line, line
+    assert record_files(run_dir) == before
+    assert mlflow_status(run_dir) == "KILLED"
+
+    resumed = sparse_rl("train", "--resume", str(run_dir), "train.steps=3", "eval.enabled=false", cwd=tmp_path,
+                        timeout=600)
+    assert resumed.returncode == 0, resumed.stdout
+    assert mlflow_status(run_dir) == "FINISHED"
