@@ -32,8 +32,10 @@ def root_cause(error: Exception) -> str:
 class ActorPool:
     """The rollout actors of a run: start, scale, replace the dead, weight sync rounds, evaluation."""
 
-    def __init__(self, cfg: RunConfig, run_id: str, learner):
-        self.cfg, self.run_id, self.learner = cfg, run_id, learner
+    def __init__(self, cfg: RunConfig, run_id: str, learner, learners=None):
+        """`learner`: rank 0's handle; `learners`: the LearnerGroup, watched wherever the pool waits (a rank
+        that dies fails the run at once, naming it and what the pool waited for)."""
+        self.cfg, self.run_id, self.learner, self.learners = cfg, run_id, learner, learners
         self.actors: dict[int, object] = {}  # actor index -> handle
         self.next_index = 0
         self.generation = 0  # weight-sync group generation; bumped whenever membership changes
@@ -92,6 +94,7 @@ class ActorPool:
         since = reported = time.monotonic()
         while self.starting:
             ray.wait([ref for _, ref in self.starting.values()], num_returns=len(self.starting), timeout=WAIT_POLL_S)
+            self.check_learner("the actors were loading")
             self._check_starting()
             self.scale(self.target)
             if self.starting and time.monotonic() - reported >= self.cfg.train.wait_report_s:
@@ -106,6 +109,7 @@ class ActorPool:
         message ends with hint(): how to go on, the resume command or, without a checkpoint, the start again)."""
         waited = reported = time.monotonic()
         while not ray.wait([done], timeout=WAIT_POLL_S)[0]:
+            self.check_learner(f"it trained step {step}")
             self.scale(target())
             if self.membership_changed():  # an actor became ready: weights now (it cannot sample without)
                 self.sync_weights()
@@ -129,6 +133,11 @@ class ActorPool:
                 why = self.why_waiting(depth())
                 raise RunFailed(f"{e.cause}" + (f" ({why})" if why else "")) from None
             raise
+
+    def check_learner(self, phase: str) -> None:
+        """Raise RunFailed when a learner rank has died (LearnerGroup.check)."""
+        if self.learners is not None:
+            self.learners.check(phase)
 
     def membership_changed(self) -> bool:
         """The ready actors differ from the current weight-sync group (one started, restarted or left)."""
@@ -202,7 +211,7 @@ class ActorPool:
                  for rank, i in enumerate(members, start=1)}
         failed = 0
         try:
-            stats = ray.get(sends)
+            stats = self.learners.get(sends, "it sent the weights") if self.learners else ray.get(sends)
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, ValueError):  # manifest mismatch: learner and actor models differ
                 raise e.cause

@@ -121,11 +121,16 @@ def go_on_hint(cfg: RunConfig, run_dir: Path | None, command: tuple[str, ...]) -
     ckpt_dir = Path(cfg.learner.checkpoint_dir)
     latest = ckpt_dir / "latest"
     if run_dir is None or not latest.is_file():
+        again = [cli_path(), *command[1:]] if command and command[0] == "sparse-rl" else list(command)
         return (f"last checkpoint: none (one every learner.checkpoint_interval={cfg.learner.checkpoint_interval} "
-                f"versions); start again with: {shlex.join(command)}")
+                f"versions); start again with: {shlex.join(again)}")
     tag = latest.read_text().strip()
+    resume = f"{cli_path()} train --resume {run_dir}"
+    version = int(tag.rpartition("_")[2]) if tag.rpartition("_")[2].isdigit() else 0
+    if version >= cfg.train.steps:  # the last step's checkpoint: a resume must ask for more steps
+        resume += f" train.steps={version + 1}"
     return (f"last checkpoint: {ckpt_dir / tag} (the learner may be a step ahead of the console; a resume "
-            f"continues from {tag.replace('_', ' ')}); resume with: {cli_path()} train --resume {run_dir}")
+            f"continues from {tag.replace('_', ' ')}); resume with: {resume}")
 
 
 def checkpoint_on_sigterm(cfg: RunConfig, learner) -> None:
@@ -179,24 +184,25 @@ def _train(cfg: RunConfig, progress: dict, resume: str, report=None, command=("s
 
         redis = connect(cfg.broker)
         redis.set(key(run_id, SCALE_KEY), cfg.actors.count)
-        learner_group = start_learner(cfg, run_id)
+        learner_group = start_learner(cfg, run_id, lambda: go_on_hint(cfg, run_dir, command))
         stack.callback(learner_group.shutdown)
         learner = learner_group.rank0
         # on SIGTERM (after the actors stopped, before the learner does): a checkpoint of the last completed step
         stack.push(lambda kind, *_: kind is Terminated and checkpoint_on_sigterm(cfg, learner))
         if record.resumed:  # the log of trained prompts and the metrics of the checkpoint's step, as one record
-            resume_logs(run_dir, tracker, record.start_version, ray.get(learner.resume_state.remote()))
+            resume_logs(run_dir, tracker, record.start_version,
+                        learner_group.get(learner.resume_state.remote(), "it loaded the checkpoint"))
         before = cfg.eval.enabled and cfg.eval.before and not record.resumed  # a resumed run evaluated at its start
         if before:
             redis.set(key(run_id, PAUSED), 1)  # actors start, load weights, and wait for the first evaluation
         else:
             redis.delete(key(run_id, PAUSED))  # (left set by a run interrupted while it evaluated)
-        pool = ActorPool(cfg, run_id, learner)
+        pool = ActorPool(cfg, run_id, learner, learner_group)
         stack.callback(pool.shutdown)
         pool.scale(cfg.actors.count)
         pool.wait_ready(console)  # nothing to train or evaluate with before the first actors have started
         pool.sync_weights()  # initial weights to everyone: one code path for initial and later weights
-        version = int(ray.get(learner.version.remote()))
+        version = int(learner_group.get(learner.version.remote(), "it sent the weights"))
         scores_before = tracker.first_values("eval/") if record.resumed else {}
         if before:
             scores_before = pool.evaluate()
@@ -225,7 +231,7 @@ def _train(cfg: RunConfig, progress: dict, resume: str, report=None, command=("s
             log = [line.decode() + "\n" for line in redis.lrange(key(run_id, BUDGET_LOG), 0, -1)]
             (run_dir / "budget_log.jsonl").write_text("".join(log))
             tracker.log_artifact(run_dir / "budget_log.jsonl")
-        ray.get(learner.save_final.remote(str(run_dir / "final")))
+        learner_group.get(learner.save_final.remote(str(run_dir / "final")), "it saved the final weights")
         progress["trained"] = True  # from here an interrupted run is evaluated, not resumed
         pool.stop_generation()  # the last batches are published; from here the counts are final
         accounting = {**run_counts(redis, run_id), "left_in_queue": queue_depth(redis, cfg.broker, run_id),
@@ -285,8 +291,9 @@ def start_ray(cfg: RunConfig) -> None:
                  include_dashboard=False, log_to_driver=True)
 
 
-def start_learner(cfg: RunConfig, run_id: str):
-    """The learner.ranks learner ranks in their placement group (deploy/learner_group.py)."""
+def start_learner(cfg: RunConfig, run_id: str, hint=None):
+    """The learner.ranks learner ranks in their placement group (deploy/learner_group.py); `hint`: how to go on
+    after a rank died."""
     from deploy.learner_group import LearnerGroup
 
-    return LearnerGroup(cfg, run_id)
+    return LearnerGroup(cfg, run_id, hint)

@@ -13,10 +13,13 @@ node address on a cluster; its port is picked on rank 0's node.
 """
 from __future__ import annotations
 
+import time
+
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from deploy.actor_pool import RunFailed, root_cause
 from deploy.config import RunConfig, to_dict
 
 PLACEMENT_TIMEOUT_S = 600.0
@@ -41,9 +44,14 @@ class LearnerGroup:
     """The learner ranks of a run. `rank0`: the handle the driver uses (train_step, send_weights, version,
     sync_address, save_final, ...); `ranks`: every rank's handle, in rank order.
 
-    Raises TimeoutError when the cluster cannot offer the bundles within PLACEMENT_TIMEOUT_S (naming them)."""
+    `hint`: () -> how to go on (the driver's resume or start-again command), appended to a death's line.
+    Every rank holds a `watch` call that returns only when the rank dies: `check(phase)` and `get(ref, phase)`
+    turn a dead rank into RunFailed at once, wherever the driver waits.
 
-    def __init__(self, cfg: RunConfig, run_id: str):
+    Raises TimeoutError when the cluster cannot offer the bundles within PLACEMENT_TIMEOUT_S (naming them);
+    RunFailed when a rank dies while starting (its constructor's error)."""
+
+    def __init__(self, cfg: RunConfig, run_id: str, hint=None):
         from deploy.learner_worker import LearnerWorker
 
         n = cfg.learner.ranks
@@ -69,18 +77,51 @@ class LearnerGroup:
             master = ray.get(_rendezvous_address.options(scheduling_strategy=on(0)).remote(not cfg.ray.address))
         plain = to_dict(cfg)
         self.ranks = [
-            ray.remote(LearnerWorker).options(
+            ray.remote(concurrency_groups={"watch": 1})(LearnerWorker).options(
                 name=f"{run_id}-learner-{rank}", num_cpus=cfg.train.learner_num_cpus,
                 num_gpus=cfg.train.learner_num_gpus, resources={cfg.ray.learner_resource: 1} if cfg.ray.learner_resource else None,
                 scheduling_strategy=on(rank), max_concurrency=2 if rank == 0 else 1, max_restarts=0,
             ).remote(plain, run_id, rank, n, master)
             for rank in range(n)]
         self.rank0 = self.ranks[0]
+        self.watch = {r.watch.options(concurrency_group="watch").remote(): rank for rank, r in enumerate(self.ranks)}
+        self.hint = hint  # () -> how to go on, appappended to a death's line
         pending = [r.pid.remote() for r in self.ranks]  # answered once a rank has started (joined the group)
-        while pending:  # a rank that fails to start fails the group at once (Ray's error names the actor)
-            done, pending = ray.wait(pending, num_returns=1)
-            ray.get(done)
-        ray.get(self.rank0.set_peers.remote(self.ranks[1:]))
+        try:
+            while pending:  # a rank that fails to start fails the group at once
+                done, pending = ray.wait(pending, num_returns=1)
+                self.get(done[0], "starting")
+            self.get(self.rank0.set_peers.remote(self.ranks[1:]), "starting")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def check(self, phase: str) -> None:
+        """Raise RunFailed ("learner rank R died while <phase>: <cause>") if a rank has died."""
+        done, _ = ray.wait(list(self.watch), num_returns=1, timeout=0)
+        if done:
+            try:
+                ray.get(done[0])
+                cause = "its watch returned"
+            except ray.exceptions.RayError as e:
+                cause = root_cause(e)
+            self.died(self.watch[done[0]], phase, cause)
+
+    def died(self, rank: int, phase: str, cause: str):
+        """Raise RunFailed: the one line of a rank's death, with how to go on."""
+        raise RunFailed(f"learner rank {rank} died while {phase}: {cause}" + (f"; {self.hint()}" if self.hint else ""))
+
+    def get(self, ref, phase: str, poll_s: float = 1.0):
+        """ray.get(ref) of a learner call, failing with RunFailed (naming the rank and `phase`) as soon as any
+        rank dies meanwhile, instead of waiting on a call a dead peer can never finish."""
+        while not ray.wait([ref], timeout=poll_s)[0]:
+            self.check(phase)
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            time.sleep(poll_s)  # Ray reports the death to the watch calls a moment later
+            self.check(phase)
+            self.died(0, phase, root_cause(e))
 
     def shutdown(self) -> None:
         """Kill every rank and free the placement group."""

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from broker import faults
+
 RANK_FAILURE_WAIT_S = 30.0
 """After a failed step, how long rank 0 waits for Ray to report which peer ranks died, seconds."""
 
@@ -46,6 +48,7 @@ class LearnerWorker:
         from omegaconf import OmegaConf
 
         from deploy.config import RunConfig
+        faults.wrap(lambda: None, "learner.init", rank)()  # a test's fault: this rank dies while it starts
         self.cfg: RunConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
         if not torch.cuda.is_available():
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -134,10 +137,17 @@ class LearnerWorker:
                                    verify=l.weight_sync_verify)
         self.generation = -1
         self.updating = threading.Lock()  # a weight broadcast never reads weights the optimizer is changing
+        self.fault = {name: faults.wrap(lambda: None, f"learner.{name}", rank, when=lambda: self.learner.version)
+                      for name in ("send_weights", "save_final")}  # a test's faults; no-ops otherwise
         self.saved_version = self.learner.version  # of the latest checkpoint (or the start)
         self.committed: tuple[int, dict] | None = None  # (version, checkpoint state) of the last committed step
 
     # -- the learner group ---------------------------------------------------------------------------------
+    def watch(self) -> None:
+        """Never returns: the driver holds one call per rank (in the `watch` concurrency group), which fails as
+        soon as the rank's process dies (deploy/learner_group.py)."""
+        threading.Event().wait()
+
     def set_peers(self, peers: list) -> None:
         """Rank 0: the Ray handles of ranks 1..N-1, in rank order."""
         self.peers = list(peers)
@@ -361,6 +371,7 @@ class LearnerWorker:
         import ray
 
         from broker.weight_sync import bucket_layout
+        self.fault["send_weights"]()
         with self.updating:
             if generation != self.generation:
                 self.sender.open_group(generation, world_size)
@@ -408,6 +419,7 @@ class LearnerWorker:
     def save_final(self, path: str) -> str:
         """The trained weights as a Hugging Face directory (with the tokenizer), for `sparse-rl eval`."""
         from transformers import AutoTokenizer
+        self.fault["save_final"]()
         with self.updating:
             state = dict(self._on_all_ranks("gather_weights", 1, True))
         self.learner.engine.module.save_pretrained(path, state_dict=state)

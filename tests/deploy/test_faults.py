@@ -236,3 +236,59 @@ def test_ctrl_c_after_training_points_at_eval_and_a_changed_resume_is_refused_un
                         timeout=600)
     assert resumed.returncode == 0, resumed.stdout
     assert mlflow_status(run_dir) == "FINISHED"
+
+
+def learner_processes(run: Run) -> list:
+    """The run's learner rank processes (Ray names them after LearnerWorker)."""
+    return [p for p in run.processes() if "LearnerWorker" in " ".join([p.name(), *p.cmdline()])]
+
+
+@pytest.mark.timeout(1200)
+def test_a_learner_lost_outside_a_step_ends_the_run_at_once(tmp_path):
+    """The learner dies in its constructor, while the actors load their model, during a weight sync, or while it
+    saves the final weights: each run ends within 30 s of the death with exit 1 and one line naming the rank and
+    the phase, with a command that works (start again without a checkpoint, resume with one), MLflow FAILED, no
+    process left."""
+    base = ["--config", "tiny", "train.steps=2", "eval.enabled=false", "train.wait_report_s=1"]
+    cases = {  # name: (faults, extra overrides, phase in the line)
+        "constructor": ("learner.init:0=exit", [], "starting"),
+        "actors loading": ("", [], "the actors were loading"),
+        "weight sync": ("learner.send_weights:0@1=exit", ["learner.checkpoint_interval=1"], "it sent the weights"),
+        "save_final": ("learner.save_final:0=exit", ["learner.checkpoint_interval=1"], "it saved the final weights"),
+    }
+    for name, (fault, extra, phase) in cases.items():
+        runs = tmp_path / name.replace(" ", "_")
+        env = {**ENV, "SPARSE_RL_FAULTS": fault}
+        if name == "actors loading":
+            env["SPARSE_RL_TEST_SLOW_START"] = "*=300"  # the actors load for 5 minutes; the learner is killed
+        run = Run(*base, f"run_dir={runs}", *extra, env=env)
+        try:
+            if name == "actors loading":
+                run.until(r"^waiting for the rollout actors for \d+ s: 2 rollout actor\(s\) starting")
+                (learner,) = learner_processes(run)
+                learner.kill()
+            else:
+                run.until(r"^redis: ")
+            tree, died = run.processes(), time.monotonic()
+            rc = run.finish(timeout=300)
+            took = time.monotonic() - died
+        finally:
+            run.kill()
+        assert rc == 1, (name, run.text)
+        line = one_line(run.text)
+        assert line.startswith(f"sparse-rl: run failed: learner rank 0 died while {phase}: "), (name, line)
+        (run_dir,) = runs.iterdir()
+        if extra:  # a checkpoint of version 1 (weight sync) or 2 (the last step): the resume command is runnable
+            steps = " train.steps=3" if name == "save_final" else ""
+            assert line.endswith(f"; resume with: {Path(sys.executable).parent}/sparse-rl train --resume {run_dir}{steps}"), line
+        else:
+            assert f"; start again with: {Path(sys.executable).parent}/sparse-rl train --config tiny" in line, line
+        assert mlflow_status(run_dir) == "FAILED", name
+        assert_all_gone(tree, redis_port(run.text))
+        if name == "actors loading":
+            assert took < 30, (name, took)
+        if name == "save_final":  # the resume the line prints trains on from the last checkpoint
+            command = line.rpartition("resume with: ")[2].split()
+            resumed = subprocess.run([*command, "eval.enabled=false"], cwd=tmp_path, env=ENV, capture_output=True,
+                                     text=True, timeout=600)
+            assert resumed.returncode == 0, resumed.stdout + resumed.stderr

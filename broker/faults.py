@@ -1,0 +1,95 @@
+"""Fault injection for tests: the one seam through which a test makes a part of a run slow, fail or die.
+
+A test names faults in the environment variable SPARSE_RL_FAULTS (the driver's environment, which every Ray
+worker inherits; or Ray's `runtime_env={"env_vars": {...}}`), a comma-separated list of
+
+    <point>:<who>[@<when>]=<action>
+
+  point   where the fault fires: `learner.step` (a learner rank's step; who = rank, when = learner version at
+          the start of the step), `actor.start` (a rollout actor's start, before its model loads; who = actor
+          id), `actor.generate` (inside every batch of an actor, after its claim, before the engine runs; who =
+          actor id, when = the actor's weight version). Other points: whatever a caller passes to `wrap`.
+  who     the rank or actor id, or `*` for every one
+  when    optional: fire only when the point's `when` value equals it (e.g. the learner version)
+  action  `sleep:<seconds>` (a stall, then go on) | `fail` (raise FaultInjected) | `exit` (the process dies at
+          once, as on a crash: os._exit(1))
+
+e.g. `learner.step:1@2=sleep:120` stalls learner rank 1 for 120 s at its step from version 2,
+`actor.generate:actor-2=sleep:3` makes actor-2 a slow one, `actor.start:*=fail` makes every actor fail to start.
+
+Production code calls `wrap` once per process where a fault can fire (never on every step): with nothing
+named for that point and process, `wrap` returns the function itself, so a run without faults runs no hook.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+FAULTS_ENV = "SPARSE_RL_FAULTS"
+"""The environment variable that names the faults (format: the module docstring)."""
+
+
+class FaultInjected(RuntimeError):
+    """Raised by a `fail` fault."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One named fault: at `point`, for `who` ("*" = any), when the point's value equals `when` (None = always),
+    do `action` ("sleep" | "fail" | "exit"), sleeping `seconds`."""
+    point: str
+    who: str
+    when: int | None
+    action: str
+    seconds: float = 0.0
+
+
+def parse(spec: str) -> list[Fault]:
+    """The faults of a SPARSE_RL_FAULTS value. Raises ValueError naming an item that does not parse."""
+    faults = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        where, eq, action = item.partition("=")
+        point, colon, target = where.partition(":")
+        who, at, when = target.partition("@")
+        kind, _, seconds = action.partition(":")
+        if not (eq and colon and point and who) or kind not in ("sleep", "fail", "exit") or \
+                (kind == "sleep") != bool(seconds) or (at and not when.strip().lstrip("-").isdigit()):
+            raise ValueError(f"{FAULTS_ENV}: {item!r}: expected <point>:<who>[@<when>]=sleep:<s>|fail|exit")
+        faults.append(Fault(point.strip(), who.strip(), int(when) if at else None, kind,
+                            float(seconds) if seconds else 0.0))
+    return faults
+
+
+def active(point: str, who: str | int) -> list[Fault]:
+    """The faults SPARSE_RL_FAULTS names for `point` and `who` in this process (read now)."""
+    return [f for f in parse(os.environ.get(FAULTS_ENV, "")) if f.point == point and f.who in (str(who), "*")]
+
+
+def fire(fault: Fault) -> None:
+    """Do what `fault` says: sleep, raise FaultInjected, or end the process."""
+    if fault.action == "sleep":
+        time.sleep(fault.seconds)
+    elif fault.action == "fail":
+        raise FaultInjected(f"{FAULTS_ENV}: {fault.point} of {fault.who} fails (injected fault)")
+    else:
+        os._exit(1)
+
+
+def wrap(fn: Callable, point: str, who: str | int, when: Callable[[], int] | None = None) -> Callable:
+    """`fn`, or, when SPARSE_RL_FAULTS names faults for `point` and `who`, `fn` preceded by them: each fires
+    before the call if it has no `when`, or if `when()` (e.g. the learner version) equals its `when` then."""
+    faults = active(point, who)
+    if not faults:
+        return fn
+
+    @functools.wraps(fn)
+    def with_faults(*args, **kwargs):
+        value = when() if when is not None else None
+        for fault in faults:
+            if fault.when is None or fault.when == value:
+                fire(fault)
+        return fn(*args, **kwargs)
+    return with_faults
