@@ -43,5 +43,5 @@ def evaluate(engine, tokenizer, items: list[Prompt], mode: str, compressor: Comp
             kv.append(sample.kv_peak_bytes)
     n = len(statuses)
     return {"n": n, "reward": float(np.mean(rewards)) if n else 0.0, "accuracy": statuses.count("correct") / max(n, 1),
-            "unparseable": statuses.count("unparseable") / max(n, 1),
+            "unparseable": statuses.count("unparseable") / max(n, 1), "reward_errors": float(statuses.count("error")),
             "response_length": float(np.mean(lengths)) if n else 0.0, "kv_peak_bytes": float(np.mean(kv)) if n else 0.0}

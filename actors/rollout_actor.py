@@ -216,7 +216,8 @@ class RolloutWorker:
                 if self.admission is None or claim is not None:
                     n = claim.groups if claim is not None else a.prompts_per_batch
                     self.claim, self.busy_since = claim, time.monotonic()
-                    indices = take_prompt_indices(self.redis, self.run_id, n)
+                    indices = self.admission.take_prompts(claim) if claim is not None else \
+                        take_prompt_indices(self.redis, self.run_id, n)  # a claim's come back if it is lost
                     batch = [self.prompts[i % len(self.prompts)] for i in indices]
                     params.seed = self.cfg.seed * 1_000_003 + indices[-1] + 1
                     start = time.monotonic()

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import redis
 
 from broker.config import BrokerConfig
+from broker.prompts import CLAIM_PROMPTS, PROMPT_REDO, take_prompt_indices
 from broker.streams import ADMISSION_PENDING as PENDING
 from broker.streams import ADMISSION_STEP_CAPACITY as STEP_CAPACITY
 from broker.streams import Delivery, GroupConsumer, key
@@ -45,8 +46,19 @@ local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
--- claims past their expiry return their unpublished groups to the pool
-local function reap(pending, claims, expiry, counts, now)
+-- a claim that ends unpublished hands its prompt indices out again (first, before fresh ones)
+local function redo_prompts(prompts, redo, counts, id)
+  local taken = redis.call('HGET', prompts, id)
+  if taken then
+    for i in string.gmatch(taken, '%d+') do
+      redis.call('RPUSH', redo, i)
+      redis.call('HINCRBY', counts, 'prompts_redone', 1)
+    end
+    redis.call('HDEL', prompts, id)
+  end
+end
+-- claims past their expiry return their unpublished groups to the pool, their prompts to the redo list
+local function reap(pending, claims, expiry, counts, prompts, redo, now)
   local gone = redis.call('ZRANGEBYSCORE', expiry, '-inf', now)
   for _, id in ipairs(gone) do
     local val = redis.call('HGET', claims, id)
@@ -56,25 +68,26 @@ local function reap(pending, claims, expiry, counts, now)
       redis.call('HINCRBY', counts, 'claims_expired', 1)
       redis.call('HINCRBY', counts, 'claimed_returned', tonumber(remaining))
       redis.call('HDEL', claims, id)
+      redo_prompts(prompts, redo, counts, id)
     end
     redis.call('ZREM', expiry, id)
   end
 end
 """
 
-# KEYS: pending, claims, expiry, counts, learner_version, step_capacity, last_version
+# KEYS: pending, claims, expiry, counts, claim_prompts, prompt_redo, learner_version, step_capacity, last_version
 # ARGV: claim id, weight_version, groups wanted, max_staleness, ttl ms
 # -> {granted, deadline} or {0, reason}
 _CLAIM = _COMMON + """
 local now = now_ms()
-reap(KEYS[1], KEYS[2], KEYS[3], KEYS[4], now)
-local v = tonumber(redis.call('GET', KEYS[5]) or '0')
-local cap = redis.call('GET', KEYS[6])
+reap(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], now)
+local v = tonumber(redis.call('GET', KEYS[7]) or '0')
+local cap = redis.call('GET', KEYS[8])
 if not cap then return {0, 'starting'} end
 cap = tonumber(cap)
 local n = tonumber(ARGV[3])
 local d = tonumber(ARGV[2]) + tonumber(ARGV[4])
-local last = redis.call('GET', KEYS[7])
+local last = redis.call('GET', KEYS[9])
 if last then
   last = tonumber(last)
   if v > last then return {0, 'done'} end
@@ -103,18 +116,19 @@ redis.call('HINCRBY', KEYS[4], 'admitted', room)
 return {room, d}
 """
 
-# KEYS: pending, claims, expiry, counts; ARGV: claim id, ttl ms
+# KEYS: pending, claims, expiry, counts, claim_prompts, prompt_redo; ARGV: claim id, ttl ms
 # -> 1 if the claim is still held (its expiry moved), else 0 (it expired: reaped now if nobody did yet)
 _HEARTBEAT = _COMMON + """
 local now = now_ms()
-reap(KEYS[1], KEYS[2], KEYS[3], KEYS[4], now)
+reap(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], now)
 if not redis.call('ZSCORE', KEYS[3], ARGV[1]) then return 0 end
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[2]), ARGV[1])
 return 1
 """
 
-# KEYS: pending, claims, expiry, counts; ARGV: claim id -> groups returned to the pool
-_RELEASE = """
+# KEYS: pending, claims, expiry, counts, claim_prompts, prompt_redo; ARGV: claim id -> groups returned to the pool
+_RELEASE = _COMMON + """
+redo_prompts(KEYS[5], KEYS[6], KEYS[4], ARGV[1])
 local val = redis.call('HGET', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
 if not val then return 0 end
@@ -125,13 +139,14 @@ redis.call('HDEL', KEYS[2], ARGV[1])
 return tonumber(remaining)
 """
 
-# KEYS: pending, claims, expiry, counts -> HGETALL pending after expired claims were reaped
+# KEYS: pending, claims, expiry, counts, claim_prompts, prompt_redo -> HGETALL pending after expired claims were reaped
 _PENDING = _COMMON + """
-reap(KEYS[1], KEYS[2], KEYS[3], KEYS[4], now_ms())
+reap(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], now_ms())
 return redis.call('HGETALL', KEYS[1])
 """
 
-# KEYS: stream, counts, claims, expiry; ARGV: claim id, message bytes...
+# KEYS: stream, counts, claims, expiry, claim_prompts; ARGV: claim id, message bytes...
+# (a claim published in full forgets its prompt indices: they are in the stream now)
 # -> {depth, msg ids...}, or -1 when the claim expired (nothing is published)
 _PUBLISH = """
 local val = redis.call('HGET', KEYS[3], ARGV[1])
@@ -148,6 +163,7 @@ redis.call('HINCRBY', KEYS[2], 'produced', k)
 if k == remaining then
   redis.call('HDEL', KEYS[3], ARGV[1])
   redis.call('ZREM', KEYS[4], ARGV[1])
+  redis.call('HDEL', KEYS[5], ARGV[1])
 else
   redis.call('HSET', KEYS[3], ARGV[1], (remaining - k) .. ':' .. d)
 end
@@ -177,7 +193,7 @@ class Admission:
 
     def __init__(self, client: redis.Redis, cfg: BrokerConfig, run_id: str):
         self.client, self.cfg, self.run_id = client, cfg, run_id
-        self.keys = [key(run_id, name) for name in (PENDING, CLAIMS, EXPIRY)] + [key(run_id, "counts")]
+        self.keys = [key(run_id, name) for name in (PENDING, CLAIMS, EXPIRY, "counts", CLAIM_PROMPTS, PROMPT_REDO)]
         self.ttl_ms = max(1, int(cfg.claim_ttl_s * 1000))
         self._claim = client.register_script(_CLAIM)
         self._heartbeat = client.register_script(_HEARTBEAT)
@@ -198,6 +214,11 @@ class Admission:
             return None, detail.decode() if isinstance(detail, bytes) else str(detail)
         return Claim(claim_id, int(granted), int(detail)), ""
 
+    def take_prompts(self, claim: Claim) -> list[int]:
+        """The prompt indices of the claim's groups (broker.prompts.take_prompt_indices), recorded with the
+        claim: if it expires or is released unpublished, they are handed out again."""
+        return take_prompt_indices(self.client, self.run_id, claim.groups, claim.claim_id)
+
     def heartbeat(self, claim: Claim) -> bool:
         """Push the claim's expiry claim_ttl_s into the future; False when it had already expired."""
         return bool(self._heartbeat(keys=self.keys, args=[claim.claim_id, self.ttl_ms]))
@@ -209,7 +230,8 @@ class Admission:
     def publish(self, claim: Claim, messages: list[bytes]) -> tuple[int, list[str]]:
         """XADD encoded groups made under `claim` (with their deadline) and count them produced, atomically,
         only if the claim is still held. Returns (stream depth, message ids). Raises ClaimExpired."""
-        reply = self._publish(keys=[key(self.run_id, self.cfg.stream), self.keys[3], self.keys[1], self.keys[2]],
+        reply = self._publish(keys=[key(self.run_id, self.cfg.stream), self.keys[3], self.keys[1], self.keys[2],
+                                    self.keys[4]],
                               args=[claim.claim_id, *messages])
         if reply == -1:
             raise ClaimExpired(f"claim {claim.claim_id} expired (no heartbeat for broker.claim_ttl_s="
@@ -254,7 +276,7 @@ def open_pool(client: redis.Redis, run_id: str, last_version: int, capacity: int
 def reset_claims(client: redis.Redis, run_id: str) -> None:
     """Forget every claim and pending group of the run (a resume: the actors that held them are gone and the
     queue was discarded, broker.streams.discard_queue)."""
-    client.delete(key(run_id, PENDING), key(run_id, CLAIMS), key(run_id, EXPIRY))
+    client.delete(key(run_id, PENDING), key(run_id, CLAIMS), key(run_id, EXPIRY), key(run_id, CLAIM_PROMPTS))
 
 
 def step_capacity(groups_per_step: int, filtered: int, seen: int, max_extra_reads: int) -> int:

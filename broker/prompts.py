@@ -1,7 +1,8 @@
 """The run's prompt stream and its position (the data position a checkpoint carries).
 
 Actors take prompt indices from Redis: first the indices of `prompt_redo` (prompts handed out before a
-resume whose groups were never trained), then fresh ones from the `prompt_cursor` counter. Index i is prompt
+resume whose groups were never trained, or taken under an admission claim that expired or was released
+unpublished, e.g. of a killed actor), then fresh ones from the `prompt_cursor` counter. Index i is prompt
 i mod len(prompts) of the run's prompt list (its order is fixed by the data config and the seed), so no
 prompt is taken twice, whatever the number of actors.
 
@@ -24,15 +25,38 @@ PROMPT_REDO = "prompt_redo"
 """Key name: a list of prompt indices handed out first (set when a run resumes from a checkpoint)."""
 
 
-def take_prompt_indices(client: redis.Redis, run_id: str, n: int) -> list[int]:
-    """The next `n` prompt indices for one actor batch: redo indices first (LPOP), then fresh ones from the
-    cursor (INCRBY); each index is given to one caller only."""
-    redo = client.lpop(key(run_id, PROMPT_REDO), n) or []
-    out = [int(i) for i in redo]
-    if len(out) < n:
-        end = client.incrby(key(run_id, PROMPT_CURSOR), n - len(out))
-        out += list(range(end - (n - len(out)), end))
-    return out
+CLAIM_PROMPTS = "admission:claim_prompts"
+"""Key name: hash admission claim id -> the prompt indices taken for it (comma-separated), until it is published;
+a claim that expires or is released unpublished puts them back on `prompt_redo` (broker/admission.py)."""
+
+# KEYS: prompt_redo, prompt_cursor, admission:claims, admission:claim_prompts; ARGV: n, claim id or ""
+# -> the indices (redo first, then fresh), recorded with the claim; a claim gone already gets them but puts
+# them back at once (its batch cannot be published)
+_TAKE = """
+local n = tonumber(ARGV[1])
+local out = redis.call('LPOP', KEYS[1], n) or {}
+if #out < n then
+  local fresh = n - #out
+  local stop = redis.call('INCRBY', KEYS[2], fresh)
+  for i = stop - fresh, stop - 1 do out[#out + 1] = tostring(i) end
+end
+if ARGV[2] ~= '' then
+  if redis.call('HEXISTS', KEYS[3], ARGV[2]) == 1 then
+    redis.call('HSET', KEYS[4], ARGV[2], table.concat(out, ','))
+  else
+    for _, i in ipairs(out) do redis.call('RPUSH', KEYS[1], i) end
+  end
+end
+return out
+"""
+
+
+def take_prompt_indices(client: redis.Redis, run_id: str, n: int, claim_id: str = "") -> list[int]:
+    """The next `n` prompt indices for one actor batch, in one script: redo indices first, then fresh ones from
+    the cursor; each index is given to one caller only. With `claim_id` (an admission claim) they are recorded
+    with the claim (CLAIM_PROMPTS), so that they are handed out again if the claim ends unpublished."""
+    keys = [key(run_id, k) for k in (PROMPT_REDO, PROMPT_CURSOR, "admission:claims", CLAIM_PROMPTS)]
+    return [int(i) for i in client.register_script(_TAKE)(keys=keys, args=[int(n), claim_id])]
 
 
 @dataclass

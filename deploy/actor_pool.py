@@ -16,6 +16,10 @@ MAX_START_FAILURES = 3
 no actor can ever produce."""
 
 
+COUNTED = ("rollout_groups", "reward_errors", "claims_lost")
+"""Actor metrics that count events: summed over the actors (the others are rates, fractions or waits)."""
+
+
 class RunFailed(RuntimeError):
     """The run cannot go on for a reason the driver diagnosed (e.g. no rollout actor can start); str() is the
     one line to print. The MLflow run is FAILED and everything is shut down."""
@@ -45,6 +49,7 @@ class ActorPool:
         self.start_failures = 0  # actors in a row that died before they were ready
         self.target = cfg.actors.count
         self.replaced = 0
+        self.totals: dict[str, float] = {}  # the run's sums of the COUNTED metrics (metrics())
         self.sync_address = ray.get(learner.sync_address.remote())  # (host, port) of the learner's TCPStore
 
     def _start(self):
@@ -227,15 +232,24 @@ class ActorPool:
                 "actors_replaced": float(self.replaced)}
 
     def metrics(self) -> dict:
-        """Mean of the live actors' rollout metrics (tokens/s, KV bytes, queue waits) since the last call."""
+        """The live actors' rollout metrics since the last call: counts (COUNTED: groups, reward errors, lost
+        claims, groups per tier) summed over the actors, and added to `totals` (the run's sums); the KV peak
+        per sequence the largest; the others (tokens/s, idle fractions, waits) the mean over the actors."""
         results = []
         for h in (self.actors[i] for i in self.ready()):
             try:
                 results.append(ray.get(h.metrics.remote(), timeout=30))
             except Exception:
                 pass
-        keys = {k for r in results for k in r}
-        return {k: sum(r.get(k, 0.0) for r in results) / len(results) for k in keys} if results else {}
+        out = {}
+        for k in {k for r in results for k in r}:
+            values = [r[k] for r in results if k in r]
+            if k in COUNTED or (k.startswith("tier/") and k.endswith("/groups")):
+                out[k] = sum(values)
+                self.totals[k] = self.totals.get(k, 0.0) + out[k]
+            else:
+                out[k] = max(values) if k == "kv_peak_bytes_per_seq" else sum(values) / len(values)
+        return out
 
     def stop_generation(self) -> None:
         """Every actor finishes and publishes its current batch, then stops generating; actors still starting
@@ -262,6 +276,7 @@ class ActorPool:
             n = sum(p["n"] for p in parts)
             for name in ("reward", "accuracy", "unparseable", "response_length", "kv_peak_bytes"):
                 scores[f"eval/{mode}/{name}"] = sum(p[name] * p["n"] for p in parts) / max(n, 1)
+            scores[f"eval/{mode}/reward_errors"] = sum(p["reward_errors"] for p in parts)
             scores[f"eval/{mode}/n"] = float(n)
         return scores
 

@@ -177,7 +177,25 @@ def load_config(name_or_path: str, overrides: list[str] = (), *, check_files: bo
         raise ConfigError(dotted_names(str(e))) from None
     run.model = os.path.expanduser(run.model)
     validate(run, check_files=check_files)
+    if check_files:
+        absolute_paths(run)
     return run
+
+
+def absolute_paths(run: RunConfig) -> None:
+    """Make the local paths the run's processes read absolute (model directory, data files, checkpoint
+    directories, run_dir): Ray workers do not start in the driver's working directory (deploy.driver.start_ray)."""
+    def absolute(path: str) -> str:
+        return str(Path(path).expanduser().resolve()) if path else path
+
+    if Path(run.model).expanduser().is_dir():
+        run.model = absolute(run.model)
+    if run.actors.data.source == "gsm8k_jsonl":
+        run.actors.data.path = absolute(run.actors.data.path)
+    if Path(run.eval.data).expanduser().is_file():
+        run.eval.data = absolute(run.eval.data)
+    run.run_dir = absolute(run.run_dir)
+    run.learner.checkpoint_dir, run.learner.resume_from = absolute(run.learner.checkpoint_dir), absolute(run.learner.resume_from)
 
 
 def load_yaml(path: Path):

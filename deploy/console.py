@@ -61,7 +61,8 @@ class Console:
         self.out.print(f"groups produced {acc['produced']}: trained {acc['consumed']}, "
                        f"filtered {acc['groups_filtered']}, dropped stale {acc['dropped_stale']}, dead-lettered {acc['dead_lettered']}, "
                        f"left in queue {acc['left_in_queue']}; rollout_utilization {acc['rollout_utilization']:.2f}, "
-                       f"learner idle {acc['learner_idle_fraction']:.2f}, actor idle {acc['actor_idle_fraction']:.2f}")
+                       f"learner idle {acc['learner_idle_fraction']:.2f}, actor idle {acc['actor_idle_fraction']:.2f}; "
+                       f"reward errors {acc.get('reward_errors', 0)}")
 
     def finish(self, run_dir, mlflow_where) -> None:
         self.out.rule("done")

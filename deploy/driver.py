@@ -12,6 +12,7 @@ import os
 import shlex
 import signal
 import sys
+import tempfile
 import threading
 from contextlib import ExitStack
 from pathlib import Path
@@ -23,7 +24,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from broker.redis_server import LocalRedis, RedisInUse  # noqa: E402
 from broker.streams import BUDGET_LOG, PAUSED, connect, key, queue_depth, run_counts  # noqa: E402
-from deploy.actor_pool import ActorPool, RunFailed  # noqa: E402
+from deploy.actor_pool import COUNTED, ActorPool, RunFailed  # noqa: E402
 from deploy.config import RunConfig, to_dict  # noqa: E402
 from deploy.console import Console  # noqa: E402
 from deploy.model_cache import resolve_model  # noqa: E402
@@ -234,8 +235,10 @@ def _train(cfg: RunConfig, progress: dict, resume: str, report=None, command=("s
         learner_group.get(learner.save_final.remote(str(run_dir / "final")), "it saved the final weights")
         progress["trained"] = True  # from here an interrupted run is evaluated, not resumed
         pool.stop_generation()  # the last batches are published; from here the counts are final
+        pool.metrics()  # the actors' counts of those last batches, into pool.totals
         accounting = {**run_counts(redis, run_id), "left_in_queue": queue_depth(redis, cfg.broker, run_id),
-                      "learner_version": int(metrics["version"]), "actor_versions": pool.versions()}
+                      "learner_version": int(metrics["version"]), "actor_versions": pool.versions(),
+                      **{k: int(pool.totals.get(k, 0)) for k in COUNTED}}
         accounting.update(  # groups trained or filtered / groups produced; idle shares over the whole run
             rollout_utilization=(accounting["consumed"] + accounting["groups_filtered"])
             / max(1, accounting["produced"]),
@@ -282,13 +285,20 @@ def resume_logs(run_dir: Path, tracker: Tracker, version: int, state: dict) -> N
 
 
 def start_ray(cfg: RunConfig) -> None:
-    if cfg.ray.address:
-        ray.init(address=cfg.ray.address, log_to_driver=True)
-    else:
-        # Logical CPUs only: local processes share the machine's cores (torch threads are set per process).
-        need = cfg.train.learner_num_cpus * cfg.learner.ranks + cfg.actors.num_cpus * max(cfg.actors.count, MAX_LOCAL_ACTORS)
-        ray.init(num_cpus=cfg.ray.num_cpus or max(os.cpu_count() or 1, int(need + 0.999)),
-                 include_dashboard=False, log_to_driver=True)
+    """Join cfg.ray.address or start a local Ray. The workers import the installed project code whatever the
+    driver's working directory: Ray puts that directory first on every worker's sys.path (so a folder named
+    `actors` or an older checkout there would shadow ours) unless the job has a runtime_env working_dir, so
+    the job's working_dir is an empty directory (the workers start in their copy of it; the config's paths
+    are absolute, deploy.config.absolute_paths)."""
+    with tempfile.TemporaryDirectory(prefix="sparse-rl-workdir-") as empty:
+        runtime_env = {"working_dir": empty}
+        if cfg.ray.address:
+            ray.init(address=cfg.ray.address, log_to_driver=True, runtime_env=runtime_env)
+        else:
+            # Logical CPUs only: local processes share the machine's cores (torch threads are set per process).
+            need = cfg.train.learner_num_cpus * cfg.learner.ranks + cfg.actors.num_cpus * max(cfg.actors.count, MAX_LOCAL_ACTORS)
+            ray.init(num_cpus=cfg.ray.num_cpus or max(os.cpu_count() or 1, int(need + 0.999)),
+                     include_dashboard=False, log_to_driver=True, runtime_env=runtime_env)
 
 
 def start_learner(cfg: RunConfig, run_id: str, hint=None):

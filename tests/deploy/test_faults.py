@@ -292,3 +292,63 @@ def test_a_learner_lost_outside_a_step_ends_the_run_at_once(tmp_path):
             resumed = subprocess.run([*command, "eval.enabled=false"], cwd=tmp_path, env=ENV, capture_output=True,
                                      text=True, timeout=600)
             assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+
+
+@pytest.mark.timeout(900)
+def test_workers_import_the_installed_code_from_any_directory_and_counts_add_up(tmp_path):
+    """Started from a directory holding decoy `actors`, `learner`, `broker`, `deploy` and `compressors` packages
+    (a user's folders, an older checkout), the run imports the installed code everywhere and ends with exit 0.
+    Its reward function fails on every sample: the run's reward_errors are the samples of every group produced
+    (counts summed over the actors, not averaged), rollout_groups the groups produced, and the evaluation counts
+    its reward errors too."""
+    cwd = tmp_path / "work"
+    for name in ("actors", "learner", "broker", "deploy", "compressors"):
+        (cwd / name).mkdir(parents=True)
+        (cwd / name / "__init__.py").write_text(f"raise ImportError('the decoy {name} package in the cwd was imported')\n")
+    user = tmp_path / "user_code"
+    user.mkdir()
+    (user / "failing_reward.py").write_text("def reward(text, response_ids, item):\n"
+                                            "    raise ValueError('this reward always fails')\n")
+    env = {**ENV, "PYTHONPATH": str(user)}
+    cli = str(Path(sys.executable).with_name("sparse-rl"))  # the console script: no cwd on the driver's sys.path
+    done = subprocess.run([cli, "train", "--config", "tiny", "run_dir=runs", "train.steps=3", "eval.limit=4",
+                           "actors.reward.function=failing_reward:reward", "eval.modes=[dense]"],
+                          cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=800)
+    assert done.returncode == 0, done.stdout
+    assert "decoy" not in done.stdout, done.stdout
+    (run_dir,) = (cwd / "runs").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    acc = summary["accounting"]
+    samples_per_prompt = 2  # the tiny preset
+    assert acc["produced"] >= 6 and acc["rollout_groups"] == acc["produced"], acc
+    assert acc["reward_errors"] == samples_per_prompt * acc["produced"], acc
+    assert summary["eval/dense/reward_errors"] == summary["eval/dense/n"] == 4, summary
+    assert re.search(rf"; reward errors {acc['reward_errors']}$", done.stdout, re.M), done.stdout
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_actors_claimed_prompts_are_trained_later_in_the_same_run(tmp_path):
+    """SIGKILL a rollout actor while it holds an admission claim (both actors sleep 10 s inside every batch,
+    after the claim): once the claim expires, its prompt indices are handed out again, so the run trains every
+    prompt index below its last exactly once (redone ones after later ones) and ends with exit 0."""
+    runs = tmp_path / "runs"
+    env = {**ENV, "SPARSE_RL_TEST_SLOW_GENERATE": "*=10"}
+    run = Run("--config", "tiny", f"run_dir={runs}", "train.steps=5", "eval.enabled=false", "broker.claim_ttl_s=3",
+              env=env)
+    try:
+        run.until(r"^step 1/5")
+        time.sleep(2)  # both actors are in their next batch, each holding a claim of 2 prompts
+        rollout = [p for p in run.processes() if "RolloutWorker" in " ".join([p.name(), *p.cmdline()])]
+        assert len(rollout) == 2, [p.name() for p in run.processes()]
+        rollout[0].kill()
+        rc = run.finish(timeout=600)
+    finally:
+        run.kill()
+    assert rc == 0, run.text
+    (run_dir,) = runs.iterdir()
+    steps = [json.loads(line) for line in (run_dir / "trained_prompts.jsonl").read_text().splitlines()]
+    trained = [int(pid.rsplit("-", 1)[1]) for s in steps for pid in s["prompt_ids"]]  # basic_arithmetic-s0-<index>
+    assert len(trained) == 5 * 2, steps
+    assert sorted(trained) == list(range(max(trained) + 1)), trained  # each index below the last, once
+    acc = json.loads((run_dir / "summary.json").read_text())["accounting"]
+    assert acc["claims_expired"] >= 1 and acc["prompts_redone"] >= 1, acc
