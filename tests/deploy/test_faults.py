@@ -251,8 +251,8 @@ def test_a_learner_lost_outside_a_step_ends_the_run_at_once(tmp_path):
     process left."""
     base = ["--config", "tiny", "train.steps=2", "eval.enabled=false", "train.wait_report_s=1"]
     cases = {  # name: (faults, extra overrides, phase in the line)
-        "constructor": ("learner.init:0=exit", [], "starting"),
         "actors loading": ("", [], "the actors were loading"),
+        "constructor": ("learner.init:0=exit", [], "starting"),
         "weight sync": ("learner.send_weights:0@1=exit", ["learner.checkpoint_interval=1"], "it sent the weights"),
         "save_final": ("learner.save_final:0=exit", ["learner.checkpoint_interval=1"], "it saved the final weights"),
     }
