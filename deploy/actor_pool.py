@@ -50,7 +50,8 @@ class ActorPool:
         self.target = cfg.actors.count
         self.replaced = 0
         self.totals: dict[str, float] = {}  # the run's sums of the COUNTED metrics (metrics())
-        self.sync_address = ray.get(learner.sync_address.remote())  # (host, port) of the learner's TCPStore
+        address = learner.sync_address.remote()  # (host, port) of the learner's TCPStore
+        self.sync_address = learners.get(address, "the actors were starting") if learners else ray.get(address)
 
     def _start(self):
         from actors.rollout_actor import RolloutWorker

@@ -47,7 +47,12 @@ class Interrupted(Exception):
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM (Slurm's time limit or scancel, pod deletion, docker stop, systemd): stops the run as Ctrl-C does,
-    after a checkpoint of the last completed step (train.sigterm_checkpoint_s)."""
+    after a checkpoint of the last completed step (train.sigterm_checkpoint_s). Ray turns any KeyboardInterrupt
+    raised inside ray.get / ray.wait into a plain one, so `received` says which signal came."""
+
+
+received: dict[str, bool] = {"SIGTERM": False}
+"""Set by the SIGTERM handler: whether the interrupt that stops the run is a SIGTERM."""
 
 
 def train(cfg: RunConfig, command: tuple[str, ...] = ("sparse-rl", "train"), resume: str = "") -> dict:
@@ -59,6 +64,7 @@ def train(cfg: RunConfig, command: tuple[str, ...] = ("sparse-rl", "train"), res
     progress = {"step": 0, "run_dir": None, "trained": False}
     main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    received["SIGTERM"] = False
     if main:
         catch_signals()
     report = None
@@ -69,7 +75,7 @@ def train(cfg: RunConfig, command: tuple[str, ...] = ("sparse-rl", "train"), res
             print(report.table(), flush=True)
         return _train(cfg, progress, resume, report, command)
     except KeyboardInterrupt as e:
-        term = isinstance(e, Terminated)
+        term = isinstance(e, Terminated) or received["SIGTERM"]
         raise Interrupted(interrupted_line(cfg, progress, command, "terminated (SIGTERM)" if term else "interrupted"),
                           143 if term else 130) from None
     finally:
@@ -95,6 +101,7 @@ def _terminate(signum, frame):
     Ray's processes die with it)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    received["SIGTERM"] = True
     raise Terminated
 
 
@@ -189,7 +196,7 @@ def _train(cfg: RunConfig, progress: dict, resume: str, report=None, command=("s
         stack.callback(learner_group.shutdown)
         learner = learner_group.rank0
         # on SIGTERM (after the actors stopped, before the learner does): a checkpoint of the last completed step
-        stack.push(lambda kind, *_: kind is Terminated and checkpoint_on_sigterm(cfg, learner))
+        stack.push(lambda kind, *_: received["SIGTERM"] and checkpoint_on_sigterm(cfg, learner))
         if record.resumed:  # the log of trained prompts and the metrics of the checkpoint's step, as one record
             resume_logs(run_dir, tracker, record.start_version,
                         learner_group.get(learner.resume_state.remote(), "it loaded the checkpoint"))
