@@ -175,10 +175,10 @@ def test_sigterm_stops_the_run_cleanly_with_a_checkpoint_of_the_last_step(tmp_pa
     try:
         killed.until(r"^step 1/50")
         tree = killed.processes()
+        redis = [p for p in tree if p.name() == "redis-server"]  # (names read while they run)
+        assert len(redis) == 1, [p.name() for p in tree]
         killed.proc.send_signal(signal.SIGKILL)  # no handler runs: what is left must die with the driver
         killed.finish(timeout=60)
-        redis = [p for p in tree if p.name() == "redis-server"]
-        assert len(redis) == 1, [p.name() for p in tree]
         assert_all_gone(redis, redis_port(killed.text))
         assert_all_gone(tree, redis_port(killed.text), within_s=120)  # Ray's agents poll for their raylet's end
     finally:
