@@ -16,7 +16,8 @@ post_attention_layernorm + MLP; then norm and lm_head. The cache is ours:
 Rows are the G samples of every prompt (prompt-major: row = prompt_index * G + sample_index), left-padded
 to the longest prompt and decoded together; finished rows leave the batch (their buffers are freed).
 `logp_sparse` is float32 log_softmax(logits / temperature) at the sampled token, from this compressed
-forward (SPEC §1, pi_sparse).
+forward (SPEC §1, pi_sparse); with `SamplingParams.topk_logprobs = K` the K largest values of that same
+log-softmax and their token ids come with it (`Sample.topk_logprobs` / `topk_ids`).
 """
 from __future__ import annotations
 
@@ -222,15 +223,18 @@ class TorchEngine:
         next_pos = positions[:, -1] + 1
         responses: list[list[int]] = [[] for _ in range(R)]
         logps: list[list[float]] = [[] for _ in range(R)]
+        topks: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(R)]   # (ids, logprobs) per step
         results: list[Sample | None] = [None] * R
         stop_tail = max((len(s) for s in params.stop_strings), default=0) + 1  # tokens decoded for the stop check
         step = 0
         while True:
-            tok, lp = _sample(logits, params, gen)                           # [R_live] int64, [R_live] float32
+            tok, lp, top = _sample(logits, params, gen)                      # [R_live] int64, [R_live] float32
             finished = []
             for i, (r, t, lpt) in enumerate(zip(row_ids.tolist(), tok.tolist(), lp.tolist())):
                 responses[r].append(t)
                 logps[r].append(lpt)
+                if top is not None:
+                    topks[r].append((top[1][i], top[0][i]))
                 reason = None
                 if t in self.eos_ids and not params.ignore_eos:
                     reason = "stop"
@@ -244,7 +248,7 @@ class TorchEngine:
                     results[r] = Sample(prompt_ids=list(rows[r]), response_ids=responses[r],
                                         logp_sparse=np.asarray(logps[r], dtype=np.float32), finish_reason=reason,
                                         kv_retained_tokens=int(cache[0]["valid"][i, 0, :n].sum()),
-                                        kv_peak_bytes=int(peak_bytes))
+                                        kv_peak_bytes=int(peak_bytes), **_stacked_topk(topks[r]))
             if len(finished) == len(row_ids):
                 break
             if finished:                                                     # finished rows leave the batch
@@ -361,12 +365,16 @@ def _attend(q, k, v, visible, scale, want_probs):
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator):
-    """Draw one token per row from float32 logits [R, vocab]; returns (tokens int64 [R], logp_sparse float32 [R])."""
+    """Draw one token per row from float32 logits [R, vocab]; returns (tokens int64 [R], logp_sparse float32 [R],
+    top) with top = (log-probs float32 [R, K], ids int64 [R, K]) of the K = params.topk_logprobs most likely
+    tokens of the same log-softmax (descending), or None when K = 0."""
+    logp = logits.log_softmax(-1) if params.temperature == 0 else (logits / params.temperature).log_softmax(-1)
+    top = None
+    if params.topk_logprobs > 0:
+        top = logp.topk(min(params.topk_logprobs, logp.shape[-1]), dim=-1)
     if params.temperature == 0:
-        logp = logits.log_softmax(-1)
         tok = logp.argmax(-1)
-        return tok, logp.gather(1, tok[:, None])[:, 0]
-    logp = (logits / params.temperature).log_softmax(-1)
+        return tok, logp.gather(1, tok[:, None])[:, 0], top
     probs = logp.exp()
     if params.top_k > 0:
         kth = probs.topk(min(params.top_k, probs.shape[-1]), dim=-1).values[:, -1:]
@@ -376,11 +384,20 @@ def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator):
         drop = sorted_p.cumsum(-1) - sorted_p >= params.top_p * sorted_p.sum(-1, keepdim=True)
         probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
     tok = torch.multinomial(probs, 1, generator=gen)[:, 0]
-    return tok, logp.gather(1, tok[:, None])[:, 0]
+    return tok, logp.gather(1, tok[:, None])[:, 0], top
+
+
+def _stacked_topk(steps: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """One row's per-step (ids [K], log-probs [K]) as Sample fields topk_ids int32 [T, K], topk_logprobs
+    float32 [T, K]; {} when the row recorded none (topk_logprobs off)."""
+    if not steps:
+        return {}
+    return {"topk_ids": torch.stack([i for i, _ in steps]).to(torch.int32).cpu().numpy(),
+            "topk_logprobs": torch.stack([lp for _, lp in steps]).float().cpu().numpy()}
 
 
 def _check_params(prompts: list[list[int]], params: SamplingParams) -> None:
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
     check_sampling("SamplingParams", temperature=params.temperature, max_new_tokens=params.max_new_tokens,
-                   top_p=params.top_p, top_k=params.top_k, n=params.n)
+                   top_p=params.top_p, top_k=params.top_k, topk_logprobs=params.topk_logprobs, n=params.n)
