@@ -9,7 +9,11 @@ SELECTIONS = ("per_head", "shared")
 SCHEDULES = ("constant", "linear", "cosine")
 CONTROLS = ("off", "mismatch")
 TIERS = ("off", "confidence")
-BUDGET_METRICS = ("xi_p1", "xi_p5", "xi_p50", "xi_sym_p1", "xi_sym_p5", "xi_sym_p50")
+BUDGET_METRICS = ("accept_p5", "accept_p1", "accept_p50", "accept_mean", "accept_upper_p5",
+                  "xi_p1", "xi_p5", "xi_p50", "xi_sym_p1", "xi_sym_p5", "xi_sym_p50")
+"""accept_*: Sparrow's per-token acceptance rate (learner/acceptance.py; needs actors.sampling.topk_logprobs);
+xi_*: quantiles of the sampled token's ratio xi = pi_old / pi_sparse (learner/correction.py), a one-sample
+statistic whose tail sits far lower than the acceptance rate's for the same pair of distributions."""
 
 
 @dataclass
@@ -54,11 +58,17 @@ class CompressorConfig:
     """Lowest budget the controller may set, tokens (required with budget_control mismatch)."""
     kv_budget_max: int = 0
     """Highest budget the controller may set, tokens (required with budget_control mismatch)."""
-    budget_metric: str = "xi_sym_p5"
-    """The controlled quantile: one of xi_p1, xi_p5, xi_p50, xi_sym_p1, xi_sym_p5, xi_sym_p50 (xi_sym =
-    min(xi, 1/xi)); Sparrow keeps the 5th percentile of the per-token ratio >= 0.86."""
+    budget_metric: str = ""
+    """The controlled statistic, one of BUDGET_METRICS: accept_p5 (Sparrow, arXiv 2606.08446 §3.1: the 5th
+    percentile over tokens of the per-token acceptance rate sum_x min(p_dense, q_sparse), here its lower bound
+    from the sampler's top-k log-probs), accept_p1 | accept_p50 | accept_mean | accept_upper_p5, or a quantile
+    of the sampled token's ratio xi: xi_p1 | xi_p5 | xi_p50 | xi_sym_p1 | xi_sym_p5 | xi_sym_p50 (xi_sym =
+    min(xi, 1/xi); not Sparrow's statistic, on another scale). "" (default) = accept_p5 when
+    actors.sampling.topk_logprobs > 0, else xi_sym_p5; an accept_* metric turns topk_logprobs on (20) if it is 0
+    (deploy/config.py)."""
     budget_target: float = 0.86
-    """The controller raises the budget while budget_metric < budget_target."""
+    """The controller raises the budget while budget_metric < budget_target (0.86: Sparrow's threshold for
+    accept_p5)."""
     budget_hysteresis: float = 0.03
     """... and lowers it only after budget_patience steps in a row with budget_metric >= target + this."""
     budget_patience: int = 2
@@ -133,7 +143,7 @@ class CompressorConfig:
             raise ValueError(f"compressor.budget_control={self.budget_control!r} is unknown; expected one of {CONTROLS}")
         if self.budget_tiers not in TIERS:
             raise ValueError(f"compressor.budget_tiers={self.budget_tiers!r} is unknown; expected one of {TIERS}")
-        if self.budget_metric not in BUDGET_METRICS:
+        if self.budget_metric not in ("", *BUDGET_METRICS):
             raise ValueError(f"compressor.budget_metric={self.budget_metric!r} is unknown; expected one of {BUDGET_METRICS}")
         for name in ("kv_budget_final", "budget_schedule_steps", "kv_budget_min", "kv_budget_max", "budget_step"):
             if getattr(self, name) < 0:
