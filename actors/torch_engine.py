@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from actors.engine import Sample, SamplingParams, check_sampling
 from compressors import Compressor, CompressorConfig, accumulate_attention, build_compressor, gather_kv
+from compressors.budget import length_budget
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 from actors.kv_memory import COMPACT_CHUNK  # noqa: E402  slots moved per step of the in-place compaction
@@ -127,7 +128,9 @@ class TorchEngine:
         decoded text contains a stop string (the token completing it is kept), or after max_new_tokens.
 
         kv_budgets: one budget (tokens) per prompt, or None for `compressor_cfg.kv_budget` everywhere (issue 13:
-            schedules, controller, difficulty tiers). Prompts with equal budgets are decoded together; each
+            schedules, controller, difficulty tiers). With `compressor_cfg.budget_schedule` length (issue 22) it
+            is the start budget: after t generated tokens every compression keeps
+            compressors.budget.length_budget(cfg, start, t) slots, and the cache is allocated for the largest. Prompts with equal budgets are decoded together; each
             distinct budget gets its own sub-batch with its own cache of `budget + interval` slots, so every
             row is exact for, and its KV bytes bounded by, its own budget (sub-batches run one after another;
             with several, sub-batch k samples with seed `params.seed + k`).
@@ -182,8 +185,10 @@ class TorchEngine:
         key_valid = cols[None, :] >= pad[:, None]                                          # [R, P]
         positions = (cols[None, :] - pad[:, None]).clamp(min=0)                            # [R, P]
 
-        budget = cc.kv_budget
-        capacity = min(budget + cc.interval, min(P, budget) + max_new) if compress else P + max_new
+        budget = cc.kv_budget                           # the start budget; budget_schedule length grows it per step
+        grows = compress and self.compressor_cfg.budget_schedule == "length"
+        largest = length_budget(self.compressor_cfg, budget, max_new) if grows else budget
+        capacity = min(largest + cc.interval, min(P, budget) + max_new) if compress else P + max_new
         # Per layer, every tensor [rows, kv_heads, capacity, ...]: the slots of that layer's cache.
         cache = []
         for _ in range(n_layers):
@@ -216,7 +221,7 @@ class TorchEngine:
         n = min(P, budget) if compress else P                               # filled slots, equal for every row
         # Peak K/V bytes per sequence: the buffers plus the largest transient beside them (one layer's prompt
         # K/V at prefill, or one compaction chunk). Validity and scores are not K/V and are not counted.
-        chunk_bytes = 2 * min(COMPACT_CHUNK, budget) * hkv * hd * cache[0]["k"].element_size() if compress else 0
+        chunk_bytes = 2 * min(COMPACT_CHUNK, largest) * hkv * hd * cache[0]["k"].element_size() if compress else 0
         peak_bytes = buffer_bytes + max(transient_bytes // R, chunk_bytes)
 
         row_ids = torch.arange(R, device=dev)                                # original row of each live row
@@ -259,12 +264,13 @@ class TorchEngine:
                 qwin = [w.index_select(0, keep_rows) for w in qwin]
                 row_ids, tok, next_pos = row_ids[keep_rows], tok[keep_rows], next_pos[keep_rows]
 
-            step += 1
-            compress_now = compress and step % cc.interval == 0 and n + 1 > budget
+            step += 1                                        # = tokens generated so far, the same for every row
+            now = length_budget(self.compressor_cfg, budget, step) if grows else budget
+            compress_now = compress and step % cc.interval == 0 and n + 1 > now
             logits, _ = self._forward(tok[:, None], next_pos[:, None], cache, qwin, evicted_at, n=n,
                                       col=P + step - 1, prefill=None, compress_now=compress_now, row_ids=row_ids,
-                                      compressor=compressor)
-            n = budget if compress_now else n + 1
+                                      compressor=self.compressor_for(now) if grows else compressor)
+            n = now if compress_now else n + 1
             next_pos = next_pos + 1
 
         if self.record_evictions:

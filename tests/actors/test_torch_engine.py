@@ -232,6 +232,55 @@ def test_per_row_budgets_are_each_exact_and_bounded_by_their_own_budget(method):
         engine.generate(prompts, SamplingParams(max_new_tokens=4), kv_budgets=[12])
 
 
+def visible_keys(rec, prompt_width: int, prompt_lens: list[int], t: int) -> torch.Tensor:
+    """Keys the query of response position t (column prompt_width + t) attends to, per layer, row and KV head:
+    int64 [layers, R, Hkv], from the eviction record (its own key included)."""
+    c = prompt_width + t
+    cols = torch.arange(c + 1)
+    real = cols[None, :] >= (prompt_width - torch.tensor(prompt_lens))[:, None]          # not left padding [R, c+1]
+    return torch.stack([((e[:, :, :c + 1] > c) & real[:, None]).sum(-1) for e in rec["evicted_at"]])
+
+
+def test_length_schedule_keeps_each_row_within_its_current_budget():
+    """budget_schedule length (issue 22): after t generated tokens each compression keeps
+    length_budget(t) = min(final, start + growth t) keys per layer and head, so right after the compression of
+    step s every row attends to exactly that budget (or all it has, if fewer; + its own key), never to more than
+    the current budget +
+    interval, the budget does grow (a constant budget would fail the first check), the rows stay exact
+    (eviction-mask equivalence) and the cache is sized for the largest budget."""
+    from actors.kv_memory import ModelShape, kv_peak_bytes_per_sequence
+    from compressors.budget import length_budget
+
+    model = tiny_model("llama", layers=3)
+    cfg = CompressorConfig(method="rkv", kv_budget=12, window=4, interval=5, budget_schedule="length",
+                           budget_growth=0.5, kv_budget_final=26)
+    cfg.validate()
+    engine = TorchEngine(model, tiny_tokenizer(), cfg, record_evictions=True)
+    prompts = PROMPTS + [list(range(20, 36))]
+    samples = flat(engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=45, n=2, seed=7,
+                                                           ignore_eos=True)))
+    rec = engine.last_eviction_record
+    P, lens = rec["prompt_width"], [len(s.prompt_ids) for s in samples]
+    kept_after = {}
+    for s_ in range(cfg.interval, 45, cfg.interval):                     # compression steps 5, 10, ..., 40
+        budget = length_budget(cfg, 12, s_)
+        seen = visible_keys(rec, P, lens, s_)
+        # a row keeps its prompt + s_ tokens, or the budget when it has more (short prompts hold no more than they
+        # have), + the query's own key
+        expected = torch.minimum(torch.tensor(lens) + s_, torch.tensor(budget)) + 1
+        assert (seen == expected[None, :, None]).all(), (s_, budget, seen.unique())
+        kept_after[s_] = budget
+    for t in range(1, 45):
+        current = length_budget(cfg, 12, max(cfg.interval, t - t % cfg.interval))
+        assert (visible_keys(rec, P, lens, t) <= current + cfg.interval).all(), t
+    assert kept_after[5] == 15 and kept_after[30] == 26 and kept_after[40] == 26   # grows, then the cap
+    assert_exact_eviction(model, samples, rec, max_retained=26 + cfg.interval)
+    shape = ModelShape(layers=3, kv_heads=2, head_dim=16, dtype_bytes=4)
+    assert {s.kv_peak_bytes for s in samples} == {kv_peak_bytes_per_sequence(shape, P, 45, 26, 5, compress=True)}
+    with pytest.raises(ValueError, match="budget_growth"):
+        CompressorConfig(kv_budget=12, window=4, budget_schedule="length", kv_budget_final=26).validate()
+
+
 def test_kv_bytes_are_bounded_for_a_long_response():
     model = tiny_model("llama", layers=2)
     params = SamplingParams(temperature=1.0, max_new_tokens=2048, n=1, seed=0, ignore_eos=True)
