@@ -302,6 +302,9 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
           or run.learner.correction != "off",
           f"actors.engine.compressor.budget_control={compressor.budget_control!r} reads the ratio tail "
           f"({compressor.budget_metric}) that learner.correction=off does not compute: use on or metrics_only")
+    check(compressor.budget_schedule != "length" or run.actors.engine.backend == "torch",
+          "actors.engine.compressor.budget_schedule='length' grows the budget within a trajectory: the torch engine "
+          "only (actors.engine.backend=torch); the SGLang engine's budget is fixed per request")
     for mode in run.eval.modes:
         check(mode in ("dense", "sparse"), f"eval.modes: {mode!r} is not one of dense, sparse")
     if run.actors.engine.backend == "sglang" and run.eval.enabled:

@@ -270,3 +270,11 @@ def test_budget_metric_defaults_to_the_acceptance_rate_when_top_k_is_on():
         load_config("tiny", control + ["learner.correction=off"])
     with pytest.raises(ConfigError, match="actors.sampling.topk_logprobs=-1"):
         load_config("tiny", ["actors.sampling.topk_logprobs=-1"])
+
+
+def test_length_schedule_needs_the_torch_engine():
+    length = ["actors.engine.compressor.budget_schedule=length", "actors.engine.compressor.budget_growth=0.5",
+              "actors.engine.compressor.kv_budget_final=96", "actors.engine.compressor.kv_budget=48"]
+    assert load_config("tiny", length).actors.engine.compressor.budget_schedule == "length"
+    with pytest.raises(ConfigError, match="budget_schedule='length'.*actors.engine.backend=torch"):
+        load_config("tiny", length + ["actors.engine.backend=sglang"], check_files=False)
