@@ -60,10 +60,16 @@ class SamplingConfig:
     """Top-k sampling, 0 = off. Training requires 0."""
     stop_strings: list[str] = field(default_factory=list)
     """A response ends at the first token after which its text contains one of these."""
+    topk_logprobs: int = 0
+    """K: the actors also send, at every response position, the K most likely tokens of the sampling
+    distribution and their log-probs (int32 ids + float16 log-probs: 6 K bytes per token on the wire, 120 at
+    K = 20), from which the learner computes Sparrow's per-token acceptance rate (learner/acceptance.py,
+    metrics accept_*). 0 = off; a budget controller on an accept_* metric sets it to 20 when left at 0."""
 
     def __post_init__(self):
         check_sampling("SamplingConfig", temperature=self.temperature, max_new_tokens=self.max_new_tokens,
-                       top_p=self.top_p, top_k=self.top_k, samples_per_prompt=self.samples_per_prompt)
+                       top_p=self.top_p, top_k=self.top_k, topk_logprobs=self.topk_logprobs,
+                       samples_per_prompt=self.samples_per_prompt)
 
 
 def validate_training_sampling(sampling) -> None:

@@ -30,18 +30,23 @@ class SamplingParams:
     """Seed of the sampling generator; equal seeds and inputs give equal samples."""
     ignore_eos: bool = False
     """Keep sampling past EOS until max_new_tokens or a stop string (benchmarks of fixed length)."""
+    topk_logprobs: int = 0
+    """K: also return, at every response position, the K most likely tokens of the sampling distribution and
+    their log-probs (`Sample.topk_ids` / `Sample.topk_logprobs`); 0 = off. The learner's acceptance rate
+    (learner/acceptance.py, Sparrow §3.1) is computed from them."""
 
 
 def check_sampling(owner: str, *, temperature: float, max_new_tokens: int, top_p: float, top_k: int,
-                   **counts: int) -> None:
+                   topk_logprobs: int = 0, **counts: int) -> None:
     """Range checks shared by SamplingParams and actors.config.SamplingConfig: temperature >= 0,
-    max_new_tokens >= 1, 0 < top_p <= 1, top_k >= 0, and each of `counts` (e.g. n) >= 1.
+    max_new_tokens >= 1, 0 < top_p <= 1, top_k >= 0, topk_logprobs >= 0, and each of `counts` (e.g. n) >= 1.
 
     Raises ValueError naming every bad field as `owner.field`."""
     checks = [(temperature >= 0, "temperature", temperature, ">= 0"),
               (max_new_tokens >= 1, "max_new_tokens", max_new_tokens, ">= 1"),
               (0 < top_p <= 1, "top_p", top_p, "in (0, 1]"),
-              (top_k >= 0, "top_k", top_k, ">= 0 (0 = off)")]
+              (top_k >= 0, "top_k", top_k, ">= 0 (0 = off)"),
+              (topk_logprobs >= 0, "topk_logprobs", topk_logprobs, ">= 0 (0 = off)")]
     checks += [(value >= 1, name, value, ">= 1") for name, value in counts.items()]
     bad = [f"{owner}.{name}={value}: expected {rule}" for ok, name, value, rule in checks if not ok]
     if bad:
@@ -60,6 +65,12 @@ class Sample:
     """Tokens in the KV cache (per layer, per KV head) when the response ended."""
     kv_peak_bytes: int
     """Peak bytes of this sequence's K and V over all layers (measured buffer sizes, not counted tokens)."""
+    topk_ids: np.ndarray | None = None
+    """With SamplingParams.topk_logprobs = K: int32 [T, K], the K most likely tokens of the sampling
+    distribution at each response position (most likely first); None otherwise."""
+    topk_logprobs: np.ndarray | None = None
+    """float32 [T, K]: their log-probs, the same distribution as logp_sparse (log_softmax(logits / temperature);
+    temperature 0: log_softmax(logits)); None without topk_logprobs."""
 
 
 class RolloutEngine(Protocol):

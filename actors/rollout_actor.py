@@ -190,7 +190,8 @@ class RolloutWorker:
         """Generate -> score -> publish until stop(); one batch = prompts_per_batch prompts x G samples."""
         a, b = self.cfg.actors, self.cfg.broker
         params = SamplingParams(temperature=a.sampling.temperature, max_new_tokens=a.sampling.max_new_tokens,
-                                n=a.sampling.samples_per_prompt, stop_strings=list(a.sampling.stop_strings))
+                                n=a.sampling.samples_per_prompt, stop_strings=list(a.sampling.stop_strings),
+                                topk_logprobs=a.sampling.topk_logprobs)
         while not self.stopping.is_set():
             self._swap()
             if self.redis.exists(key(self.run_id, PAUSED)):
@@ -252,7 +253,8 @@ class RolloutWorker:
                     records.append(SampleRecord(prompt_ids=s.prompt_ids, response_ids=s.response_ids,
                                                 logp_sparse=s.logp_sparse, finish_reason=s.finish_reason,
                                                 reward=reward.reward, kv_retained_tokens=s.kv_retained_tokens,
-                                                kv_peak_bytes=s.kv_peak_bytes))
+                                                kv_peak_bytes=s.kv_peak_bytes, topk_ids=s.topk_ids,
+                                                topk_logprobs=s.topk_logprobs))
                     self.counters["tokens"] += len(s.response_ids)
                     self.counters["samples"] += 1
                     self.counters[reward.status] += 1

@@ -1,7 +1,10 @@
 """SGLang rollout engine (GPU clusters): `sglang.Engine` in-process, same interface as `TorchEngine`.
 
 Token ids in (`input_ids`), token ids out (`output_ids`), per-token log-probs from SGLang's sampler
-(`meta_info["output_token_logprobs"]`), so the learner never re-tokenises (docs/ARCHITECTURE.md).
+(`meta_info["output_token_logprobs"]`), so the learner never re-tokenises (docs/ARCHITECTURE.md). With
+`SamplingParams.topk_logprobs = K` the request asks for `top_logprobs_num = K` and the K most likely tokens at
+each position come from `meta_info["output_top_logprobs"]` (per position a list of (logprob, token_id, text),
+the top-k of the same tempered log-probs the sampler returns for the sampled token).
 
 Log-prob semantics (read in sglang 0.5.23 `srt/layers/sampler.py`, `Sampler.forward`; checked by
 tests/sglang at temperature 0.7): for temperature > 0 SGLang divides the logits by the temperature in place,
@@ -231,8 +234,10 @@ class SGLangEngine:
             from actors.sglang_triton_backend import KVBudgetCarrier
 
             carrier = [KVBudgetCarrier.to_str()] * len(rows)
+        top = {"top_logprobs_num": params.topk_logprobs} if params.topk_logprobs > 0 else {}
         outs = self._call(self.engine.async_generate(input_ids=[list(r) for r in rows], sampling_params=sampling,
-                                                     return_logprob=True, custom_logit_processor=carrier), "generate")
+                                                     return_logprob=True, custom_logit_processor=carrier, **top),
+                          "generate")
         samples = []
         for j, (row, out) in enumerate(zip(rows, outs)):
             meta = out["meta_info"]
@@ -248,7 +253,8 @@ class SGLangEngine:
             samples.append(Sample(prompt_ids=list(row), response_ids=response,
                                   logp_sparse=np.asarray([lp for lp, _, _ in token_logprobs], dtype=np.float32),
                                   finish_reason=kind, kv_retained_tokens=retained,
-                                  kv_peak_bytes=peak * self.kv_bytes_per_token))
+                                  kv_peak_bytes=peak * self.kv_bytes_per_token,
+                                  **(_top_logprobs(meta, len(response)) if top else {})))
         return [samples[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
     def _check_budgets(self, prompts: list[list[int]], kv_budgets: list[int] | None) -> list[int]:
@@ -413,6 +419,17 @@ class SGLangEngine:
     def shutdown(self) -> None:
         """Stop SGLang's subprocesses."""
         self.engine.shutdown()
+
+
+def _top_logprobs(meta: dict, length: int) -> dict:
+    """Sample fields topk_ids int32 [T, K] / topk_logprobs float32 [T, K] from one request's
+    `meta_info["output_top_logprobs"]` (per position a list of K (logprob, token_id, text)). Raises
+    RuntimeError when SGLang returned another number of positions than response tokens, or none at one."""
+    rows = meta.get("output_top_logprobs") or []
+    if len(rows) != length or any(not r for r in rows):
+        raise RuntimeError(f"SGLang output_top_logprobs has {len(rows)} positions (some empty?) for {length} tokens")
+    return {"topk_ids": np.asarray([[t for _, t, _ in r] for r in rows], dtype=np.int32),
+            "topk_logprobs": np.asarray([[lp for lp, _, _ in r] for r in rows], dtype=np.float32)}
 
 
 def sglang_sender_group(master_address: str, master_port: int, world_size: int,

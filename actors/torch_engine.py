@@ -16,7 +16,8 @@ post_attention_layernorm + MLP; then norm and lm_head. The cache is ours:
 Rows are the G samples of every prompt (prompt-major: row = prompt_index * G + sample_index), left-padded
 to the longest prompt and decoded together; finished rows leave the batch (their buffers are freed).
 `logp_sparse` is float32 log_softmax(logits / temperature) at the sampled token, from this compressed
-forward (SPEC §1, pi_sparse).
+forward (SPEC §1, pi_sparse); with `SamplingParams.topk_logprobs = K` the K largest values of that same
+log-softmax and their token ids come with it (`Sample.topk_logprobs` / `topk_ids`).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 from actors.engine import Sample, SamplingParams, check_sampling
 from compressors import Compressor, CompressorConfig, accumulate_attention, build_compressor, gather_kv
+from compressors.budget import length_budget
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 from actors.kv_memory import COMPACT_CHUNK  # noqa: E402  slots moved per step of the in-place compaction
@@ -126,7 +128,9 @@ class TorchEngine:
         decoded text contains a stop string (the token completing it is kept), or after max_new_tokens.
 
         kv_budgets: one budget (tokens) per prompt, or None for `compressor_cfg.kv_budget` everywhere (issue 13:
-            schedules, controller, difficulty tiers). Prompts with equal budgets are decoded together; each
+            schedules, controller, difficulty tiers). With `compressor_cfg.budget_schedule` length (issue 22) it
+            is the start budget: after t generated tokens every compression keeps
+            compressors.budget.length_budget(cfg, start, t) slots, and the cache is allocated for the largest. Prompts with equal budgets are decoded together; each
             distinct budget gets its own sub-batch with its own cache of `budget + interval` slots, so every
             row is exact for, and its KV bytes bounded by, its own budget (sub-batches run one after another;
             with several, sub-batch k samples with seed `params.seed + k`).
@@ -181,8 +185,10 @@ class TorchEngine:
         key_valid = cols[None, :] >= pad[:, None]                                          # [R, P]
         positions = (cols[None, :] - pad[:, None]).clamp(min=0)                            # [R, P]
 
-        budget = cc.kv_budget
-        capacity = min(budget + cc.interval, min(P, budget) + max_new) if compress else P + max_new
+        budget = cc.kv_budget                           # the start budget; budget_schedule length grows it per step
+        grows = compress and self.compressor_cfg.budget_schedule == "length"
+        largest = length_budget(self.compressor_cfg, budget, max_new) if grows else budget
+        capacity = min(largest + cc.interval, min(P, budget) + max_new) if compress else P + max_new
         # Per layer, every tensor [rows, kv_heads, capacity, ...]: the slots of that layer's cache.
         cache = []
         for _ in range(n_layers):
@@ -215,22 +221,25 @@ class TorchEngine:
         n = min(P, budget) if compress else P                               # filled slots, equal for every row
         # Peak K/V bytes per sequence: the buffers plus the largest transient beside them (one layer's prompt
         # K/V at prefill, or one compaction chunk). Validity and scores are not K/V and are not counted.
-        chunk_bytes = 2 * min(COMPACT_CHUNK, budget) * hkv * hd * cache[0]["k"].element_size() if compress else 0
+        chunk_bytes = 2 * min(COMPACT_CHUNK, largest) * hkv * hd * cache[0]["k"].element_size() if compress else 0
         peak_bytes = buffer_bytes + max(transient_bytes // R, chunk_bytes)
 
         row_ids = torch.arange(R, device=dev)                                # original row of each live row
         next_pos = positions[:, -1] + 1
         responses: list[list[int]] = [[] for _ in range(R)]
         logps: list[list[float]] = [[] for _ in range(R)]
+        topks: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(R)]   # (ids, logprobs) per step
         results: list[Sample | None] = [None] * R
         stop_tail = max((len(s) for s in params.stop_strings), default=0) + 1  # tokens decoded for the stop check
         step = 0
         while True:
-            tok, lp = _sample(logits, params, gen)                           # [R_live] int64, [R_live] float32
+            tok, lp, top = _sample(logits, params, gen)                      # [R_live] int64, [R_live] float32
             finished = []
             for i, (r, t, lpt) in enumerate(zip(row_ids.tolist(), tok.tolist(), lp.tolist())):
                 responses[r].append(t)
                 logps[r].append(lpt)
+                if top is not None:
+                    topks[r].append((top[1][i], top[0][i]))
                 reason = None
                 if t in self.eos_ids and not params.ignore_eos:
                     reason = "stop"
@@ -244,7 +253,7 @@ class TorchEngine:
                     results[r] = Sample(prompt_ids=list(rows[r]), response_ids=responses[r],
                                         logp_sparse=np.asarray(logps[r], dtype=np.float32), finish_reason=reason,
                                         kv_retained_tokens=int(cache[0]["valid"][i, 0, :n].sum()),
-                                        kv_peak_bytes=int(peak_bytes))
+                                        kv_peak_bytes=int(peak_bytes), **_stacked_topk(topks[r]))
             if len(finished) == len(row_ids):
                 break
             if finished:                                                     # finished rows leave the batch
@@ -255,12 +264,13 @@ class TorchEngine:
                 qwin = [w.index_select(0, keep_rows) for w in qwin]
                 row_ids, tok, next_pos = row_ids[keep_rows], tok[keep_rows], next_pos[keep_rows]
 
-            step += 1
-            compress_now = compress and step % cc.interval == 0 and n + 1 > budget
+            step += 1                                        # = tokens generated so far, the same for every row
+            now = length_budget(self.compressor_cfg, budget, step) if grows else budget
+            compress_now = compress and step % cc.interval == 0 and n + 1 > now
             logits, _ = self._forward(tok[:, None], next_pos[:, None], cache, qwin, evicted_at, n=n,
                                       col=P + step - 1, prefill=None, compress_now=compress_now, row_ids=row_ids,
-                                      compressor=compressor)
-            n = budget if compress_now else n + 1
+                                      compressor=self.compressor_for(now) if grows else compressor)
+            n = now if compress_now else n + 1
             next_pos = next_pos + 1
 
         if self.record_evictions:
@@ -361,12 +371,16 @@ def _attend(q, k, v, visible, scale, want_probs):
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator):
-    """Draw one token per row from float32 logits [R, vocab]; returns (tokens int64 [R], logp_sparse float32 [R])."""
+    """Draw one token per row from float32 logits [R, vocab]; returns (tokens int64 [R], logp_sparse float32 [R],
+    top) with top = (log-probs float32 [R, K], ids int64 [R, K]) of the K = params.topk_logprobs most likely
+    tokens of the same log-softmax (descending), or None when K = 0."""
+    logp = logits.log_softmax(-1) if params.temperature == 0 else (logits / params.temperature).log_softmax(-1)
+    top = None
+    if params.topk_logprobs > 0:
+        top = logp.topk(min(params.topk_logprobs, logp.shape[-1]), dim=-1)
     if params.temperature == 0:
-        logp = logits.log_softmax(-1)
         tok = logp.argmax(-1)
-        return tok, logp.gather(1, tok[:, None])[:, 0]
-    logp = (logits / params.temperature).log_softmax(-1)
+        return tok, logp.gather(1, tok[:, None])[:, 0], top
     probs = logp.exp()
     if params.top_k > 0:
         kth = probs.topk(min(params.top_k, probs.shape[-1]), dim=-1).values[:, -1:]
@@ -376,11 +390,20 @@ def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator):
         drop = sorted_p.cumsum(-1) - sorted_p >= params.top_p * sorted_p.sum(-1, keepdim=True)
         probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
     tok = torch.multinomial(probs, 1, generator=gen)[:, 0]
-    return tok, logp.gather(1, tok[:, None])[:, 0]
+    return tok, logp.gather(1, tok[:, None])[:, 0], top
+
+
+def _stacked_topk(steps: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """One row's per-step (ids [K], log-probs [K]) as Sample fields topk_ids int32 [T, K], topk_logprobs
+    float32 [T, K]; {} when the row recorded none (topk_logprobs off)."""
+    if not steps:
+        return {}
+    return {"topk_ids": torch.stack([i for i, _ in steps]).to(torch.int32).cpu().numpy(),
+            "topk_logprobs": torch.stack([lp for _, lp in steps]).float().cpu().numpy()}
 
 
 def _check_params(prompts: list[list[int]], params: SamplingParams) -> None:
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
     check_sampling("SamplingParams", temperature=params.temperature, max_new_tokens=params.max_new_tokens,
-                   top_p=params.top_p, top_k=params.top_k, n=params.n)
+                   top_p=params.top_p, top_k=params.top_k, topk_logprobs=params.topk_logprobs, n=params.n)

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: optional top-k log-probs per response token (header `topk`, arrays topk_ids / topk_logprobs)."""
 
 
 @dataclass
@@ -25,6 +26,11 @@ class SampleRecord:
     reward: float
     kv_retained_tokens: int = 0
     kv_peak_bytes: int = 0
+    topk_ids: np.ndarray | None = None
+    """int32 [T, K]: the K most likely tokens of pi_sparse at each response position (None: not sent; all
+    samples of a group send the same K or none)."""
+    topk_logprobs: np.ndarray | None = None
+    """[T, K] their log-probs (<= 0), float16 on the wire (decoded as a float16 view; the learner widens it)."""
 
 
 @dataclass
@@ -52,7 +58,8 @@ class TrajectoryGroup:
 class SchemaError(ValueError):
     """A trajectory group that cannot go on (or come off) the wire. `reason` is a short code stored with
     the dead letter (schema_version, not_msgpack, missing_field, bad_field, bad_dtype, bad_shape,
-    length_mismatch, too_many_tokens, bad_token_id, message_too_large, logp_not_finite, logp_positive,
+    length_mismatch, too_many_tokens, bad_token_id, message_too_large, logp_not_finite, logp_positive (both
+    also for topk_logprobs),
     reward_not_finite, no_samples; the consumer adds run_id_mismatch); the message names field and sample."""
 
     def __init__(self, reason: str, detail: str):
@@ -69,8 +76,19 @@ class SchemaError(ValueError):
 #   prompt_lens [G], response_lens [G]        sample i owns the i-th slice of each array
 #   prompt_ids, response_ids, logp_sparse     [dtype str, shape [n]] of the samples' arrays concatenated
 #   finish_reason, reward, kv_retained_tokens, kv_peak_bytes   lists of G values (_SAMPLE_FIELDS)
+#   topk                                      K (0 = no top-k arrays); with K > 0 also
+#   topk_ids, topk_logprobs                   [dtype str, [n * K]]: row-major [T, K] per sample, concatenated
+# Bytes per response token: 4 (id) + 4 (logp_sparse), plus 6 K with top-k (int32 id + float16 log-prob per
+# entry: 120 at K = 20), so a top-20 message is about 16x larger per token (TOPK_BYTES_PER_ENTRY).
 _ARRAYS = {"prompt_ids": np.dtype("<i4"), "response_ids": np.dtype("<i4"), "logp_sparse": np.dtype("<f4")}
-_LENS = {"prompt_ids": "prompt_lens", "response_ids": "response_lens", "logp_sparse": "response_lens"}
+_TOPK_ARRAYS = {"topk_ids": np.dtype("<i4"), "topk_logprobs": np.dtype("<f2")}
+_LENS = {"prompt_ids": "prompt_lens", "response_ids": "response_lens", "logp_sparse": "response_lens",
+         "topk_ids": "response_lens", "topk_logprobs": "response_lens"}
+TOKEN_BYTES = 8
+"""Wire bytes per response token without top-k: int32 id + float32 logp_sparse."""
+TOPK_BYTES_PER_ENTRY = 6
+"""Wire bytes per top-k entry of a response token: int32 id + float16 log-prob."""
+_FP16_LOWEST = float(np.finfo(np.float16).min)
 _GROUP_FIELDS = {"run_id": str, "group_id": str, "prompt_id": str, "weight_version": int, "temperature": float,
                  "compressor": str, "kv_budget": int, "actor_id": str, "created_at": float}
 _OPTIONAL_GROUP_FIELDS = {"budget_tier": (str, ""), "prompt_index": (int, -1)}
@@ -84,27 +102,31 @@ def _sample_at(lens: list[int], flat_index: int) -> int:
 
 
 def _validate(lens: dict[str, list[int]], arrays: dict[str, np.ndarray], rewards: list[float],
-              max_response_tokens: int, max_prompt_tokens: int) -> None:
-    """The content rules, on all G samples at once: token counts under the limits, token ids >= 0,
-    logp_sparse finite and <= 0, rewards finite. Raises SchemaError naming the first bad sample."""
+              max_response_tokens: int, max_prompt_tokens: int, topk: int = 0) -> None:
+    """The content rules, on all G samples at once: token counts under the limits, token ids >= 0 (top-k ids
+    too), logp_sparse and topk_logprobs finite and <= 0, rewards finite. Raises SchemaError naming the first
+    bad sample."""
     for name, limit in (("prompt_lens", max_prompt_tokens), ("response_lens", max_response_tokens)):
         if max(lens[name]) > limit:
             i = int(np.argmax(lens[name]))
             raise SchemaError("too_many_tokens", f"samples[{i}]: {lens[name][i]} {name.split('_')[0]} tokens > {limit}")
-    for name in ("prompt_ids", "response_ids"):
+    per_token = {"topk_ids": topk, "topk_logprobs": topk}  # elements per response token (1 for the others)
+    for name in ("prompt_ids", "response_ids", "topk_ids")[:3 if topk else 2]:
         ids = arrays[name]
         if ids.size and ids.min() < 0:
-            i = _sample_at(lens[_LENS[name]], int(np.argmin(ids)))
+            i = _sample_at(lens[_LENS[name]], int(np.argmin(ids)) // per_token.get(name, 1))
             raise SchemaError("bad_token_id", f"samples[{i}].{name} has negative ids (min {int(ids.min())})")
-    logp = arrays["logp_sparse"]
-    if logp.size:
+    for name in ("logp_sparse", "topk_logprobs")[:2 if topk else 1]:
+        logp = arrays[name]
+        if not logp.size:
+            continue
         lo, hi = logp.min(), logp.max()  # both NaN if any element is NaN
         if not (np.isfinite(lo) and np.isfinite(hi)):
-            i = _sample_at(lens["response_lens"], int(np.argmin(np.isfinite(logp))))
-            raise SchemaError("logp_not_finite", f"samples[{i}].logp_sparse has NaN or inf")
+            i = _sample_at(lens["response_lens"], int(np.argmin(np.isfinite(logp))) // per_token.get(name, 1))
+            raise SchemaError("logp_not_finite", f"samples[{i}].{name} has NaN or inf")
         if hi > 0:
-            i = _sample_at(lens["response_lens"], int(np.argmax(logp)))
-            raise SchemaError("logp_positive", f"samples[{i}].logp_sparse has values > 0 (max {float(hi)})")
+            i = _sample_at(lens["response_lens"], int(np.argmax(logp)) // per_token.get(name, 1))
+            raise SchemaError("logp_positive", f"samples[{i}].{name} has values > 0 (max {float(hi)})")
     for i, reward in enumerate(rewards):
         if not math.isfinite(reward):
             raise SchemaError("reward_not_finite", f"samples[{i}].reward = {reward}")
@@ -125,9 +147,11 @@ def _wire_array(a, dtype: np.dtype, where: str) -> np.ndarray:
 
 
 def _views(data: bytes, offset: int, counts: dict[str, int]) -> dict[str, np.ndarray]:
-    """Read-only views on the arrays stored back to back in data[offset:], counts[name] elements each."""
+    """Read-only views on the arrays stored back to back in data[offset:], counts[name] elements each (in the
+    order of `counts`)."""
     arrays = {}
-    for name, dtype in _ARRAYS.items():
+    for name in counts:
+        dtype = {**_ARRAYS, **_TOPK_ARRAYS}[name]
         arrays[name] = np.frombuffer(data, dtype=dtype, count=counts[name], offset=offset)
         offset += counts[name] * dtype.itemsize
     return arrays
@@ -140,13 +164,23 @@ def encode_group(group: TrajectoryGroup, max_response_tokens: int = 32768, max_p
     arrays are copied once, into the message. Raises SchemaError."""
     if not group.samples:
         raise SchemaError("no_samples", f"group {group.group_id!r} has no samples")
-    arrays = {name: [] for name in _ARRAYS}  # name -> the samples' arrays in the wire dtype
+    topk = _topk_width(group.samples)
+    wire = {**_ARRAYS, **(_TOPK_ARRAYS if topk else {})}
+    arrays = {name: [] for name in wire}  # name -> the samples' arrays in the wire dtype
     for i, s in enumerate(group.samples):
         for name, dtype in _ARRAYS.items():
             a = getattr(s, name)
             if not (type(a) is np.ndarray and a.dtype == dtype and a.ndim == 1 and a.flags.c_contiguous):
                 a = _wire_array(a, dtype, f"samples[{i}].{name}")  # convert or reject
             arrays[name].append(a)
+        for name, dtype in _TOPK_ARRAYS.items() if topk else ():
+            a = np.asarray(getattr(s, name))
+            if a.shape != (len(arrays["response_ids"][i]), topk):
+                raise SchemaError("length_mismatch", f"samples[{i}].{name} has shape {a.shape}, expected "
+                                                     f"[len(response_ids), topk] = [{len(arrays['response_ids'][i])}, {topk}]")
+            if name == "topk_logprobs" and a.dtype.kind == "f":  # below float16's range: its lowest value (p ~ 0)
+                a = np.maximum(a, _FP16_LOWEST)
+            arrays[name].append(_wire_array(a.reshape(-1), dtype, f"samples[{i}].{name}"))
     lens = {"prompt_lens": [len(a) for a in arrays["prompt_ids"]],
             "response_lens": [len(a) for a in arrays["response_ids"]]}
     if [len(a) for a in arrays["logp_sparse"]] != lens["response_lens"]:
@@ -154,15 +188,36 @@ def encode_group(group: TrajectoryGroup, max_response_tokens: int = 32768, max_p
         raise SchemaError("length_mismatch", f"samples[{i}]: len(logp_sparse) = {len(arrays['logp_sparse'][i])} "
                                              f"!= len(response_ids) = {lens['response_lens'][i]}")
     columns = {name: [kind(getattr(s, name)) for s in group.samples] for name, kind in _SAMPLE_FIELDS.items()}
-    counts = {name: sum(lens[_LENS[name]]) for name in _ARRAYS}
+    counts = {name: sum(lens[_LENS[name]]) * (topk if name in _TOPK_ARRAYS else 1) for name in wire}
     msg = {name: kind(getattr(group, name)) for name, kind in _GROUP_FIELDS.items()}
     msg.update({name: kind(getattr(group, name)) for name, (kind, _) in _OPTIONAL_GROUP_FIELDS.items()})
-    msg.update(schema_version=SCHEMA_VERSION, **lens, **columns)
-    msg.update({name: [dtype.str, [counts[name]]] for name, dtype in _ARRAYS.items()})
+    msg.update(schema_version=SCHEMA_VERSION, topk=topk, **lens, **columns)
+    msg.update({name: [dtype.str, [counts[name]]] for name, dtype in wire.items()})
     header = msgpack.packb(msg, use_bin_type=True)
     data = b"".join([header, *(a for parts in arrays.values() for a in parts)])
-    _validate(lens, _views(data, len(header), counts), columns["reward"], max_response_tokens, max_prompt_tokens)
+    _validate(lens, _views(data, len(header), counts), columns["reward"], max_response_tokens, max_prompt_tokens,
+              topk)
     return data
+
+
+def _topk_width(samples: list[SampleRecord]) -> int:
+    """K of the samples' top-k arrays (0: none sent). Raises SchemaError bad_shape when a sample has one of
+    topk_ids / topk_logprobs without the other, or the samples differ in K."""
+    widths = set()
+    for i, s in enumerate(samples):
+        if (s.topk_ids is None) != (s.topk_logprobs is None):
+            raise SchemaError("bad_shape", f"samples[{i}]: topk_ids and topk_logprobs go together (one is None)")
+        widths.add(0 if s.topk_ids is None or np.ndim(s.topk_ids) != 2 else int(np.shape(s.topk_ids)[1]))
+    if len(widths) > 1:
+        raise SchemaError("bad_shape", f"the samples send top-k of widths {sorted(widths)}: one K per group (or none)")
+    return widths.pop()
+
+
+def group_wire_bytes(samples: int, prompt_tokens: int, response_tokens: int, topk: int = 0) -> int:
+    """Bytes of the arrays of one encoded group of `samples` samples, each of `prompt_tokens` + `response_tokens`
+    tokens, with top-k width `topk` (the msgpack header, ~100 bytes + ~30 per sample, is not counted):
+    4 bytes per prompt token, TOKEN_BYTES + TOPK_BYTES_PER_ENTRY x topk per response token."""
+    return samples * (4 * prompt_tokens + response_tokens * (TOKEN_BYTES + TOPK_BYTES_PER_ENTRY * topk))
 
 
 def _field(msg: dict, name: str, kind: type):
@@ -194,7 +249,10 @@ def _array_counts(msg: dict, offset: int, size: int) -> dict[str, int]:
     """Element counts of the arrays described in the header msg, checked against the message: dtypes, and
     offset (where the arrays start) + their bytes == size (the message's length)."""
     counts = {}
-    for name, dtype in _ARRAYS.items():
+    topk = _field(msg, "topk", int)
+    if topk < 0:
+        raise SchemaError("bad_field", f"topk: expected >= 0, got {topk}")
+    for name, dtype in {**_ARRAYS, **(_TOPK_ARRAYS if topk else {})}.items():
         value = _field(msg, name, list)
         if not (len(value) == 2 and type(value[1]) is list and len(value[1]) == 1 and type(value[1][0]) is int
                 and value[1][0] >= 0):
@@ -214,7 +272,8 @@ def decode_group(data: bytes, max_message_bytes: int = 64 * 1024 * 1024, max_res
                  max_prompt_tokens: int = 32768) -> TrajectoryGroup:
     """Message bytes (layout above) -> TrajectoryGroup, validated: size <= max_message_bytes, schema version, every field
     and its type, dtypes, shapes and len(logp_sparse) == len(response_ids) per sample, then the content
-    rules (token limits, ids >= 0, logp_sparse finite and <= 0, finite rewards). The arrays are read-only
+    rules (token limits, ids >= 0, logp_sparse and topk_logprobs finite and <= 0, finite rewards); top-k arrays
+    come back as [T, K] views (topk_logprobs float16). The arrays are read-only
     numpy views on the message (copy before writing in place). Raises SchemaError; never unpickles."""
     if len(data) > max_message_bytes:
         raise SchemaError("message_too_large", f"{len(data)} bytes > max_message_bytes = {max_message_bytes}")
@@ -238,19 +297,22 @@ def decode_group(data: bytes, max_message_bytes: int = 64 * 1024 * 1024, max_res
     if min(lens["prompt_lens"] + lens["response_lens"]) < 0:
         raise SchemaError("bad_shape", "prompt_lens / response_lens hold a negative length")
     counts = _array_counts(msg, unpacker.tell(), len(data))
+    topk = msg["topk"]
     for name, count in counts.items():
-        if count != sum(lens[_LENS[name]]):
-            raise SchemaError("length_mismatch" if name == "logp_sparse" else "bad_shape",
-                              f"{name} holds {count} values, {_LENS[name]} add up to {sum(lens[_LENS[name]])}")
+        expected = sum(lens[_LENS[name]]) * (topk if name in _TOPK_ARRAYS else 1)
+        if count != expected:
+            raise SchemaError("length_mismatch" if name in ("logp_sparse", *_TOPK_ARRAYS) else "bad_shape",
+                              f"{name} holds {count} values, {_LENS[name]} (x topk for top-k) give {expected}")
     arrays = _views(data, unpacker.tell(), counts)
-    _validate(lens, arrays, columns["reward"], max_response_tokens, max_prompt_tokens)
+    _validate(lens, arrays, columns["reward"], max_response_tokens, max_prompt_tokens, topk)
     prompt_ids, response_ids, logp_sparse = arrays["prompt_ids"], arrays["response_ids"], arrays["logp_sparse"]
     samples, p0, r0 = [], 0, 0
     for p, r, finish_reason, reward, kv_retained_tokens, kv_peak_bytes in zip(
             lens["prompt_lens"], lens["response_lens"], *(columns[name] for name in _SAMPLE_FIELDS)):
+        top = {name: arrays[name][r0 * topk:(r0 + r) * topk].reshape(r, topk) for name in _TOPK_ARRAYS} if topk else {}
         samples.append(SampleRecord(
             prompt_ids=prompt_ids[p0:p0 + p], response_ids=response_ids[r0:r0 + r], logp_sparse=logp_sparse[r0:r0 + r],
             finish_reason=finish_reason, reward=reward, kv_retained_tokens=kv_retained_tokens,
-            kv_peak_bytes=kv_peak_bytes))
+            kv_peak_bytes=kv_peak_bytes, **top))
         p0, r0 = p0 + p, r0 + r
     return TrajectoryGroup(**fields, samples=samples)

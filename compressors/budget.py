@@ -1,4 +1,5 @@
-"""KV budget over a run (issue 13): schedules by weight version and difficulty tiers (seed 002 §5.2).
+"""KV budget over a run (issue 13): schedules by weight version and difficulty tiers (seed 002 §5.2), and along
+a trajectory (issue 22: budget_schedule length).
 
 Pure functions of the config and plain numbers (no torch, no I/O), shared by the rollout actors (which apply
 the budget per batch) and the learner (which logs it and, with `budget_control: mismatch`, moves it:
@@ -30,7 +31,7 @@ def scheduled_budget(cfg, version: int, total_steps: int) -> int:
     """
     b0 = cfg.kv_budget
     b1 = cfg.kv_budget_final or b0
-    if cfg.budget_schedule == "constant":
+    if cfg.budget_schedule in ("constant", "length"):   # length: the start budget; it grows within the trajectory
         return b0
     steps = cfg.budget_schedule_steps or total_steps
     if steps < 1:
@@ -42,6 +43,16 @@ def scheduled_budget(cfg, version: int, total_steps: int) -> int:
     if cfg.budget_schedule == "cosine":
         return _round(b1 + (b0 - b1) * (1 + math.cos(math.pi * p)) / 2)
     raise ValueError(f"compressor.budget_schedule={cfg.budget_schedule!r} is unknown")
+
+
+def length_budget(cfg, start: int, generated: int) -> int:
+    """Budget, tokens, of a sequence that has generated `generated` tokens under budget_schedule length (Sparrow
+    §3.2: a budget that grows with the trajectory so the mismatch tail does not): min(kv_budget_final,
+    start + budget_growth x generated), rounded half up; `start` (the batch's budget, normally kv_budget) itself
+    for any other schedule. The torch engine compacts to this budget at every compression."""
+    if cfg.budget_schedule != "length":
+        return start
+    return min(max(cfg.kv_budget_final, start), _round(start + cfg.budget_growth * generated))
 
 
 def tier_of(cfg, confidence: float | None) -> str:
@@ -70,7 +81,7 @@ def budget_range(cfg) -> tuple[int, int]:
     bounds, times the smallest / largest tier scale (tiers on). Preflight sizes memory with the largest."""
     if cfg.budget_control == "mismatch":
         bases = [cfg.kv_budget_min or cfg.kv_budget, cfg.kv_budget_max or cfg.kv_budget]
-    elif cfg.budget_schedule != "constant":
+    elif cfg.budget_schedule != "constant":   # linear / cosine over versions; length within a trajectory
         bases = [cfg.kv_budget, cfg.kv_budget_final or cfg.kv_budget]
     else:
         bases = [cfg.kv_budget]

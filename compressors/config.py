@@ -6,10 +6,14 @@ from dataclasses import dataclass, field
 
 METHODS = ("rkv", "snapkv", "h2o", "streamingllm", "full")
 SELECTIONS = ("per_head", "shared")
-SCHEDULES = ("constant", "linear", "cosine")
+SCHEDULES = ("constant", "linear", "cosine", "length")
 CONTROLS = ("off", "mismatch")
 TIERS = ("off", "confidence")
-BUDGET_METRICS = ("xi_p1", "xi_p5", "xi_p50", "xi_sym_p1", "xi_sym_p5", "xi_sym_p50")
+BUDGET_METRICS = ("accept_p5", "accept_p1", "accept_p50", "accept_mean", "accept_upper_p5",
+                  "xi_p1", "xi_p5", "xi_p50", "xi_sym_p1", "xi_sym_p5", "xi_sym_p50")
+"""accept_*: Sparrow's per-token acceptance rate (learner/acceptance.py; needs actors.sampling.topk_logprobs);
+xi_*: quantiles of the sampled token's ratio xi = pi_old / pi_sparse (learner/correction.py), a one-sample
+statistic whose tail sits far lower than the acceptance rate's for the same pair of distributions."""
 
 
 @dataclass
@@ -41,9 +45,16 @@ class CompressorConfig:
     budget_schedule: str = "constant"
     """constant | linear | cosine: the budget goes from kv_budget (weight version 0) to kv_budget_final (at
     version budget_schedule_steps, then stays), seed 002 §5.2's progressive shrinking. Actors apply the value
-    of their weight version at every batch (compressors.budget.scheduled_budget)."""
+    of their weight version at every batch (compressors.budget.scheduled_budget).
+    length (Sparrow §3.2's sparsity scheduling, torch engine): the budget grows along the trajectory, from
+    kv_budget at the first generated token by budget_growth tokens per generated token up to kv_budget_final;
+    each compression keeps the budget of the sequence's current response length (compressors.budget.length_budget)."""
     kv_budget_final: int = 0
-    """Budget at the end of the schedule, tokens (0 = kv_budget: no change)."""
+    """Budget at the end of the schedule, tokens (0 = kv_budget: no change); with budget_schedule length the cap
+    the growing budget stops at (required, > kv_budget)."""
+    budget_growth: float = 0.0
+    """budget_schedule length: budget tokens added per generated token (e.g. 0.5: one more kept token every two
+    generated), > 0."""
     budget_schedule_steps: int = 0
     """Weight versions over which the schedule runs (0 = train.steps)."""
     budget_control: str = "off"
@@ -54,11 +65,17 @@ class CompressorConfig:
     """Lowest budget the controller may set, tokens (required with budget_control mismatch)."""
     kv_budget_max: int = 0
     """Highest budget the controller may set, tokens (required with budget_control mismatch)."""
-    budget_metric: str = "xi_sym_p5"
-    """The controlled quantile: one of xi_p1, xi_p5, xi_p50, xi_sym_p1, xi_sym_p5, xi_sym_p50 (xi_sym =
-    min(xi, 1/xi)); Sparrow keeps the 5th percentile of the per-token ratio >= 0.86."""
+    budget_metric: str = ""
+    """The controlled statistic, one of BUDGET_METRICS: accept_p5 (Sparrow, arXiv 2606.08446 §3.1: the 5th
+    percentile over tokens of the per-token acceptance rate sum_x min(p_dense, q_sparse), here its lower bound
+    from the sampler's top-k log-probs), accept_p1 | accept_p50 | accept_mean | accept_upper_p5, or a quantile
+    of the sampled token's ratio xi: xi_p1 | xi_p5 | xi_p50 | xi_sym_p1 | xi_sym_p5 | xi_sym_p50 (xi_sym =
+    min(xi, 1/xi); not Sparrow's statistic, on another scale). "" (default) = accept_p5 when
+    actors.sampling.topk_logprobs > 0, else xi_sym_p5; an accept_* metric turns topk_logprobs on (20) if it is 0
+    (deploy/config.py)."""
     budget_target: float = 0.86
-    """The controller raises the budget while budget_metric < budget_target."""
+    """The controller raises the budget while budget_metric < budget_target (0.86: Sparrow's threshold for
+    accept_p5)."""
     budget_hysteresis: float = 0.03
     """... and lowers it only after budget_patience steps in a row with budget_metric >= target + this."""
     budget_patience: int = 2
@@ -133,8 +150,15 @@ class CompressorConfig:
             raise ValueError(f"compressor.budget_control={self.budget_control!r} is unknown; expected one of {CONTROLS}")
         if self.budget_tiers not in TIERS:
             raise ValueError(f"compressor.budget_tiers={self.budget_tiers!r} is unknown; expected one of {TIERS}")
-        if self.budget_metric not in BUDGET_METRICS:
+        if self.budget_metric not in ("", *BUDGET_METRICS):
             raise ValueError(f"compressor.budget_metric={self.budget_metric!r} is unknown; expected one of {BUDGET_METRICS}")
+        if self.budget_schedule == "length" and not (self.kv_budget_final > self.kv_budget and self.budget_growth > 0):
+            raise ValueError(f"compressor.budget_schedule='length' needs compressor.kv_budget_final="
+                             f"{self.kv_budget_final} > compressor.kv_budget={self.kv_budget} (the cap) and "
+                             f"compressor.budget_growth={self.budget_growth} > 0 (tokens per generated token)")
+        if self.budget_schedule == "length" and self.budget_tiers != "off":
+            raise ValueError("compressor.budget_schedule='length' cannot be combined with compressor.budget_tiers "
+                             "(one start budget and cap per run)")
         for name in ("kv_budget_final", "budget_schedule_steps", "kv_budget_min", "kv_budget_max", "budget_step"):
             if getattr(self, name) < 0:
                 raise ValueError(f"compressor.{name}={getattr(self, name)} must be >= 0")

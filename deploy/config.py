@@ -176,6 +176,7 @@ def load_config(name_or_path: str, overrides: list[str] = (), *, check_files: bo
     except ValueError as e:  # a component's __post_init__ check
         raise ConfigError(dotted_names(str(e))) from None
     run.model = os.path.expanduser(run.model)
+    resolve_budget_metric(run)
     validate(run, check_files=check_files)
     if check_files:
         absolute_paths(run)
@@ -196,6 +197,20 @@ def absolute_paths(run: RunConfig) -> None:
         run.eval.data = absolute(run.eval.data)
     run.run_dir = absolute(run.run_dir)
     run.learner.checkpoint_dir, run.learner.resume_from = absolute(run.learner.checkpoint_dir), absolute(run.learner.resume_from)
+
+
+ACCEPT_TOPK = 20
+"""Top-k log-probs the actors send when the budget controller reads the acceptance rate (Sparrow's top 20)."""
+
+
+def resolve_budget_metric(run: RunConfig) -> None:
+    """actors.engine.compressor.budget_metric "" (the default) -> accept_p5 when actors.sampling.topk_logprobs > 0,
+    else xi_sym_p5; an accept_* metric with topk_logprobs 0 sets topk_logprobs = ACCEPT_TOPK (issue 22)."""
+    c, sampling = run.actors.engine.compressor, run.actors.sampling
+    if not c.budget_metric:
+        c.budget_metric = "accept_p5" if sampling.topk_logprobs > 0 else "xi_sym_p5"
+    if c.budget_metric.startswith("accept_") and c.budget_control != "off" and sampling.topk_logprobs == 0:
+        sampling.topk_logprobs = ACCEPT_TOPK
 
 
 def load_yaml(path: Path):
@@ -283,9 +298,13 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
     check(run.preflight.kv_memory_gb >= 0, f"preflight.kv_memory_gb={run.preflight.kv_memory_gb}: expected >= 0")
     check(run.preflight.max_prompt_tokens >= 0,
           f"preflight.max_prompt_tokens={run.preflight.max_prompt_tokens}: expected >= 0")
-    check(compressor.budget_control == "off" or run.learner.correction != "off",
+    check(compressor.budget_control == "off" or compressor.budget_metric.startswith("accept_")
+          or run.learner.correction != "off",
           f"actors.engine.compressor.budget_control={compressor.budget_control!r} reads the ratio tail "
           f"({compressor.budget_metric}) that learner.correction=off does not compute: use on or metrics_only")
+    check(compressor.budget_schedule != "length" or run.actors.engine.backend == "torch",
+          "actors.engine.compressor.budget_schedule='length' grows the budget within a trajectory: the torch engine "
+          "only (actors.engine.backend=torch); the SGLang engine's budget is fixed per request")
     for mode in run.eval.modes:
         check(mode in ("dense", "sparse"), f"eval.modes: {mode!r} is not one of dense, sparse")
     if run.actors.engine.backend == "sglang" and run.eval.enabled:

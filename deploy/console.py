@@ -7,7 +7,8 @@ from rich.console import Console as RichConsole
 from rich.table import Table
 
 COLUMNS = (("reward", "reward_mean", "{:.3f}"), ("rejection", "rejection_rate", "{:.3f}"),
-           ("mismatch_kl", "mismatch_kl", "{:.2e}"), ("staleness", "staleness_mean", "{:.2f}"),
+           ("mismatch_kl", "mismatch_kl", "{:.2e}"), ("accept p5", "accept_p5", "{:.3f}"),
+           ("staleness", "staleness_mean", "{:.2f}"),
            ("learner tok/s", "learner_tokens_per_s", "{:.0f}"), ("rollout tok/s", "rollout_tokens_per_s", "{:.0f}"),
            ("actors", "actors_live", "{:.0f}"), ("utilization", "rollout_utilization", "{:.2f}"),
            ("stale", "dropped_stale", "{:.0f}"), ("filtered", "groups_filtered", "{:.0f}"),

@@ -15,12 +15,17 @@ A config whose sparse batch does not fit fails (PreflightError, a ConfigError: e
 and the numbers; one whose dense batch does not fit but sparse does starts (that is what compression is for);
 a budget at or above prompt + response gets a warning (nothing would ever be evicted), and so does a prompt
 longer than the smallest budget (it is compressed at prefill: the long-context regime, not the paper's).
+
+It also sizes the broker's queue: one group's wire bytes (broker.schema.group_wire_bytes: 8 bytes per response
+token, + 6 K with actors.sampling.topk_logprobs = K, 120 at K = 20) times the groups the stream can hold
+(broker.high_watermark + one actor batch); a group over broker.max_message_bytes fails.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from actors.kv_memory import ModelShape, kv_peak_bytes_per_sequence
+from broker.schema import group_wire_bytes
 from deploy.config import ConfigError, RunConfig
 
 GIB = 1 << 30
@@ -47,6 +52,10 @@ class PreflightReport:
     memory_bytes: int | None
     memory_source: str
     weight_bytes: int
+    group_bytes: int = 0
+    """Wire bytes of one group of the longest prompt and response (top-k log-probs included)."""
+    queue_bytes: int = 0
+    """group_bytes x (broker.high_watermark + one actor batch of groups): the stream's largest size, bytes."""
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -68,7 +77,8 @@ class PreflightReport:
                   "memory_bytes": self.memory_bytes, "memory_source": self.memory_source,
                   "fits_seqs_dense": self.fits(self.dense_per_seq), "fits_seqs_sparse": self.fits(self.sparse_per_seq),
                   "model_layers": self.shape.layers, "model_kv_heads": self.shape.kv_heads,
-                  "model_head_dim": self.shape.head_dim, "kv_dtype_bytes": self.shape.dtype_bytes}
+                  "model_head_dim": self.shape.head_dim, "kv_dtype_bytes": self.shape.dtype_bytes,
+                  "group_wire_bytes": self.group_bytes, "broker_queue_bytes": self.queue_bytes}
         return {f"preflight_result.{k}": str(v) for k, v in values.items()}
 
     def table(self) -> str:
@@ -90,6 +100,7 @@ class PreflightReport:
                  row("dense", self.dense_per_seq)]
         if self.method != "full":
             lines.append(row("sparse", self.sparse_per_seq))
+        lines.append(f"  broker: {self.group_bytes:,} B per group on the wire, {self.queue_bytes:,} B at the high watermark")
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
@@ -164,6 +175,15 @@ def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: i
     report = PreflightReport(shape, a.engine.backend, c.method, prompt, new, high, c.interval,
                              a.prompts_per_batch * a.sampling.samples_per_prompt, dense, sparse, memory, source,
                              weight_bytes)
+    G, topk = a.sampling.samples_per_prompt, a.sampling.topk_logprobs
+    report.group_bytes = group_wire_bytes(G, prompt, new, topk)
+    report.queue_bytes = report.group_bytes * (cfg.broker.high_watermark + a.prompts_per_batch)
+    if report.group_bytes > cfg.broker.max_message_bytes:
+        raise PreflightError(
+            f"preflight: one group is {report.group_bytes:,} B on the wire > broker.max_message_bytes="
+            f"{cfg.broker.max_message_bytes:,} (actors.sampling.samples_per_prompt={G} x (prompt {prompt} x 4 B + "
+            f"actors.sampling.max_new_tokens={new} x (8 + 6 x actors.sampling.topk_logprobs={topk}) B)): raise "
+            "broker.max_message_bytes or lower topk_logprobs / max_new_tokens")
     if compress and prompt > low:
         report.warnings.append(
             f"prompts of up to {prompt} tokens exceed kv_budget={low}: the prompt itself is compressed at prefill "

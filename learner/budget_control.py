@@ -1,9 +1,12 @@
-"""Closed-loop KV budget (issue 13): keep the tail of the per-token ratio xi at or above a target.
+"""Closed-loop KV budget (issues 13, 22): keep a tail statistic of the sparse/dense mismatch at or above a target.
 
-Sparrow (arXiv 2606.08446) found that the tail of the per-token sparse/dense probability ratio, not its mean,
-predicts collapse, and keeps its 5th percentile >= 0.86. This controller applies that as a feedback loop on
-the KV budget: after every learner step it reads one quantile of the step's ratio (learner/correction.py
-`ratio_tail`: xi_pK or xi_sym_pK) and
+Sparrow (arXiv 2606.08446, §3.1-3.2) found that the tail of the per-token acceptance rate
+alpha_t = sum_x min(p_dense(x), q_sparse(x)), not its mean, predicts collapse, and keeps its 5th percentile
+>= 0.86. This controller applies that as a feedback loop on the KV budget: after every learner step it reads one
+statistic of the step (`budget_metric`): accept_p5 by default when the actors send top-k log-probs (the lower
+bound of alpha_t, learner/acceptance.py: it errs toward more budget), else a quantile of the sampled token's
+ratio xi (learner/correction.py `ratio_tail`: xi_pK or xi_sym_pK; a one-sample statistic on another scale than
+Sparrow's 0.86, kept for runs without top-k), and
 
 - raises the budget by `step` tokens (up to `budget_max`) when the quantile is below `target`;
 - lowers it by `step` (down to `budget_min`) only after `patience` steps in a row with the quantile at or
@@ -61,7 +64,7 @@ class BudgetController:
     @classmethod
     def from_config(cls, cfg) -> "BudgetController":
         """From a CompressorConfig with budget_control 'mismatch' (kv_budget, kv_budget_min/max, budget_*)."""
-        return cls(cfg.kv_budget, cfg.kv_budget_min, cfg.kv_budget_max, metric=cfg.budget_metric,
+        return cls(cfg.kv_budget, cfg.kv_budget_min, cfg.kv_budget_max, metric=cfg.budget_metric or "xi_sym_p5",
                    target=cfg.budget_target, hysteresis=cfg.budget_hysteresis, patience=cfg.budget_patience,
                    step=cfg.budget_step)
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from broker.redis_server import free_port
 from broker.schema import TrajectoryGroup
+from learner.acceptance import acceptance_metrics
 from learner.config import LearnerConfig
 from learner.correction import sparse_correction
 from learner.loss import grpo_advantages, grpo_loss
@@ -170,7 +171,8 @@ class Learner:
         input_ids/attention_mask int64 [S, L]; response_ids int64 [S, T]; response_index int64 [S, T], the
         logit position predicting each response token (prompt_len - 1 + t); response_mask bool [S, T];
         logp_sparse float32 [S, T]; reward float32 [S]; group_index int64 [S]; temperature float32 [S];
-        seq_len int64 [S].
+        seq_len int64 [S]; and when every sample carries top-k log-probs of one width K (issue 22) topk_ids int64
+        [S, T, K] and topk_logprobs float32 [S, T, K] (padding: id 0, log-prob -inf).
 
         Raises:
             ValueError: naming the group and sample whose logp_sparse length differs from its response, whose
@@ -204,8 +206,16 @@ class Learner:
             "temperature": torch.tensor([t for _, t, _ in rows], dtype=torch.float32),
             "seq_len": torch.zeros(S, dtype=torch.long),
         }
+        widths = {None if s.topk_ids is None else s.topk_ids.shape[1] for _, _, s in rows}
+        K = widths.pop() if len(widths) == 1 else None
+        if K:
+            b["topk_ids"] = torch.zeros(S, T, K, dtype=torch.long)
+            b["topk_logprobs"] = torch.full((S, T, K), float("-inf"))
         for i, (_, _, s) in enumerate(rows):
             P, R = len(s.prompt_ids), len(s.response_ids)
+            if K:
+                b["topk_ids"][i, :R] = torch.from_numpy(np.asarray(s.topk_ids, dtype=np.int64))
+                b["topk_logprobs"][i, :R] = torch.from_numpy(np.asarray(s.topk_logprobs, dtype=np.float32))
             b["input_ids"][i, :P + R] = torch.from_numpy(np.concatenate([s.prompt_ids, s.response_ids]).astype(np.int64))
             b["attention_mask"][i, :P + R] = 1
             b["response_ids"][i, :R] = torch.from_numpy(np.asarray(s.response_ids, dtype=np.int64))
@@ -216,11 +226,13 @@ class Learner:
         return b
 
     def response_logprobs(self, model: nn.Module, batch: dict, rows: torch.Tensor,
-                          with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                          with_entropy: bool = False, topk_ids: torch.Tensor | None = None) -> tuple:
         """log pi(response token) for `rows` of a collated batch, from one teacher-forced forward of `model`
         with logits divided by each sequence's sampler temperature (SPEC §3).
 
-        Returns: logp float32 [len(rows), T] (0 on padding), and the per-token entropy (no grad) or None.
+        Returns: logp float32 [len(rows), T] (0 on padding), and the per-token entropy (no grad) or None; with
+        `topk_ids` (int64 [len(rows), T, K], the sampler's top-k tokens) a third element, log pi at those ids
+        float32 [len(rows), T, K] (no grad; for learner/acceptance.py).
         """
         L = int(batch["seq_len"][rows].max())
         index = batch["response_index"][rows].to(self.device)
@@ -243,6 +255,8 @@ class Learner:
         if with_entropy:
             with torch.no_grad():
                 entropy = -(log_probs.exp() * log_probs).sum(-1) * mask
+        if topk_ids is not None:
+            return logp, entropy, log_probs.detach().gather(2, topk_ids.to(self.device))
         return logp, entropy
 
     # ------------------------------------------------------------------------------------------------------
@@ -267,16 +281,21 @@ class Learner:
         logp_old = torch.zeros(mask.shape, device=self.device)
         entropy = torch.zeros(mask.shape, device=self.device)
         logp_ref = torch.zeros(mask.shape, device=self.device) if self.ref_model is not None else None
+        dense_topk = torch.zeros(batch["topk_ids"].shape, device=self.device) if "topk_ids" in batch else None
         shares = token_balanced_split(torch.arange(S), batch["seq_len"], self.world_size)
         with torch.no_grad():
             for rows in micro_batches(shares, cfg.micro_batch_size, self.rank):
                 if rows is None:  # keeps ZeRO-3's parameter gathers in step with the other ranks
                     self.response_logprobs(self.engine, batch, torch.zeros(1, dtype=torch.long))
                     continue
-                logp_old[rows], entropy[rows] = self.response_logprobs(self.engine, batch, rows, with_entropy=True)
+                if dense_topk is not None:   # dense log-probs at the sampler's top-k tokens (acceptance rate)
+                    logp_old[rows], entropy[rows], dense_topk[rows] = self.response_logprobs(
+                        self.engine, batch, rows, with_entropy=True, topk_ids=batch["topk_ids"][rows])
+                else:
+                    logp_old[rows], entropy[rows] = self.response_logprobs(self.engine, batch, rows, with_entropy=True)
                 if logp_ref is not None:
                     logp_ref[rows], _ = self.response_logprobs(self.ref_model, batch, rows)
-        for t in (logp_old, entropy, logp_ref):  # each row is non-zero on exactly one rank: the sum is exact
+        for t in (logp_old, entropy, logp_ref, dense_topk):  # each row is non-zero on one rank: the sum is exact
             if t is not None:
                 self._all_reduce(t)
 
@@ -286,6 +305,8 @@ class Learner:
             token_mask_bounds=cfg.token_mask_bounds, tis_cap=cfg.tis_cap)
         advantages = grpo_advantages(batch["reward"], batch["group_index"]).to(self.device)
         metrics.update(self._tier_metrics(groups, logp_old, batch["logp_sparse"].to(self.device), mask))
+        if dense_topk is not None:   # Sparrow's per-token acceptance rate (issue 22): accept_*
+            metrics.update(acceptance_metrics(batch["topk_logprobs"].to(self.device), dense_topk, mask))
         return {**batch, "mask": mask, "logp_old": logp_old, "entropy": entropy, "logp_ref": logp_ref,
                 "weights": weights, "loss_mask": loss_mask, "advantages": advantages, "metrics": metrics}
 

@@ -47,17 +47,20 @@ def padded_batch(samples, prompt_width: int):
     return ids, mask, (mask.cumsum(1) - 1).clamp(min=0)
 
 
-def reference_logp(model, samples, prompt_width: int, temperature: float, **forward_kwargs):
-    """Teacher-forced HF forward over prompt+response; [R, T] log_softmax(logits/T) at the sampled tokens."""
+def reference_full_logp(model, samples, prompt_width: int, temperature: float, **forward_kwargs):
+    """Teacher-forced HF forward over prompt+response; per sample float64 [T, vocab] log_softmax(logits/T) at
+    the positions predicting its response tokens."""
     ids, mask, pos = padded_batch(samples, prompt_width)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, **forward_kwargs).logits.double()
     logp = (logits / temperature).log_softmax(-1)
-    out = []
-    for r, s in enumerate(samples):
-        cols = torch.arange(len(s.response_ids)) + prompt_width - 1
-        out.append(logp[r, cols, torch.tensor(s.response_ids)])
-    return out
+    return [logp[r, torch.arange(len(s.response_ids)) + prompt_width - 1] for r, s in enumerate(samples)]
+
+
+def reference_logp(model, samples, prompt_width: int, temperature: float, **forward_kwargs):
+    """reference_full_logp at the sampled tokens: per sample [T]."""
+    full = reference_full_logp(model, samples, prompt_width, temperature, **forward_kwargs)
+    return [f[torch.arange(len(s.response_ids)), torch.tensor(s.response_ids)] for f, s in zip(full, samples)]
 
 
 def flat(groups):
@@ -119,10 +122,9 @@ def test_eviction_is_exact_per_layer_and_head(family, method, selection):
     assert_exact_eviction(model, samples, engine.last_eviction_record, cfg.kv_budget + cfg.interval, selection)
 
 
-def assert_exact_eviction(model, samples, rec, max_retained, selection="per_head"):
-    """The engine's logp_sparse of `samples` (the rows of one eviction record, in order) equal a dense teacher-
-    forced forward that hides, per layer and KV head, exactly the keys the engine evicted; and eviction did
-    change the log-probs (else the check would see nothing)."""
+def eviction_masks(samples, rec):
+    """Per layer, the attention masks [R, Hkv, L, L] of a teacher-forced forward that hides exactly the keys the
+    engine evicted (its eviction record `rec`), and the dense ones; asserts something was evicted."""
     P = rec["prompt_width"]
     ids, mask, pos = padded_batch(samples, P)
     L = ids.shape[1]
@@ -135,6 +137,15 @@ def assert_exact_eviction(model, samples, rec, max_retained, selection="per_head
         layer_masks.append((base[:, None] & seen) | eye[:, None])
         dense_masks.append((base[:, None] | eye[:, None]).expand_as(layer_masks[-1]))
     assert any((e[:, :, :L] < torch.iinfo(torch.long).max).any() for e in rec["evicted_at"]), "nothing was evicted"
+    return layer_masks, dense_masks
+
+
+def assert_exact_eviction(model, samples, rec, max_retained, selection="per_head"):
+    """The engine's logp_sparse of `samples` (the rows of one eviction record, in order) equal a dense teacher-
+    forced forward that hides, per layer and KV head, exactly the keys the engine evicted; and eviction did
+    change the log-probs (else the check would see nothing)."""
+    P = rec["prompt_width"]
+    layer_masks, dense_masks = eviction_masks(samples, rec)
     if selection == "shared":
         for e in rec["evicted_at"][1:]:
             assert torch.equal(e, rec["evicted_at"][0])
@@ -149,6 +160,43 @@ def assert_exact_eviction(model, samples, rec, max_retained, selection="per_head
         worst_gap = max(worst_gap, float((got - d).abs().max()))
         assert s.kv_retained_tokens <= max_retained
     assert worst_gap > 1e-2, "eviction did not change any log-prob: the check would not see a wrong mask"
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_topk_logprobs_equal_a_transformers_recompute_under_the_same_evictions(temperature):
+    """Sample.topk_ids / topk_logprobs (issue 22) are the K largest values of log_softmax(logits / temperature) of
+    the compressed forward: equal to a teacher-forced HF forward that hides exactly the evicted keys (values and
+    ids), and different from the dense forward's (else the check would not see a dense top-k)."""
+    model = tiny_model("llama", layers=3)
+    cfg = CompressorConfig(method="rkv", kv_budget=12, window=4, interval=5)
+    engine = TorchEngine(model, tiny_tokenizer(), cfg, record_evictions=True)
+    prompts = PROMPTS + [list(range(20, 36))]
+    samples = flat(engine.generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=30, n=2, seed=5,
+                                                           topk_logprobs=8)))
+    rec = engine.last_eviction_record
+    layer_masks, dense_masks = eviction_masks(samples, rec)
+    model.set_attn_implementation("evicted_mask_reference")
+    ref = reference_full_logp(model, samples, rec["prompt_width"], temperature, layer_masks=layer_masks)
+    dense = reference_full_logp(model, samples, rec["prompt_width"], temperature, layer_masks=dense_masks)
+    model.set_attn_implementation("sdpa")
+    worst_gap = 0.0
+    for s, r, d in zip(samples, ref, dense):
+        T = len(s.response_ids)
+        assert s.topk_ids.shape == (T, 8) and s.topk_ids.dtype.name == "int32"
+        assert s.topk_logprobs.shape == (T, 8) and s.topk_logprobs.dtype.name == "float32"
+        values, ids = r.topk(8, dim=-1)
+        assert torch.allclose(torch.from_numpy(s.topk_logprobs).double(), values, atol=2e-5, rtol=0)
+        # the engine's ids carry the reference's log-probs (ties aside, the same ids in the same order)
+        at_ids = r.gather(1, torch.from_numpy(s.topk_ids).long())
+        assert torch.allclose(at_ids, values, atol=2e-5, rtol=0)
+        # logp_sparse is the sampled token's entry of the same distribution
+        assert torch.allclose(torch.from_numpy(s.logp_sparse).double(), r[torch.arange(T), torch.tensor(s.response_ids)],
+                              atol=2e-5, rtol=0)
+        worst_gap = max(worst_gap, float((torch.from_numpy(s.topk_logprobs).double() - d.topk(8, dim=-1).values).abs().max()))
+    assert worst_gap > 1e-2, "eviction did not change the top-k: the check would not see a dense top-k"
+    greedy = engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=6, topk_logprobs=3))[0][0]
+    assert greedy.topk_ids[:, 0].tolist() == greedy.response_ids                       # greedy = the top-1 id
+    assert flat(engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=4)))[0].topk_ids is None
 
 
 @pytest.mark.parametrize("method", ["rkv", "h2o"])
@@ -182,6 +230,55 @@ def test_per_row_budgets_are_each_exact_and_bounded_by_their_own_budget(method):
         engine.generate(prompts, SamplingParams(max_new_tokens=4), kv_budgets=[4, 12, 12, 12])   # 4 <= window
     with pytest.raises(ValueError, match="kv_budgets"):
         engine.generate(prompts, SamplingParams(max_new_tokens=4), kv_budgets=[12])
+
+
+def visible_keys(rec, prompt_width: int, prompt_lens: list[int], t: int) -> torch.Tensor:
+    """Keys the query of response position t (column prompt_width + t) attends to, per layer, row and KV head:
+    int64 [layers, R, Hkv], from the eviction record (its own key included)."""
+    c = prompt_width + t
+    cols = torch.arange(c + 1)
+    real = cols[None, :] >= (prompt_width - torch.tensor(prompt_lens))[:, None]          # not left padding [R, c+1]
+    return torch.stack([((e[:, :, :c + 1] > c) & real[:, None]).sum(-1) for e in rec["evicted_at"]])
+
+
+def test_length_schedule_keeps_each_row_within_its_current_budget():
+    """budget_schedule length (issue 22): after t generated tokens each compression keeps
+    length_budget(t) = min(final, start + growth t) keys per layer and head, so right after the compression of
+    step s every row attends to exactly that budget (or all it has, if fewer; + its own key), never to more than
+    the current budget +
+    interval, the budget does grow (a constant budget would fail the first check), the rows stay exact
+    (eviction-mask equivalence) and the cache is sized for the largest budget."""
+    from actors.kv_memory import ModelShape, kv_peak_bytes_per_sequence
+    from compressors.budget import length_budget
+
+    model = tiny_model("llama", layers=3)
+    cfg = CompressorConfig(method="rkv", kv_budget=12, window=4, interval=5, budget_schedule="length",
+                           budget_growth=0.5, kv_budget_final=26)
+    cfg.validate()
+    engine = TorchEngine(model, tiny_tokenizer(), cfg, record_evictions=True)
+    prompts = PROMPTS + [list(range(20, 36))]
+    samples = flat(engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=45, n=2, seed=7,
+                                                           ignore_eos=True)))
+    rec = engine.last_eviction_record
+    P, lens = rec["prompt_width"], [len(s.prompt_ids) for s in samples]
+    kept_after = {}
+    for s_ in range(cfg.interval, 45, cfg.interval):                     # compression steps 5, 10, ..., 40
+        budget = length_budget(cfg, 12, s_)
+        seen = visible_keys(rec, P, lens, s_)
+        # a row keeps its prompt + s_ tokens, or the budget when it has more (short prompts hold no more than they
+        # have), + the query's own key
+        expected = torch.minimum(torch.tensor(lens) + s_, torch.tensor(budget)) + 1
+        assert (seen == expected[None, :, None]).all(), (s_, budget, seen.unique())
+        kept_after[s_] = budget
+    for t in range(1, 45):
+        current = length_budget(cfg, 12, max(cfg.interval, t - t % cfg.interval))
+        assert (visible_keys(rec, P, lens, t) <= current + cfg.interval).all(), t
+    assert kept_after[5] == 15 and kept_after[30] == 26 and kept_after[40] == 26   # grows, then the cap
+    assert_exact_eviction(model, samples, rec, max_retained=26 + cfg.interval)
+    shape = ModelShape(layers=3, kv_heads=2, head_dim=16, dtype_bytes=4)
+    assert {s.kv_peak_bytes for s in samples} == {kv_peak_bytes_per_sequence(shape, P, 45, 26, 5, compress=True)}
+    with pytest.raises(ValueError, match="budget_growth"):
+        CompressorConfig(kv_budget=12, window=4, budget_schedule="length", kv_budget_final=26).validate()
 
 
 def test_kv_bytes_are_bounded_for_a_long_response():

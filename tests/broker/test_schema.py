@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from broker.schema import (SCHEMA_VERSION, SampleRecord, SchemaError, TrajectoryGroup, decode_group,
-                           encode_group)
+                           encode_group, group_wire_bytes)
 
 text = st.text(max_size=20)
 finite = st.floats(allow_nan=False, allow_infinity=False)
@@ -113,3 +113,60 @@ def test_decode_rejects_oversized_message(make_group):
         decode_group(data, max_message_bytes=len(data) - 1)
     assert e.value.reason == "message_too_large"
     assert decode_group(data, max_message_bytes=len(data)).group_id == "g"
+
+
+def _with_topk(group, k: int, seed: int = 1):
+    """Give every sample of `group` top-k arrays: ids int64 [T, k], log-probs float64 [T, k] (<= 0)."""
+    rng = np.random.default_rng(seed)
+    for s in group.samples:
+        T = len(s.response_ids)
+        s.topk_ids = rng.integers(0, 50000, (T, k))
+        s.topk_logprobs = -np.sort(rng.exponential(3.0, (T, k)))[:, ::-1]
+    return group
+
+
+def test_topk_round_trip_float16_and_bytes_per_token(make_group):
+    """Top-k log-probs travel as int32 ids + float16 log-probs: exactly 6 K more bytes per response token (120 at
+    K = 20; the header grows by a few bytes), ids exact, log-probs to float16 rounding (relative 2**-11)."""
+    plain = make_group("g", n_samples=3, response_tokens=40)
+    base = len(encode_group(plain))
+    group = _with_topk(make_group("g", n_samples=3, response_tokens=40), 20)
+    data = encode_group(group)
+    tokens = 3 * 40
+    assert 120 * tokens <= len(data) - base <= 120 * tokens + 64   # + the two arrays' descriptors in the header
+    back = decode_group(data)
+    for s, t in zip(group.samples, back.samples):
+        assert t.topk_ids.dtype == np.int32 and t.topk_ids.shape == (40, 20)
+        assert t.topk_logprobs.dtype == np.float16 and t.topk_logprobs.shape == (40, 20)
+        assert np.array_equal(t.topk_ids, s.topk_ids)
+        assert np.allclose(t.topk_logprobs.astype(np.float64), s.topk_logprobs, rtol=2**-11, atol=1e-7)
+    assert all(t.topk_ids is None for t in decode_group(encode_group(plain)).samples)
+    unpacker = msgpack.Unpacker(io.BytesIO(data), raw=False)
+    header = unpacker.unpack()
+    assert header["topk"] == 20 and header["topk_logprobs"] == ["<f2", [tokens * 20]]
+    # the preflight's size of a group (deploy/preflight.py: the broker queue at its high watermark)
+    assert len(data) - unpacker.tell() == group_wire_bytes(3, 7, 40, topk=20)
+    # below float16's range (p ~ 0) is sent as float16's lowest value, not -inf
+    group.samples[0].topk_logprobs[0, -1] = -1e6
+    assert decode_group(encode_group(group)).samples[0].topk_logprobs[0, -1] == np.finfo(np.float16).min
+
+
+TOPK_CASES = {
+    "logp_not_finite": lambda g: g.samples[1].topk_logprobs.__setitem__((2, 3), np.nan),
+    "logp_positive": lambda g: g.samples[0].topk_logprobs.__setitem__((0, 0), 0.5),
+    "bad_token_id": lambda g: g.samples[1].topk_ids.__setitem__((1, 1), -3),
+    "length_mismatch": lambda g: _mutate(g.samples[0], topk_ids=g.samples[0].topk_ids[:-1],
+                                         topk_logprobs=g.samples[0].topk_logprobs[:-1]),
+    "bad_shape": lambda g: _mutate(g.samples[1], topk_ids=g.samples[1].topk_ids[:, :3],
+                                   topk_logprobs=g.samples[1].topk_logprobs[:, :3]),   # another K in one group
+}
+
+
+@pytest.mark.parametrize("reason", TOPK_CASES)
+def test_topk_rules_name_the_field(reason, make_group):
+    group = _with_topk(make_group("g"), 4)
+    TOPK_CASES[reason](group)
+    with pytest.raises(SchemaError) as e:
+        encode_group(group)
+    assert e.value.reason == reason
+    assert reason == "bad_shape" or "topk" in str(e.value)

@@ -3,7 +3,7 @@ worked out by hand in the comments, not with the code under test."""
 import pytest
 
 from compressors import CompressorConfig
-from compressors.budget import budget_range, scheduled_budget, tier_budget, tier_of
+from compressors.budget import budget_range, length_budget, scheduled_budget, tier_budget, tier_of
 
 
 def test_constant_schedule_is_kv_budget_at_every_version():
@@ -26,6 +26,15 @@ def test_cosine_schedule():
     # 256 + 256 (1 + cos(pi v/8)) / 2: v=2 cos(pi/4)=0.70711 -> 256 + 218.51 = 474.51 -> 475;
     # v=4 cos(pi/2)=0 -> 384; v=6 cos(3pi/4)=-0.70711 -> 256 + 37.49 = 293.49 -> 293
     assert [scheduled_budget(cfg, v, 8) for v in (0, 2, 4, 6, 8)] == [512, 475, 384, 293, 256]
+
+
+def test_length_schedule_grows_along_the_trajectory_up_to_its_cap():
+    cfg = CompressorConfig(kv_budget=48, kv_budget_final=120, budget_schedule="length", budget_growth=0.5)
+    # 48 + 0.5 t: t=0 48, t=1 48.5 -> 49, t=10 53, t=100 98, t=144 120, t=1000 capped at 120
+    assert [length_budget(cfg, 48, t) for t in (0, 1, 10, 100, 144, 1000)] == [48, 49, 53, 98, 120, 120]
+    assert [scheduled_budget(cfg, v, 8) for v in (0, 5)] == [48, 48]    # by version: the start budget
+    assert budget_range(cfg) == (48, 120)                               # preflight sizes with the cap
+    assert length_budget(CompressorConfig(kv_budget=48), 48, 500) == 48  # other schedules: the start budget
 
 
 def test_tiers_follow_seed_002_rule():
@@ -58,6 +67,10 @@ def test_budget_range():
     (dict(budget_control="mismatch", kv_budget_min=32, kv_budget_max=128, budget_schedule="linear"),
      "compressor.budget_schedule"),
     (dict(budget_schedule="linear", kv_budget_final=6), "smallest budget"),       # 6 <= window 8
+    (dict(budget_schedule="length", kv_budget_final=600), "compressor.budget_growth"),
+    (dict(budget_schedule="length", budget_growth=0.5), "compressor.kv_budget_final"),
+    (dict(budget_schedule="length", budget_growth=0.5, kv_budget_final=600, budget_tiers="confidence"),
+     "compressor.budget_tiers"),
     (dict(budget_tiers="confidence", tier_scales=[1.5, 1.0, 0.1]), "smallest budget"),   # 64 * 0.1 = 6 <= 8
     (dict(budget_tiers="confidence", tier_thresholds=[0.9, 0.2]), "compressor.tier_thresholds"),
     (dict(budget_tiers="confidence", tier_scales=[1.0, 0.5]), "compressor.tier_scales"),

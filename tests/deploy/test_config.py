@@ -250,3 +250,31 @@ def test_a_bare_off_means_off(override):
     cfg = load_config("tiny", [override])
     compressor = cfg.eval.sparse_compressor if override.startswith("eval.") else cfg.actors.engine.compressor
     assert getattr(compressor, override.split(".")[-1].split("=")[0]) == "off"
+
+
+def test_budget_metric_defaults_to_the_acceptance_rate_when_top_k_is_on():
+    """compressor.budget_metric "" -> accept_p5 with actors.sampling.topk_logprobs > 0, else xi_sym_p5; an accept_*
+    metric turns top-k on at 20 (issue 22); xi_* stays available."""
+    control = ["actors.engine.compressor.budget_control=mismatch", "actors.engine.compressor.kv_budget_min=16",
+               "actors.engine.compressor.kv_budget_max=64", "actors.engine.compressor.kv_budget=32"]
+    plain = load_config("tiny", control)
+    assert (plain.actors.engine.compressor.budget_metric, plain.actors.sampling.topk_logprobs) == ("xi_sym_p5", 0)
+    top = load_config("tiny", control + ["actors.sampling.topk_logprobs=8"])
+    assert (top.actors.engine.compressor.budget_metric, top.actors.sampling.topk_logprobs) == ("accept_p5", 8)
+    named = load_config("tiny", control + ["actors.engine.compressor.budget_metric=accept_p5"])
+    assert named.actors.sampling.topk_logprobs == 20
+    # the acceptance rate does not need the correction's ratio tail
+    assert load_config("tiny", control + ["actors.engine.compressor.budget_metric=accept_p5",
+                                          "learner.correction=off"]).learner.correction == "off"
+    with pytest.raises(ConfigError, match="learner.correction=off"):
+        load_config("tiny", control + ["learner.correction=off"])
+    with pytest.raises(ConfigError, match="actors.sampling.topk_logprobs=-1"):
+        load_config("tiny", ["actors.sampling.topk_logprobs=-1"])
+
+
+def test_length_schedule_needs_the_torch_engine():
+    length = ["actors.engine.compressor.budget_schedule=length", "actors.engine.compressor.budget_growth=0.5",
+              "actors.engine.compressor.kv_budget_final=96", "actors.engine.compressor.kv_budget=48"]
+    assert load_config("tiny", length).actors.engine.compressor.budget_schedule == "length"
+    with pytest.raises(ConfigError, match="budget_schedule='length'.*actors.engine.backend=torch"):
+        load_config("tiny", length + ["actors.engine.backend=sglang"], check_files=False)

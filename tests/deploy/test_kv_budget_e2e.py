@@ -3,7 +3,8 @@
 - a linear budget schedule: the budget of every step's rollouts follows the formula at their weight version, and
   their KV bytes fall with it; the run starts although its dense batch would not fit preflight.kv_memory_gb;
 - the closed-loop controller with difficulty tiers: the budget the learner publishes after step v reaches every
-  batch sampled with weights v (within one step), tiers scale it, and each decision is logged with its reason.
+  batch sampled with weights v (within one step), tiers scale it, and each decision is logged with its reason;
+  it reads accept_p5 (issue 22), so the actors' top-20 log-probs travel through the broker to the learner.
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def test_linear_schedule_reaches_the_rollouts(tmp_path, redis_server):
 
 @pytest.mark.timeout(900)
 def test_controller_budget_reaches_actors_within_one_step(tmp_path, redis_server):
-    # target 1.0 is never met (min(xi, 1/xi) < 1 on some token), so the controller raises by 8 after every step:
+    # target 1.0 is never met (the lower bound of the acceptance rate from the top 20 of a random model's 256-token
+    # vocabulary is < 1 on some token), so the controller raises by 8 after every step:
     # 32 (start) -> 40 -> 48 -> 56 -> 64 (the max). 4 training prompts so prompts come back and get a tier.
     steps = 4
     cfg = load_config("tiny", [f"run_dir={tmp_path}", f"broker.url={redis_server.url}", "eval.enabled=false",
@@ -60,13 +62,17 @@ def test_controller_budget_reaches_actors_within_one_step(tmp_path, redis_server
                                "actors.engine.compressor.budget_step=8", "actors.engine.compressor.budget_target=1.0",
                                "actors.engine.compressor.budget_tiers=confidence",
                                "actors.engine.compressor.tier_scales=[1.5,1.0,0.75]",
+                               "actors.engine.compressor.budget_metric=accept_p5",
                                "learner.weight_sync_timeout_s=60"])
+    assert cfg.actors.sampling.topk_logprobs == 20
     summary = train(cfg)
     log = [json.loads(line) for line in
            (tmp_path / summary["run_id"] / "budget_log.jsonl").read_text().splitlines()]
     assert [r["version"] for r in log] == [1, 2, 3, 4]
     assert [r["kv_budget"] for r in log] == [40, 48, 56, 64]
-    assert all(r["changed"] and "< target 1" in r["reason"] and "raise" in r["reason"] for r in log)
+    assert all(r["changed"] and "accept_p5=" in r["reason"] and "< target 1" in r["reason"] and "raise" in r["reason"]
+               for r in log)
+    assert all(0 < r["accept_p5"] < 1 for r in log)
     published = {0: 32, **{r["version"]: r["kv_budget"] for r in log}}   # budget in force for weights >= version
     c = cfg.actors.engine.compressor
     tiers = set()
@@ -81,6 +87,8 @@ def test_controller_budget_reaches_actors_within_one_step(tmp_path, redis_server
     client = MlflowClient(summary["mlflow_uri"])
     run = summary["mlflow_run_id"]
     assert history(client, run, "kv_budget_control") == [40, 48, 56, 64]
+    assert history(client, run, "accept_p5") == pytest.approx([r["accept_p5"] for r in log])
+    assert all(lo <= up for lo, up in zip(history(client, run, "accept_p5"), history(client, run, "accept_upper_p5")))
     metrics = client.get_run(run).data.metrics
     assert any(k.startswith("tier/") and k.endswith("/rejection_rate") for k in metrics), sorted(metrics)
     assert any(k.startswith("tier/") and k.endswith("/kv_budget") for k in metrics), sorted(metrics)

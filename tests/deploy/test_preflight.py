@@ -114,6 +114,23 @@ def test_fits_sparse_not_dense_passes_and_a_large_budget_warns():
     assert not decode.warnings
 
 
+def test_broker_queue_bytes_with_topk_logprobs_and_a_group_over_max_message_bytes():
+    """Top-k log-probs (issue 22) grow a group on the wire by 6 K bytes per response token: the preflight's
+    group and queue bytes say so, and a group over broker.max_message_bytes fails naming the fields."""
+    base = ["actors.sampling.max_new_tokens=32", "preflight.max_prompt_tokens=101", "preflight.kv_memory_gb=1",
+            "broker.high_watermark=10"]
+    plain = preflight(load_config("tiny", base), model_path=resolve_model(TINY_LLAMA))
+    top = preflight(load_config("tiny", base + ["actors.sampling.topk_logprobs=20"]), model_path=resolve_model(TINY_LLAMA))
+    G = 2                                                                  # tiny: samples_per_prompt 2
+    assert plain.group_bytes == G * (101 * 4 + 32 * 8)
+    assert top.group_bytes - plain.group_bytes == G * 32 * 120
+    assert top.queue_bytes == top.group_bytes * (10 + 2)                  # watermark + one batch of 2 groups
+    assert "B at the high watermark" in top.table()
+    with pytest.raises(PreflightError, match="broker.max_message_bytes=8,000.*topk_logprobs=20"):
+        preflight(load_config("tiny", base + ["actors.sampling.topk_logprobs=20", "broker.max_message_bytes=8000"]),
+                  model_path=resolve_model(TINY_LLAMA))
+
+
 def test_fits_neither_fails_naming_fields_and_numbers():
     cfg = load_config("tiny", ["actors.engine.compressor.kv_budget=48", "actors.engine.compressor.interval=16",
                                "actors.sampling.max_new_tokens=32", "preflight.max_prompt_tokens=101",

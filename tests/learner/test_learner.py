@@ -88,3 +88,40 @@ def test_response_logprobs_match_a_full_forward_at_the_sampler_temperature():
                 torch.testing.assert_close(entropy[i, :R], -(full.exp() * full).sum(-1), atol=1e-5, rtol=1e-5)
                 assert (logp[i, R:] == 0).all()
                 i += 1
+
+
+@pytest.mark.parametrize("k", [64, 8])
+def test_step_acceptance_rate_against_the_exact_full_vocabulary_value(k):
+    """Groups carrying the sampler's top-k log-probs (issue 22) through the wire (float16): the step's accept_*
+    equal Sparrow's alpha = sum_x min(p, q) computed here over the whole vocabulary when k = the vocabulary, and
+    bracket it (accept_mean <= exact mean <= accept_upper_mean) with k = 8. q is the dense distribution of the
+    same model with noise on its logits; temperature 0.7 on both sides."""
+    from broker.schema import decode_group, encode_group
+
+    model = tiny_llama()
+    groups = make_groups(num_groups=2, G=3, temperature=0.7)
+    gen = torch.Generator().manual_seed(0)
+    exact = []
+    with torch.no_grad():
+        for g in groups:
+            for s in g.samples:
+                ids = torch.tensor(list(s.prompt_ids) + list(s.response_ids))[None]
+                P, R = len(s.prompt_ids), len(s.response_ids)
+                logits = model(input_ids=ids).logits[0, P - 1:P - 1 + R] / 0.7
+                logq = (logits + torch.randn(logits.shape, generator=gen)).log_softmax(-1)
+                exact.append(torch.minimum(logits.softmax(-1), logq.exp()).sum(-1))
+                top = logq.topk(k, dim=-1)
+                s.topk_ids, s.topk_logprobs = top.indices.numpy(), top.values.numpy()
+    groups = [decode_group(encode_group(g)) for g in groups]
+    exact = torch.cat(exact).double()
+    learner = Learner(model, LearnerConfig(lr=1e-3, kl_coef=0.0))
+    m = learner.step(groups, staleness=[0, 0])
+    if k == 64:
+        assert m["accept_mean"] == pytest.approx(exact.mean().item(), abs=2e-3)
+        assert m["accept_p5"] == pytest.approx(torch.quantile(exact, 0.05).item(), abs=2e-3)
+        assert m["accept_upper_p5"] == pytest.approx(m["accept_p5"], abs=2e-3)
+        assert m["accept_topk_mass_outside"] == pytest.approx(0, abs=2e-3)
+    else:
+        assert m["accept_mean"] < exact.mean().item() - 1e-3 < m["accept_upper_mean"]
+        assert m["accept_topk_mass_outside"] > 0.01
+    assert "accept_p5" not in Learner(tiny_llama(), LearnerConfig(kl_coef=0.0)).step(make_groups(2), [0, 0])
