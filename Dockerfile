@@ -88,7 +88,7 @@ RUN set -eux; \
 
 WORKDIR /app
 COPY --from=source --chown=1000:1000 /src /app
-# Editable; the presets ship in the package (deploy/configs), so `--config smollm2-count` works from any
+# Editable; the presets ship in the package (deploy/configs), so `--config smollm2-copy` works from any
 # directory. /mlflow and /app/runs belong to the runtime user: named volumes mounted there are writable.
 RUN python3 -m pip install --no-deps -e /app \
  && mkdir -p /mlflow /app/runs \
