@@ -168,14 +168,12 @@ def test_bad_budget_config_fails_at_start_naming_the_dotted_field(overrides, nam
         load_config("tiny", overrides, check_files=False)
 
 
-def test_main_job_compresses_the_trace_not_the_prompt():
-    """The default main job is in the Sparse-RL paper's regime (its longest chat-templated prompt fits the KV
-    budget, the responses it allows are 3x the budget); smollm2-copy, kept as a preset, compresses its prompt
-    at prefill, and the preflight says so."""
-    from deploy.cli import MAIN_JOB
-
-    main = preflight(load_config(MAIN_JOB))
-    budget = load_config(MAIN_JOB).actors.engine.compressor.kv_budget
+def test_decode_preset_compresses_the_trace_not_the_prompt():
+    """smollm2-count is in the Sparse-RL paper's regime (its longest chat-templated prompt fits the KV budget,
+    the responses it allows are 3x the budget); smollm2-copy compresses its prompt at prefill, and the
+    preflight says so."""
+    main = preflight(load_config("smollm2-count"))
+    budget = load_config("smollm2-count").actors.engine.compressor.kv_budget
     assert main.prompt_tokens < budget and main.max_new_tokens >= 3 * budget
     assert not any("compressed at prefill" in w for w in main.warnings), main.warnings
     copy = preflight(load_config("smollm2-copy"))
