@@ -174,6 +174,8 @@ class SGLangEngine:
         kwargs.setdefault("skip_tokenizer_init", False)
         self.engine = sglang.Engine(model_path=model_path, **kwargs)
         self.tokenizer = self.engine.tokenizer_manager.tokenizer
+        self._failure, self._task = None, None
+        self.engine.loop.run_until_complete(self._watch_subprocesses())
 
         # Manifest of the served model (HF names, shapes, dtype) from its config, on the meta device.
         hf_config = AutoConfig.from_pretrained(model_path)
@@ -393,12 +395,40 @@ class SGLangEngine:
             self._check(self._call(tm.end_weight_update(EndWeightUpdateReqInput(), None), "end_weight_update"),
                         "end_weight_update")
 
+    async def _watch_subprocesses(self) -> None:
+        """A failing SGLang subprocess (scheduler, detokenizer) sends this process SIGQUIT, and SGLang's own
+        handler then SIGKILLs the whole process tree, this process included: no error, no cleanup. Replace
+        that handler (on the engine's loop, after SGLang installs its own): the pending engine call raises
+        RuntimeError instead, later calls too, and `shutdown()` stops what is left."""
+        import signal
+        import threading
+
+        self.engine.tokenizer_manager.auto_create_handle_loop()     # installs SGLang's handler (idempotent)
+        if threading.current_thread() is threading.main_thread():
+            self.engine.loop.add_signal_handler(signal.SIGQUIT, self._on_subprocess_failure)
+
+    def _on_subprocess_failure(self) -> None:
+        self._failure = "an SGLang subprocess failed (its traceback, if any, is in the log above)"
+        if self._task is not None:
+            self._task.cancel()
+
     def _call(self, coro, what: str):
-        """Run an engine coroutine on SGLang's event loop with `timeout_s`; TimeoutError -> RuntimeError."""
+        """Run an engine coroutine on SGLang's event loop with `timeout_s`; TimeoutError or a failed SGLang
+        subprocess -> RuntimeError naming the call."""
+        if self._failure is not None:
+            coro.close()
+            raise RuntimeError(f"SGLang {what} refused: {self._failure}; shut the engine down")
+        self._task = self.engine.loop.create_task(asyncio.wait_for(coro, self.timeout_s))
         try:
-            return self.engine.loop.run_until_complete(asyncio.wait_for(coro, self.timeout_s))
+            return self.engine.loop.run_until_complete(self._task)
         except asyncio.TimeoutError as e:
             raise RuntimeError(f"SGLang {what} did not finish within timeout_s={self.timeout_s}") from e
+        except asyncio.CancelledError:
+            if self._failure is None:
+                raise
+            raise RuntimeError(f"SGLang {what} failed: {self._failure}") from None
+        finally:
+            self._task = None
 
     @staticmethod
     def _check(result, what: str) -> None:
