@@ -405,10 +405,11 @@ class SGLangEngine:
 
         self.engine.tokenizer_manager.auto_create_handle_loop()     # installs SGLang's handler (idempotent)
         if threading.current_thread() is threading.main_thread():
-            self.engine.loop.add_signal_handler(signal.SIGQUIT, self._on_subprocess_failure)
+            self.engine.loop.add_signal_handler(signal.SIGQUIT, _on_subprocess_failure)
+        _LIVE_ENGINES.add(self)
 
-    def _on_subprocess_failure(self) -> None:
-        self._failure = "an SGLang subprocess failed (its traceback, if any, is in the log above)"
+    def _fail(self) -> None:
+        self._failure = "an SGLang subprocess of this process failed (its traceback, if any, is in the log above)"
         if self._task is not None:
             self._task.cancel()
 
@@ -441,8 +442,21 @@ class SGLangEngine:
             raise RuntimeError(f"SGLang {what} failed: {message}")
 
     def shutdown(self) -> None:
-        """Stop SGLang's subprocesses."""
+        """Stop SGLang's subprocesses. SGLang 0.5.23 kills *every* child process of this process here
+        (`kill_process_tree(getpid(), include_parent=False)`), the subprocesses of other live engines too: run
+        one engine per process, or shut them down together."""
+        _LIVE_ENGINES.discard(self)
         self.engine.shutdown()
+
+
+_LIVE_ENGINES: set = set()
+"""The SGLangEngines of this process that have not been shut down."""
+
+
+def _on_subprocess_failure() -> None:
+    """SIGQUIT from a failed SGLang subprocess: it does not say whose, so every live engine fails its call."""
+    for eng in list(_LIVE_ENGINES):
+        eng._fail()
 
 
 def sglang_sender_group(master_address: str, master_port: int, world_size: int,

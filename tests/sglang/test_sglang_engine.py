@@ -141,7 +141,8 @@ def test_weight_update_over_gloo_group(engine, tiny_qwen2_dir):
 
 def test_failed_scheduler_raises_instead_of_killing_this_process(tiny_qwen2_dir):
     """A real fault: SIGKILL SGLang's scheduler. SGLang's watchdog then SIGQUITs this process, whose default
-    SGLang handler would SIGKILL pytest itself; the engine must raise RuntimeError instead."""
+    SGLang handler would SIGKILL pytest itself; the engine must raise RuntimeError instead. Keep it last in
+    this file: the failure (and SGLang's shutdown) also ends the module's `engine`."""
     import os
     import signal
 
