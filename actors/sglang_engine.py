@@ -177,6 +177,8 @@ class SGLangEngine:
         kwargs.setdefault("skip_tokenizer_init", False)
         self.engine = sglang.Engine(model_path=model_path, **kwargs)
         self.tokenizer = self.engine.tokenizer_manager.tokenizer
+        self._failure, self._task = None, None
+        self.engine.loop.run_until_complete(self._watch_subprocesses())
 
         # Manifest of the served model (HF names, shapes, dtype) from its config, on the meta device.
         hf_config = AutoConfig.from_pretrained(model_path)
@@ -399,12 +401,41 @@ class SGLangEngine:
             self._check(self._call(tm.end_weight_update(EndWeightUpdateReqInput(), None), "end_weight_update"),
                         "end_weight_update")
 
+    async def _watch_subprocesses(self) -> None:
+        """A failing SGLang subprocess (scheduler, detokenizer) sends this process SIGQUIT, and SGLang's own
+        handler then SIGKILLs the whole process tree, this process included: no error, no cleanup. Replace
+        that handler (on the engine's loop, after SGLang installs its own): the pending engine call raises
+        RuntimeError instead, later calls too, and `shutdown()` stops what is left."""
+        import signal
+        import threading
+
+        self.engine.tokenizer_manager.auto_create_handle_loop()     # installs SGLang's handler (idempotent)
+        if threading.current_thread() is threading.main_thread():
+            self.engine.loop.add_signal_handler(signal.SIGQUIT, _on_subprocess_failure)
+        _LIVE_ENGINES.add(self)
+
+    def _fail(self) -> None:
+        self._failure = "an SGLang subprocess of this process failed (its traceback, if any, is in the log above)"
+        if self._task is not None:
+            self._task.cancel()
+
     def _call(self, coro, what: str):
-        """Run an engine coroutine on SGLang's event loop with `timeout_s`; TimeoutError -> RuntimeError."""
+        """Run an engine coroutine on SGLang's event loop with `timeout_s`; TimeoutError or a failed SGLang
+        subprocess -> RuntimeError naming the call."""
+        if self._failure is not None:
+            coro.close()
+            raise RuntimeError(f"SGLang {what} refused: {self._failure}; shut the engine down")
+        self._task = self.engine.loop.create_task(asyncio.wait_for(coro, self.timeout_s))
         try:
-            return self.engine.loop.run_until_complete(asyncio.wait_for(coro, self.timeout_s))
+            return self.engine.loop.run_until_complete(self._task)
         except asyncio.TimeoutError as e:
             raise RuntimeError(f"SGLang {what} did not finish within timeout_s={self.timeout_s}") from e
+        except asyncio.CancelledError:
+            if self._failure is None:
+                raise
+            raise RuntimeError(f"SGLang {what} failed: {self._failure}") from None
+        finally:
+            self._task = None
 
     @staticmethod
     def _check(result, what: str) -> None:
@@ -417,7 +448,10 @@ class SGLangEngine:
             raise RuntimeError(f"SGLang {what} failed: {message}")
 
     def shutdown(self) -> None:
-        """Stop SGLang's subprocesses."""
+        """Stop SGLang's subprocesses. SGLang 0.5.23 kills *every* child process of this process here
+        (`kill_process_tree(getpid(), include_parent=False)`), the subprocesses of other live engines too: run
+        one engine per process, or shut them down together."""
+        _LIVE_ENGINES.discard(self)
         self.engine.shutdown()
 
 
@@ -430,6 +464,16 @@ def _top_logprobs(meta: dict, length: int) -> dict:
         raise RuntimeError(f"SGLang output_top_logprobs has {len(rows)} positions (some empty?) for {length} tokens")
     return {"topk_ids": np.asarray([[t for _, t, _ in r] for r in rows], dtype=np.int32),
             "topk_logprobs": np.asarray([[lp for lp, _, _ in r] for r in rows], dtype=np.float32)}
+
+
+_LIVE_ENGINES: set = set()
+"""The SGLangEngines of this process that have not been shut down."""
+
+
+def _on_subprocess_failure() -> None:
+    """SIGQUIT from a failed SGLang subprocess: it does not say whose, so every live engine fails its call."""
+    for eng in list(_LIVE_ENGINES):
+        eng._fail()
 
 
 def sglang_sender_group(master_address: str, master_port: int, world_size: int,

@@ -114,7 +114,7 @@ def engine_kwargs(args, dtype: str, dense: bool, batch: int, pool_tokens: int | 
     (the same-memory run), with an eager admission (schedule_conservativeness 0.05) so SGLang, which budgets
     max_new_tokens of growth per request, admits what the bounded cache really needs."""
     if args.tiny:
-        kw = dict(device="cpu", max_total_tokens=pool_tokens or 4096, mem_fraction_static=0.05,
+        kw = dict(device="cpu", max_total_tokens=pool_tokens or 4096, mem_fraction_static=0.5,
                   disable_cuda_graph=True, max_running_requests=batch)
         if dense:
             kw.update(attention_backend="torch_native", disable_overlap_schedule=True)

@@ -137,3 +137,27 @@ def test_weight_update_over_gloo_group(engine, tiny_qwen2_dir):
     assert not errors and not sender.is_alive()
     assert engine.weight_version == 5
     assert_serves_new_weights(engine, model, new, params, before)
+
+
+def test_failed_scheduler_raises_instead_of_killing_this_process(tiny_qwen2_dir):
+    """A real fault: SIGKILL SGLang's scheduler. SGLang's watchdog then SIGQUITs this process, whose default
+    SGLang handler would SIGKILL pytest itself; the engine must raise RuntimeError instead. Keep it last in
+    this file: the failure (and SGLang's shutdown) also ends the module's `engine`."""
+    import os
+    import signal
+
+    import psutil
+
+    eng = SGLangEngine(str(tiny_qwen2_dir), timeout_s=120, attention_backend="torch_native", **CPU_ENGINE_KWARGS)
+    try:
+        params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+        assert len(eng.generate(PROMPTS, params)) == 2
+        schedulers = [p for p in psutil.Process().children(recursive=True) if "scheduler" in " ".join(p.cmdline())]
+        assert schedulers, "no SGLang scheduler subprocess found"
+        os.kill(schedulers[0].pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="generate failed: an SGLang subprocess failed"):
+            eng.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True))
+        with pytest.raises(RuntimeError, match="generate refused"):
+            eng.generate(PROMPTS, params)
+    finally:
+        eng.shutdown()

@@ -29,16 +29,33 @@ KWARGS = dict(CPU_ENGINE_KWARGS, max_running_requests=4)
     CompressorConfig(method="rkv", kv_budget=16, window=4, interval=8),
     CompressorConfig(method="snapkv", kv_budget=16, window=4, interval=8, selection="shared"),
 ], ids=["rkv-per_head", "snapkv-shared"])
-def triton_engine(request, tiny_qwen2_dir, tmp_path_factory):
+def compressor(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def torch_backend_samples(compressor, tiny_qwen2_dir):
+    """The reference backend's samples, from an engine shut down before the Triton engine starts (SGLang's
+    shutdown kills every child of this process, the other engine's scheduler too)."""
+    ref_eng = SGLangEngine(str(tiny_qwen2_dir), compressor_cfg=compressor, timeout_s=600,
+                           sparse_backend=TORCH_SPARSE_BACKEND, **CPU_ENGINE_KWARGS)
+    try:
+        return [g[0] for g in ref_eng.generate(PROMPTS, PARAMS)]
+    finally:
+        ref_eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def triton_engine(compressor, torch_backend_samples, tiny_qwen2_dir, tmp_path_factory):
     stats = tmp_path_factory.mktemp("kv") / "stats.json"
     os.environ[KV_STATS_ENV], os.environ[SELF_CHECK_ENV] = str(stats), "1"
-    eng = SGLangEngine(str(tiny_qwen2_dir), compressor_cfg=request.param, timeout_s=600, **KWARGS)
-    yield eng, request.param
+    eng = SGLangEngine(str(tiny_qwen2_dir), compressor_cfg=compressor, timeout_s=600, **KWARGS)
+    yield eng, compressor
     eng.shutdown()
     del os.environ[KV_STATS_ENV], os.environ[SELF_CHECK_ENV]
 
 
-def test_triton_backend_equals_torch_backend_and_torch_engine(triton_engine, tiny_qwen2_dir):
+def test_triton_backend_equals_torch_backend_and_torch_engine(triton_engine, torch_backend_samples, tiny_qwen2_dir):
     eng, cc = triton_engine
     got = [g[0] for g in eng.generate(PROMPTS, PARAMS)]
     stats = eng.kv_pool_stats()
@@ -47,14 +64,8 @@ def test_triton_backend_equals_torch_backend_and_torch_engine(triton_engine, tin
     tok = AutoTokenizer.from_pretrained(tiny_qwen2_dir)
     want = [g[0] for g in TorchEngine(model, tok, cc).generate(PROMPTS, PARAMS)]
     dense = [g[0] for g in TorchEngine(model, tok, CompressorConfig(method="full")).generate(PROMPTS, PARAMS)]
-    ref_eng = SGLangEngine(str(tiny_qwen2_dir), compressor_cfg=cc, timeout_s=600, sparse_backend=TORCH_SPARSE_BACKEND,
-                           **CPU_ENGINE_KWARGS)
-    try:
-        old = [g[0] for g in ref_eng.generate(PROMPTS, PARAMS)]
-    finally:
-        ref_eng.shutdown()
     moved = 0.0
-    for g, w, o, d in zip(got, want, old, dense):
+    for g, w, o, d in zip(got, want, torch_backend_samples, dense):
         assert g.response_ids == w.response_ids == o.response_ids
         assert torch.allclose(torch.from_numpy(g.logp_sparse), torch.from_numpy(w.logp_sparse), atol=2e-5)
         assert torch.allclose(torch.from_numpy(g.logp_sparse), torch.from_numpy(o.logp_sparse), atol=2e-5)
