@@ -60,8 +60,11 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true", help="build the model files and print the plan; no SGLang")
     args = p.parse_args(argv)
     if args.tiny:
-        args.batch, args.prompt_len, args.response_len = 4, 24, 64
-        args.kv_budget, args.interval, args.window, args.eq_prompts, args.eq_len = 16, 8, 4, 2, 40
+        # CPU smoke sizes: SGLang's Triton kernels run in Triton's numpy interpreter (~1 s per decode step), so
+        # 4 engines x 32-token responses fit the script's timeout on 2 CPU cores (64 did not: 470 s passed).
+        # Prompt 20 > budget 16: prefill compression, then decode compressions every 8 steps.
+        args.batch, args.prompt_len, args.response_len = 4, 20, 32
+        args.kv_budget, args.interval, args.window, args.eq_prompts, args.eq_len = 16, 8, 4, 2, 24
         if args.model_dir.startswith("/tmp/sparse-rl-qwen2.5"):
             args.model_dir = "/tmp/sparse-rl-gpu-check-tiny"
     if args.eq_len <= args.kv_budget and not args.skip_equivalence:
