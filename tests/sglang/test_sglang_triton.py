@@ -16,6 +16,7 @@ from actors.sglang_triton_backend import SELF_CHECK_ENV
 from actors.torch_engine import TorchEngine
 from compressors import CompressorConfig
 from tests.sglang.conftest import CPU_ENGINE_KWARGS
+from tests.sglang.tiny import max_logp_shift, torch_references
 
 pytestmark = pytest.mark.sglang
 torch.set_num_threads(1)
@@ -60,19 +61,13 @@ def test_triton_backend_equals_torch_backend_and_torch_engine(triton_engine, tor
     got = [g[0] for g in eng.generate(PROMPTS, PARAMS)]
     stats = eng.kv_pool_stats()
     assert stats["self_checks"] == stats["decode_steps"] > 0      # every decode step went through the replay path
-    model = Qwen2ForCausalLM.from_pretrained(tiny_qwen2_dir).eval()
-    tok = AutoTokenizer.from_pretrained(tiny_qwen2_dir)
-    want = [g[0] for g in TorchEngine(model, tok, cc).generate(PROMPTS, PARAMS)]
-    dense = [g[0] for g in TorchEngine(model, tok, CompressorConfig(method="full")).generate(PROMPTS, PARAMS)]
-    moved = 0.0
-    for g, w, o, d in zip(got, want, torch_backend_samples, dense):
+    want, dense = torch_references(tiny_qwen2_dir, cc, PROMPTS, PARAMS)
+    for g, w, o in zip(got, want, torch_backend_samples):
         assert g.response_ids == w.response_ids == o.response_ids
         assert torch.allclose(torch.from_numpy(g.logp_sparse), torch.from_numpy(w.logp_sparse), atol=2e-5)
         assert torch.allclose(torch.from_numpy(g.logp_sparse), torch.from_numpy(o.logp_sparse), atol=2e-5)
         assert g.kv_retained_tokens == w.kv_retained_tokens
-        n = next((i for i, (a, b) in enumerate(zip(g.response_ids, d.response_ids)) if a != b), NEW)
-        moved = max(moved, float((torch.from_numpy(g.logp_sparse[:n]) - torch.from_numpy(d.logp_sparse[:n])).abs().max()))
-    assert moved > 1e-3          # eviction really changed the distribution: the equalities above are not trivial
+    assert max_logp_shift(got, dense, NEW) > 1e-3   # eviction changed the distribution: the equalities are not trivial
 
 
 def test_triton_backend_frees_evicted_slots(triton_engine):

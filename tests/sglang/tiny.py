@@ -26,3 +26,27 @@ def make_tiny_qwen2(out: Path, layers: int = 2, seed: int = 0) -> Path:
     model.save_pretrained(out)
     hf_tok.save_pretrained(out)
     return out
+
+
+def max_logp_shift(samples, dense, horizon: int) -> float:
+    """Largest |logp_sparse(sample) - logp_sparse(dense sample)| over each pair's common prefix (the positions
+    before their responses first differ, at most `horizon`): how far eviction moved the distribution."""
+    moved = 0.0
+    for s, d in zip(samples, dense):
+        n = next((i for i, (a, b) in enumerate(zip(s.response_ids, d.response_ids)) if a != b), horizon)
+        shift = torch.from_numpy(s.logp_sparse[:n]) - torch.from_numpy(d.logp_sparse[:n])
+        moved = max(moved, float(shift.abs().max()))
+    return moved
+
+
+def torch_references(model_dir: Path, compressor_cfg, prompts, params) -> tuple[list, list]:
+    """The first sample per prompt of TorchEngine on the model in `model_dir`, under `compressor_cfg` and dense:
+    (sparse references, dense references), the SGLang lane's ground truth."""
+    from actors.torch_engine import TorchEngine
+    from compressors import CompressorConfig
+    from transformers import AutoTokenizer
+
+    model = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return tuple([g[0] for g in TorchEngine(model, tok, cc).generate(prompts, params)]
+                 for cc in (compressor_cfg, CompressorConfig(method="full")))
