@@ -36,7 +36,8 @@ def evaluate(engine, tokenizer, items: list[Prompt], mode: str, compressor: Comp
     for start in range(0, len(items), batch_size):
         batch = items[start:start + batch_size]
         for item, (sample,) in zip(batch, engine.generate([p.prompt_ids for p in batch], params)):
-            result = reward(tokenizer.decode(sample.response_ids, skip_special_tokens=True), sample.response_ids, item)
+            result = reward(tokenizer.decode(sample.response_ids, skip_special_tokens=True), sample.response_ids, item,
+                            sample.finish_reason)
             statuses.append(result.status)
             rewards.append(result.reward)
             lengths.append(len(sample.response_ids))

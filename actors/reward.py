@@ -11,7 +11,7 @@ import math
 import re
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from math_verify import parse, verify
 
@@ -69,6 +69,11 @@ class RewardConfig:
     sample as `function(response: str, response_ids: list[int], item: actors.data.Prompt) -> float`; `item`
     carries `question`, `answer`, `prompt_id` and the task's `metadata` dict. A value >= 1 counts as correct
     in `accuracy`. A function that raises on a sample scores that sample 0 and is counted in `reward_errors`."""
+    truncated: Optional[float] = None
+    """The reward of a response that ran to `max_new_tokens` (finish_reason "length") in training and
+    evaluation, in place of the function's value; null = score it like any other. 0 is DAPO's overlong
+    punishment without the soft buffer (verl `reward_model.overlong_buffer`): running past the answer costs the
+    whole reward, so no policy can earn from responses that never stop."""
 
 
 RewardFn = Callable[[str, Sequence[int], Any], float]
@@ -92,10 +97,14 @@ class RewardScorer:
 
     def __init__(self, cfg: RewardConfig):
         self.fn = load_reward_function(cfg.function)
+        self.truncated = cfg.truncated
         self.name = cfg.function or "math"
         self.last_error = ""
 
-    def __call__(self, text: str, response_ids: Sequence[int], item) -> RewardResult:
+    def __call__(self, text: str, response_ids: Sequence[int], item, finish_reason: str = "stop") -> RewardResult:
+        """`finish_reason` "length" scores `RewardConfig.truncated` (status wrong) when that is set."""
+        if self.truncated is not None and finish_reason == "length":
+            return RewardResult(float(self.truncated), "wrong", "")
         if self.fn is None:
             return math_reward(text, item.answer)
         try:

@@ -247,7 +247,7 @@ class RolloutWorker:
                 records = []
                 for s in samples:
                     reward = self.reward(self.tokenizer.decode(s.response_ids, skip_special_tokens=True),
-                                         s.response_ids, prompt)
+                                         s.response_ids, prompt, s.finish_reason)
                     if reward.status == "error" and not self.counters["error"]:
                         print(f"{self.actor_id}: reward function failed (sample scored 0): {self.reward.last_error}")
                     records.append(SampleRecord(prompt_ids=s.prompt_ids, response_ids=s.response_ids,

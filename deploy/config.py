@@ -6,6 +6,7 @@ validated at start with errors that name the field.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import secrets
@@ -288,6 +289,9 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
         check_data(run)
         check_services(run)
     check(run.actors.count >= 1, f"actors.count={run.actors.count}: expected >= 1")
+    truncated = run.actors.reward.truncated
+    check(truncated is None or math.isfinite(truncated),
+          f"actors.reward.truncated={truncated}: expected a finite number or null")
     check(run.actors.start_timeout_s > 0, f"actors.start_timeout_s={run.actors.start_timeout_s}: expected > 0")
     check(run.actors.prompts_per_batch >= 1, f"actors.prompts_per_batch={run.actors.prompts_per_batch}: expected >= 1")
     check(run.train.steps >= 1, f"train.steps={run.train.steps}: expected >= 1")

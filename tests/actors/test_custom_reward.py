@@ -10,7 +10,7 @@ import pytest
 
 from actors.config import DataConfig
 from actors.data import Prompt, held_out_problems, load_eval_items, task_problems
-from actors.reward import RewardConfig, RewardScorer, load_reward_function
+from actors.reward import RewardConfig, RewardResult, RewardScorer, load_reward_function
 from actors.tasks import copy_numbers, copy_reward, digits, digits_reward, lcs_length
 
 
@@ -52,6 +52,15 @@ def test_a_raising_or_non_finite_function_scores_zero_and_is_counted(user_module
     assert (bad.reward, bad.status) == (0.0, "error")
     assert "RuntimeError: cannot score" in scorer.last_error and "p-0" in scorer.last_error
     assert RewardScorer(RewardConfig(function="user_rewards:nan"))("x", [1], item()).status == "error"
+
+
+def test_truncated_responses_score_the_configured_reward(user_module):
+    plain = RewardScorer(RewardConfig(function="user_rewards:length_reward"))
+    assert plain("abc", [5, 6, 7], item(target=4), "length").reward == 0.75   # unset: scored like any other
+    overlong = RewardScorer(RewardConfig(function="user_rewards:length_reward", truncated=-0.5))
+    assert overlong("abc", [5, 6, 7], item(target=4), "length") == RewardResult(-0.5, "wrong", "")
+    assert overlong("abc", [5, 6, 7], item(target=4), "stop").reward == 0.75
+    assert RewardScorer(RewardConfig(truncated=0.0))("#### 7", [1], item(), "length").reward == 0.0  # math too
 
 
 def test_default_is_the_math_reward():
