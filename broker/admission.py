@@ -18,10 +18,10 @@
   whose claim expired cannot publish (the publish script checks the claim): nothing it made is counted.
 - Scaling keeps the invariant: the pool is global to the run, actors only draw from it.
 
-Keys (`sparse-rl:{run_id}:...`): `admission:pending` (hash deadline -> groups claimed and not yet settled:
-being generated, or in the stream unconsumed), `admission:claims` (hash claim id -> "remaining:deadline"),
-`admission:expiry` (sorted set claim id -> expiry, Redis server time in ms), `admission:step_capacity`
-(C, written by the learner), `admission:last_version` (the last version that trains; written by the driver).
+Keys (broker/run_state.py, which also opens and resets the pool): `admission:pending` (hash deadline -> groups
+claimed and not yet settled: being generated, or in the stream unconsumed), `admission:claims` (hash claim id ->
+"remaining:deadline"), `admission:expiry` (sorted set claim id -> expiry, Redis server time in ms),
+`admission:step_capacity` (C, written by the learner), `admission:last_version` (the last version that trains).
 A claimed group's stream entry carries the fields `deadline` and `claim` next to `group`.
 """
 from __future__ import annotations
@@ -33,13 +33,9 @@ from dataclasses import dataclass
 
 import redis
 
+from broker import run_state as rs
 from broker.config import BrokerConfig
-from broker.prompts import CLAIM_PROMPTS, PROMPT_REDO, take_prompt_indices
-from broker.streams import ADMISSION_PENDING as PENDING
-from broker.streams import ADMISSION_STEP_CAPACITY as STEP_CAPACITY
-from broker.streams import Delivery, GroupConsumer, key
-
-CLAIMS, EXPIRY, LAST_VERSION = "admission:claims", "admission:expiry", "admission:last_version"
+from broker.streams import Delivery, GroupConsumer
 
 _COMMON = """
 local function now_ms()
@@ -193,7 +189,7 @@ class Admission:
 
     def __init__(self, client: redis.Redis, cfg: BrokerConfig, run_id: str):
         self.client, self.cfg, self.run_id = client, cfg, run_id
-        self.keys = [key(run_id, name) for name in (PENDING, CLAIMS, EXPIRY, "counts", CLAIM_PROMPTS, PROMPT_REDO)]
+        self.keys = rs.admission_keys(run_id)  # pending, claims, expiry, counts, claim_prompts, prompt_redo
         self.ttl_ms = max(1, int(cfg.claim_ttl_s * 1000))
         self._claim = client.register_script(_CLAIM)
         self._heartbeat = client.register_script(_HEARTBEAT)
@@ -208,16 +204,17 @@ class Admission:
         "starting" (the learner has not opened the pool yet)."""
         claim_id = uuid.uuid4().hex
         granted, detail = self._claim(
-            keys=self.keys + [key(self.run_id, n) for n in ("learner_version", STEP_CAPACITY, LAST_VERSION)],
+            keys=self.keys + [rs.key(self.run_id, n) for n in (rs.LEARNER_VERSION, rs.ADMISSION_STEP_CAPACITY,
+                                                               rs.ADMISSION_LAST_VERSION)],
             args=[claim_id, int(weight_version), int(groups), self.cfg.max_staleness, self.ttl_ms])
         if int(granted) < 1:
             return None, detail.decode() if isinstance(detail, bytes) else str(detail)
         return Claim(claim_id, int(granted), int(detail)), ""
 
     def take_prompts(self, claim: Claim) -> list[int]:
-        """The prompt indices of the claim's groups (broker.prompts.take_prompt_indices), recorded with the
+        """The prompt indices of the claim's groups (broker.run_state.take_prompt_indices), recorded with the
         claim: if it expires or is released unpublished, they are handed out again."""
-        return take_prompt_indices(self.client, self.run_id, claim.groups, claim.claim_id)
+        return rs.take_prompt_indices(self.client, self.run_id, claim.groups, claim.claim_id)
 
     def heartbeat(self, claim: Claim) -> bool:
         """Push the claim's expiry claim_ttl_s into the future; False when it had already expired."""
@@ -230,7 +227,7 @@ class Admission:
     def publish(self, claim: Claim, messages: list[bytes]) -> tuple[int, list[str]]:
         """XADD encoded groups made under `claim` (with their deadline) and count them produced, atomically,
         only if the claim is still held. Returns (stream depth, message ids). Raises ClaimExpired."""
-        reply = self._publish(keys=[key(self.run_id, self.cfg.stream), self.keys[3], self.keys[1], self.keys[2],
+        reply = self._publish(keys=[rs.key(self.run_id, self.cfg.stream), self.keys[3], self.keys[1], self.keys[2],
                                     self.keys[4]],
                               args=[claim.claim_id, *messages])
         if reply == -1:
@@ -240,8 +237,7 @@ class Admission:
 
     def last_version(self) -> int | None:
         """The run's last training version (open_pool), None when not set."""
-        value = self.client.get(key(self.run_id, LAST_VERSION))
-        return None if value is None else int(value)
+        return rs.read_last_version(self.client, self.run_id)
 
     def pool_size(self, version: int, capacity: int) -> int:
         """The most groups that can be admitted and unsettled at learner `version`: capacity for each version
@@ -260,23 +256,6 @@ class Admission:
             if int(d) >= version and int(c) > 0:
                 out[int(d)] = int(c)
         return out
-
-
-def open_pool(client: redis.Redis, run_id: str, last_version: int, capacity: int) -> None:
-    """Open admission (the learner, once it knows its version): `last_version` is the last learner version
-    whose step trains (train.steps - 1: the driver trains up to version train.steps), so no group is admitted
-    that could only be trained after the run, and the run stops with (almost) nothing left in the queue;
-    `capacity` is C, the groups per step (step_capacity)."""
-    pipe = client.pipeline(transaction=True)
-    pipe.set(key(run_id, LAST_VERSION), int(last_version))
-    pipe.set(key(run_id, STEP_CAPACITY), int(capacity))
-    pipe.execute()
-
-
-def reset_claims(client: redis.Redis, run_id: str) -> None:
-    """Forget every claim and pending group of the run (a resume: the actors that held them are gone and the
-    queue was discarded, broker.streams.discard_queue)."""
-    client.delete(key(run_id, PENDING), key(run_id, CLAIMS), key(run_id, EXPIRY), key(run_id, CLAIM_PROMPTS))
 
 
 def step_capacity(groups_per_step: int, filtered: int, seen: int, max_extra_reads: int) -> int:

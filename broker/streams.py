@@ -1,17 +1,11 @@
-"""Trajectory groups over Redis Streams (docs/ARCHITECTURE.md, "Contracts": acknowledgement, staleness).
+"""Trajectory groups over Redis Streams: the transport (docs/ARCHITECTURE.md, "Contracts": acknowledgement,
+staleness). The run's other keys, and the table of every key, are in broker/run_state.py.
 
-Keys of one run (`sparse-rl:{run_id}:...`):
-  `{cfg.stream}`              the stream of groups; holds exactly the unconsumed groups (entries are
-                              XACKed and XDELed together once committed, dropped or dead-lettered)
-  `{cfg.dead_letter_stream}`  messages that failed validation: reason, detail, msg_id, original bytes
-  `consumed`                  set of committed group ids (idempotency: survives a learner restart)
-  `counts`                    hash: produced, consumed, groups_filtered, dropped_stale, dead_lettered,
-                              duplicates; each changed in the same transaction as the stream operation it
-                              counts, so produced == consumed + groups_filtered + dropped_stale +
-                              dead_lettered + duplicates + depth when every message comes from GroupProducer
-                              (admission counters too: admitted, claims_expired, claimed_returned)
-  `learner_version`           the learner's current weight version, read by actors and by the consumer
-  `admission:*`               admission control (broker/admission.py)
+The stream `{cfg.stream}` holds exactly the unconsumed groups (entries are XACKed and XDELed together once
+committed, dropped or dead-lettered); `{cfg.dead_letter_stream}` holds messages that failed validation
+(reason, detail, msg_id, original bytes). Each stream operation changes the run's `counts` in the same
+transaction, so produced == consumed + groups_filtered + dropped_stale + dead_lettered + duplicates + depth
+when every message comes from GroupProducer.
 
 Delivery is at least once; a group is trained at most once because commit() adds its id to `consumed` in
 the same transaction as the XACK, and read() skips ids already there.
@@ -26,6 +20,7 @@ from urllib.parse import urlparse
 
 import redis
 
+from broker import run_state as rs
 from broker.config import BrokerConfig
 from broker.schema import SchemaError, TrajectoryGroup, decode_group, encode_group
 
@@ -34,22 +29,6 @@ TRANSACTION_BYTES = 4 << 20
 """publish_many sends a batch in transactions of at most this many message bytes (at least one group each):
 one MULTI/EXEC of 16 x 2 MB groups was measured 1.5x slower per group than one per group (redis 7.0), while
 16 x 16 KB in one transaction is ~2x faster than one per group."""
-
-
-ADMISSION_PENDING = "admission:pending"
-"""Hash deadline -> admitted groups not yet settled (broker/admission.py); settling a claimed group decrements
-it in the same transaction."""
-ADMISSION_STEP_CAPACITY = "admission:step_capacity"
-"""Groups admitted per learner step (written by the learner, broker/admission.py)."""
-
-PAUSED = "generation_paused"
-"""Key name: while `key(run_id, PAUSED)` exists, rollout actors start no new batch (the driver evaluates the
-initial weights first). A key rather than an actor argument, so an actor restarted by Ray obeys it too."""
-
-
-def key(run_id: str, name: str) -> str:
-    """The Redis key of `name` (a stream name from BrokerConfig, or consumed / counts / learner_version)."""
-    return f"sparse-rl:{run_id}:{name}"
 
 
 def connect(cfg: BrokerConfig) -> redis.Redis:
@@ -63,52 +42,9 @@ def connect(cfg: BrokerConfig) -> redis.Redis:
     return redis.Redis.from_url(cfg.url, password=os.environ.get(cfg.password_env) or None)
 
 
-def publish_learner_version(client: redis.Redis, run_id: str, version: int) -> None:
-    """Publish the learner's current weight version (after each weight update)."""
-    client.set(key(run_id, "learner_version"), int(version))
-
-
-def read_learner_version(client: redis.Redis, run_id: str) -> int:
-    """The learner's current weight version; 0 before the first publish. Actors stay within max_staleness
-    of it (generate only while their weight_version >= this - max_staleness)."""
-    return int(client.get(key(run_id, "learner_version")) or 0)
-
-
-KV_BUDGET = "kv_budget"
-"""Key of the budget the learner's controller sets (compressor.budget_control: mismatch); actors read it per batch."""
-PROMPT_CONFIDENCE = "prompt_confidence"
-"""Hash prompt id -> confidence (mean reward of its last group), for difficulty tiers (compressor.budget_tiers)."""
-BUDGET_LOG = "budget_log"
-"""List of JSON lines, one per learner step with a budget controller: version, budget, reason, groups' budgets."""
-
-
-def publish_kv_budget(client: redis.Redis, run_id: str, budget: int) -> None:
-    """Publish the controlled KV budget (tokens); actors apply it from their next batch."""
-    client.set(key(run_id, KV_BUDGET), int(budget))
-
-
-def read_kv_budget(client: redis.Redis, run_id: str, default: int) -> int:
-    """The controlled KV budget (tokens), `default` before the learner's first publish."""
-    value = client.get(key(run_id, KV_BUDGET))
-    return int(value) if value is not None else default
-
-
-def read_confidences(client: redis.Redis, run_id: str, prompt_ids: list[str]) -> list[float | None]:
-    """Confidence of each prompt (None: never sampled), one HMGET."""
-    if not prompt_ids:
-        return []
-    return [None if v is None else float(v) for v in client.hmget(key(run_id, PROMPT_CONFIDENCE), prompt_ids)]
-
-
-def write_confidences(client: redis.Redis, run_id: str, confidences: dict[str, float]) -> None:
-    """Record prompts' confidences (floats in [0, 1]), one HSET."""
-    if confidences:
-        client.hset(key(run_id, PROMPT_CONFIDENCE), mapping={k: repr(float(v)) for k, v in confidences.items()})
-
-
 def queue_depth(client: redis.Redis, cfg: BrokerConfig, run_id: str) -> int:
     """Unconsumed groups in the stream (not yet read, or read and not yet committed)."""
-    return client.xlen(key(run_id, cfg.stream))
+    return client.xlen(rs.key(run_id, cfg.stream))
 
 
 def discard_queue(client: redis.Redis, cfg: BrokerConfig, run_id: str) -> int:
@@ -116,27 +52,16 @@ def discard_queue(client: redis.Redis, cfg: BrokerConfig, run_id: str) -> int:
     transaction: what a resumed run does with the queue its previous life
     left (sampled for versions after the checkpoint, which are trained again); its admission pool is reset apart
     (broker.admission.reset_claims). Returns how many were removed."""
-    stream = key(run_id, cfg.stream)
+    stream = rs.key(run_id, cfg.stream)
     ids = [msg_id for msg_id, _ in client.xrange(stream)]
     if not ids:
         return 0
     pipe = client.pipeline(transaction=True)
     pipe.xack(stream, cfg.consumer_group, *ids)  # (the consumer group exists: GroupConsumer made it)
     pipe.xdel(stream, *ids)
-    pipe.hincrby(key(run_id, "counts"), "dropped_stale", len(ids))
+    rs.add_count(pipe, run_id, "dropped_stale", len(ids))
     pipe.execute()
     return len(ids)
-
-
-def run_counts(client: redis.Redis, run_id: str) -> dict[str, int]:
-    """The run's persistent counters (all consumers and producers, across restarts): produced, consumed,
-    groups_filtered, dropped_stale, dead_lettered, duplicates (0 when never incremented), and the admission
-    counters (admitted, claims_expired, claimed_returned) once used."""
-    raw = client.hgetall(key(run_id, "counts"))
-    counts = {name: 0 for name in ("produced", "consumed", "groups_filtered", "dropped_stale", "dead_lettered",
-                                   "duplicates")}
-    counts.update({k.decode(): int(v) for k, v in raw.items()})
-    return counts
 
 
 class GroupProducer:
@@ -154,7 +79,7 @@ class GroupProducer:
         self.client, self.cfg, self.run_id = client, cfg, run_id
         self.admission = admission
         self.stop = stop or threading.Event()
-        self.stream = key(run_id, cfg.stream)
+        self.stream = rs.key(run_id, cfg.stream)
         self.backpressure_wait_s = 0.0
         self.backpressure_waits = 0
 
@@ -194,7 +119,7 @@ class GroupProducer:
             pipe = self.client.pipeline(transaction=True)
             for data in chunk:
                 pipe.xadd(self.stream, {"group": data})
-            pipe.hincrby(key(self.run_id, "counts"), "produced", len(chunk))
+            rs.add_count(pipe, self.run_id, "produced", len(chunk))
             pipe.xlen(self.stream)
             *chunk_ids, _, depth = pipe.execute()
             msg_ids += chunk_ids
@@ -233,7 +158,7 @@ class GroupConsumer:
 
     def __init__(self, client: redis.Redis, cfg: BrokerConfig, run_id: str, consumer_name: str):
         self.client, self.cfg, self.run_id, self.name = client, cfg, run_id, consumer_name
-        self.stream = key(run_id, cfg.stream)
+        self.stream = rs.key(run_id, cfg.stream)
         self.counters = {name: 0 for name in COUNTERS}
         self._in_flight: dict[bytes, str] = {}  # msg_id -> group_id, read and not yet committed
         self._history_from = b"0"  # own pending messages from an earlier life; None once read
@@ -299,8 +224,8 @@ class GroupConsumer:
         learner_version, consumed = 0, []
         if groups:  # the learner version and the consumed flags in one round trip
             pipe = self.client.pipeline(transaction=False)
-            pipe.get(key(self.run_id, "learner_version"))
-            pipe.smismember(key(self.run_id, "consumed"), [g.group_id for _, g in groups])
+            pipe.get(rs.key(self.run_id, rs.LEARNER_VERSION))
+            rs.consumed_flags(pipe, self.run_id, [g.group_id for _, g in groups])
             version, consumed = pipe.execute()
             learner_version = int(version or 0)
 
@@ -322,22 +247,17 @@ class GroupConsumer:
         if any(drops.values()):
             pipe = self.client.pipeline(transaction=True)
             for msg_id, e, payload in dead:
-                pipe.xadd(key(self.run_id, cfg.dead_letter_stream),
+                pipe.xadd(rs.key(self.run_id, cfg.dead_letter_stream),
                           {"reason": e.reason, "detail": str(e)[:1000], "msg_id": msg_id, "payload": payload})
             for name, ids in drops.items():
                 if ids:
                     pipe.xack(self.stream, cfg.consumer_group, *ids)
                     pipe.xdel(self.stream, *ids)
-                    pipe.hincrby(key(self.run_id, "counts"), name, len(ids))
+                    rs.add_count(pipe, self.run_id, name, len(ids))
                     self.counters[name] += len(ids)
-            self._settle_admitted(pipe, [deadlines[m] for ids in drops.values() for m in ids if m in deadlines])
+            rs.settle_admitted(pipe, self.run_id, [deadlines[m] for ids in drops.values() for m in ids if m in deadlines])
             pipe.execute()
         return deliveries
-
-    def _settle_admitted(self, pipe, deadlines: list[int]) -> None:
-        """Queue on `pipe` the decrements of the admission pool for settled claimed groups (their deadlines)."""
-        for d in set(deadlines):
-            pipe.hincrby(key(self.run_id, ADMISSION_PENDING), d, -deadlines.count(d))
 
     def commit(self, deliveries: list[Delivery], filtered: list[Delivery] = (), dropped_stale: list[Delivery] = (),
                learner_version: int | None = None, step_capacity: int | None = None) -> None:
@@ -355,19 +275,19 @@ class GroupConsumer:
         ids = [d.msg_id for d in everything]
         pipe = self.client.pipeline(transaction=True)
         if deliveries or filtered:
-            pipe.sadd(key(self.run_id, "consumed"), *[d.group.group_id for d in [*deliveries, *filtered]])
+            rs.mark_consumed(pipe, self.run_id, [d.group.group_id for d in [*deliveries, *filtered]])
         if ids:
             pipe.xack(self.stream, self.cfg.consumer_group, *ids)
             pipe.xdel(self.stream, *ids)
         for name, items in (("consumed", deliveries), ("groups_filtered", filtered), ("dropped_stale", dropped_stale)):
             if items:
-                pipe.hincrby(key(self.run_id, "counts"), name, len(items))
+                rs.add_count(pipe, self.run_id, name, len(items))
                 self.counters[name] += len(items)
-        self._settle_admitted(pipe, [d.deadline for d in everything if d.deadline is not None])
+        rs.settle_admitted(pipe, self.run_id, [d.deadline for d in everything if d.deadline is not None])
         if learner_version is not None:
-            pipe.set(key(self.run_id, "learner_version"), int(learner_version))
+            rs.publish_learner_version(pipe, self.run_id, learner_version)
         if step_capacity is not None:
-            pipe.set(key(self.run_id, ADMISSION_STEP_CAPACITY), int(step_capacity))
+            rs.set_step_capacity(pipe, self.run_id, step_capacity)
         pipe.execute()
         for msg_id in ids:
             self._in_flight.pop(msg_id.encode(), None)

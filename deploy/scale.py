@@ -14,10 +14,8 @@ from pathlib import Path
 import redis
 
 from broker.config import BrokerConfig
-from broker.streams import key
+from broker import run_state as rs
 
-SCALE_KEY = "actors_target"
-"""Key name (see broker.streams.key): the actor count the driver scales to after every learner step."""
 RUN_INFO = "run.json"
 TIMEOUT_S = 2.0
 
@@ -53,11 +51,12 @@ def request_scale(run_id: str, actors: int, redis_url: str = "", run_dir: str | 
     client = redis.Redis.from_url(broker.url, password=os.environ.get(broker.password_env) or None,
                                   socket_connect_timeout=TIMEOUT_S, socket_timeout=TIMEOUT_S)
     try:
-        current = client.get(key(run_id, SCALE_KEY))
-        if current is None and not client.exists(key(run_id, "learner_version")):
-            raise ScaleError(f"run {run_id!r}: unknown to the broker at {broker.url} (no {key(run_id, SCALE_KEY)}); "
+        current = rs.read_actors_target(client, run_id)
+        if current is None and not rs.run_known(client, run_id):
+            raise ScaleError(f"run {run_id!r}: unknown to the broker at {broker.url} (no "
+                             f"{rs.key(run_id, rs.ACTORS_TARGET)}); "
                              "check the run id printed by `sparse-rl train`")
-        client.set(key(run_id, SCALE_KEY), actors)
+        rs.set_actors_target(client, run_id, actors)
     except redis.RedisError as e:
         raise ScaleError(f"run {run_id!r}: the broker at {broker.url} does not answer ({type(e).__name__}: "
                          f"{' '.join(str(e).split())}); has the run ended?") from None

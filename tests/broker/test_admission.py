@@ -12,9 +12,10 @@ import time
 
 import pytest
 
-from broker.admission import Admission, ClaimExpired, Held, StepCollector, open_pool, plan_step, step_capacity
+from broker.admission import Admission, ClaimExpired, Held, StepCollector, plan_step, step_capacity
 from broker.config import BrokerConfig
-from broker.streams import GroupConsumer, GroupProducer, connect, key, publish_learner_version, run_counts
+from broker.run_state import key, open_pool, publish_learner_version, run_counts
+from broker.streams import GroupConsumer, GroupProducer, connect
 from learner.loss import zero_variance
 
 RUN = "run"

@@ -23,10 +23,13 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import ray  # noqa: E402
 
-from broker.admission import Admission, ClaimExpired, StepCollector, open_pool  # noqa: E402
+from broker.admission import Admission, ClaimExpired, StepCollector  # noqa: E402
 from broker.config import BrokerConfig  # noqa: E402
+from broker.run_state import key, open_pool, read_learner_version, run_counts  # noqa: E402
 from broker.schema import SampleRecord, TrajectoryGroup  # noqa: E402
-from broker.streams import GroupConsumer, GroupProducer, connect, key, read_learner_version, run_counts  # noqa: E402
+from broker.streams import GroupConsumer, GroupProducer, connect  # noqa: E402
+
+pytestmark = pytest.mark.system  # Ray, DeepSpeed, Redis (and MLflow) together: not in the quick lane
 
 SPEEDS = {"fast": 0.05, "medium": 0.3, "slow": 2.0}  # seconds per batch
 PROMPTS_PER_BATCH, GROUPS_PER_STEP, STEPS, TTL_S = 2, 2, 12, 1.5

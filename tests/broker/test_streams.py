@@ -20,8 +20,8 @@ from broker.config import BrokerConfig
 from broker.redis_server import LocalRedis, RedisInUse, find_redis_server
 from broker import streams
 from broker.schema import SchemaError, encode_group
-from broker.streams import (GroupConsumer, GroupProducer, connect, key, publish_learner_version, queue_depth,
-                            read_learner_version, run_counts)
+from broker.run_state import key, publish_learner_version, read_learner_version, run_counts
+from broker.streams import GroupConsumer, GroupProducer, connect, queue_depth
 
 WORKER = os.path.join(os.path.dirname(__file__), "_worker.py")
 

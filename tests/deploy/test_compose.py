@@ -35,7 +35,7 @@ import pytest
 from broker.config import BrokerConfig
 from broker.redis_server import free_port
 from broker.schema import decode_group
-from broker.streams import key
+from broker.run_state import key
 
 pytestmark = pytest.mark.docker
 

@@ -9,8 +9,8 @@ import time
 
 from broker.config import BrokerConfig
 from broker.redis_server import LocalRedis
-from broker.streams import key
-from deploy.scale import SCALE_KEY, write_run_info
+from broker.run_state import ACTORS_TARGET, key
+from deploy.scale import write_run_info
 
 PROBE = ("import sys, time; t = time.perf_counter(); from deploy.cli import main; rc = main(sys.argv[1:]); "
          "print('heavy imports:', sorted(m for m in ('ray', 'torch', 'omegaconf') if m in sys.modules)); "
@@ -26,7 +26,7 @@ def started_run(runs, run_id, broker: BrokerConfig, client, actors=2):
     """What the driver leaves for `scale` when a run starts: run.json in its directory, the actors_target key."""
     (runs / run_id).mkdir(parents=True)
     write_run_info(runs / run_id, run_id, broker)
-    client.set(key(run_id, SCALE_KEY), actors)
+    client.set(key(run_id, ACTORS_TARGET), actors)
 
 
 def test_scale_finds_the_broker_from_the_run_directory(tmp_path, redis_server):
@@ -38,7 +38,7 @@ def test_scale_finds_the_broker_from_the_run_directory(tmp_path, redis_server):
             "3 new actor(s) start") in proc.stdout
     assert "heavy imports: []" in proc.stdout  # no Ray, no torch: it answers at once
     assert float(proc.stdout.split("seconds: ")[1]) < 1.0
-    assert client.get(key("tiny-20260101-000000-ab12", SCALE_KEY)) == b"5"
+    assert client.get(key("tiny-20260101-000000-ab12", ACTORS_TARGET)) == b"5"
 
 
 def test_scale_refuses_an_unknown_run(tmp_path, redis_server):
@@ -47,7 +47,7 @@ def test_scale_refuses_an_unknown_run(tmp_path, redis_server):
     proc = scale_cli("--run", "no-such-run", "--actors", "5", "--redis", redis_server.url)
     assert proc.returncode == 2
     assert proc.stderr.startswith(f"sparse-rl scale: run 'no-such-run': unknown to the broker at {redis_server.url}")
-    assert client.get(key("no-such-run", SCALE_KEY)) is None and client.get(key("real-run", SCALE_KEY)) == b"2"
+    assert client.get(key("no-such-run", ACTORS_TARGET)) is None and client.get(key("real-run", ACTORS_TARGET)) == b"2"
     proc = scale_cli("--run", "no-such-run", "--actors", "5", "--run-dir", str(tmp_path))  # no run directory
     assert proc.returncode == 2 and "run 'no-such-run': no " in proc.stderr and "Traceback" not in proc.stderr
 
@@ -69,4 +69,4 @@ def test_scale_uses_the_password_named_by_the_run(tmp_path, monkeypatch):
         proc = scale_cli("--run", "locked", "--actors", "1", "--run-dir", str(tmp_path), env=dict(os.environ))
         assert proc.returncode == 0, proc.stderr
         assert "rollout actors 2 -> 1" in proc.stdout and "publish their current batch and stop" in proc.stdout
-        assert server.client().get(key("locked", SCALE_KEY)) == b"1"
+        assert server.client().get(key("locked", ACTORS_TARGET)) == b"1"

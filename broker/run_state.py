@@ -1,0 +1,245 @@
+"""The run's state in Redis: every key of one run, each behind a typed accessor (docs/ARCHITECTURE.md).
+
+Every key is `sparse-rl:{run_id}:{name}` (`key`). Accessors take a redis-py client or a pipeline (`r`), so a
+caller can put several of them into one transaction. This module imports only redis: `sparse-rl scale` stays
+light (no Ray, no torch).
+
+| name                      | type    | writer                                         | readers                          |
+|---------------------------|---------|------------------------------------------------|----------------------------------|
+| `{broker.stream}`         | stream  | actors (GroupProducer, admission publish)      | learner (GroupConsumer)          |
+| `{broker.dead_letter_stream}` | stream | learner (GroupConsumer: invalid messages)   | operators                        |
+| `consumed`                | set     | learner (commit; restored at start)            | learner (duplicate check)        |
+| `counts`                  | hash    | producers, consumer, admission scripts, resume | learner (step report), driver    |
+| `learner_version`         | int     | learner (start, every commit)                  | actors, consumer, admission, scale |
+| `kv_budget`               | int     | learner (budget controller)                    | actors (every batch)             |
+| `budget_log`              | list    | learner (one JSON line per step)               | driver (budget_log.jsonl)        |
+| `prompt_confidence`       | hash    | actors (difficulty tiers)                      | actors                           |
+| `prompt_cursor`           | int     | actors (INCRBY), learner (resume)              | actors                           |
+| `prompt_redo`             | list    | learner (resume), admission scripts (a claim that ended unpublished) | actors (LPOP) |
+| `generation_paused`       | flag    | driver (evaluation before training)            | actors                           |
+| `actors_target`           | int     | driver, `sparse-rl scale`                      | driver (after every step)        |
+| `admission:pending`       | hash    | admission scripts, consumer (settle)           | admission scripts                |
+| `admission:claims`        | hash    | admission scripts                              | admission scripts                |
+| `admission:expiry`        | zset    | admission scripts                              | admission scripts                |
+| `admission:claim_prompts` | hash    | actors (take_prompt_indices under a claim), admission scripts | admission scripts |
+| `admission:step_capacity` | int     | learner (open_pool, every commit)              | admission claim script           |
+| `admission:last_version`  | int     | learner (open_pool)                            | admission                        |
+
+`counts` fields: produced, consumed, groups_filtered, dropped_stale, dead_lettered, duplicates, reclaimed, and
+the admission counters admitted, claims_expired, claimed_returned, prompts_redone; each changed in the same transaction as
+the operation it counts (broker/streams.py, broker/admission.py), so produced == consumed + groups_filtered +
+dropped_stale + dead_lettered + duplicates + queue depth.
+"""
+from __future__ import annotations
+
+import json
+
+import redis
+
+CONSUMED, COUNTS, LEARNER_VERSION = "consumed", "counts", "learner_version"
+KV_BUDGET, BUDGET_LOG, PROMPT_CONFIDENCE = "kv_budget", "budget_log", "prompt_confidence"
+PROMPT_CURSOR, PROMPT_REDO = "prompt_cursor", "prompt_redo"
+PAUSED, ACTORS_TARGET = "generation_paused", "actors_target"
+ADMISSION_PENDING, ADMISSION_CLAIMS, ADMISSION_EXPIRY = "admission:pending", "admission:claims", "admission:expiry"
+ADMISSION_STEP_CAPACITY, ADMISSION_LAST_VERSION = "admission:step_capacity", "admission:last_version"
+ADMISSION_CLAIM_PROMPTS = "admission:claim_prompts"
+COUNT_NAMES = ("produced", "consumed", "groups_filtered", "dropped_stale", "dead_lettered", "duplicates")
+"""The `counts` fields reported as 0 before their first increment."""
+
+
+def key(run_id: str, name: str) -> str:
+    """The Redis key of `name` (a name of the table above, or a stream name from BrokerConfig)."""
+    return f"sparse-rl:{run_id}:{name}"
+
+
+# -- learner version, counters, consumed set ------------------------------------------------------------------
+def publish_learner_version(r, run_id: str, version: int) -> None:
+    """Publish the learner's current weight version (at start and in every step's commit)."""
+    r.set(key(run_id, LEARNER_VERSION), int(version))
+
+
+def read_learner_version(r, run_id: str) -> int:
+    """The learner's current weight version; 0 before the first publish. Actors stay within max_staleness
+    of it (generate only while their weight_version >= this - max_staleness)."""
+    return int(r.get(key(run_id, LEARNER_VERSION)) or 0)
+
+
+def run_known(r, run_id: str) -> bool:
+    """Whether the broker has a record of `run_id` (its learner published a version)."""
+    return bool(r.exists(key(run_id, LEARNER_VERSION)))
+
+
+def add_count(r, run_id: str, name: str, n: int) -> None:
+    """Add `n` to the `counts` field `name`."""
+    r.hincrby(key(run_id, COUNTS), name, int(n))
+
+
+def run_counts(r, run_id: str) -> dict[str, int]:
+    """The run's persistent counters (all consumers and producers, across restarts): produced, consumed,
+    groups_filtered, dropped_stale, dead_lettered, duplicates (0 when never incremented), and the admission
+    counters (admitted, claims_expired, claimed_returned) once used."""
+    counts = dict.fromkeys(COUNT_NAMES, 0)
+    counts.update({k.decode(): int(v) for k, v in r.hgetall(key(run_id, COUNTS)).items()})
+    return counts
+
+
+def rollout_utilization(counts: dict[str, int], in_flight: int = 0) -> float:
+    """Groups trained or filtered / groups that left the actors and are no longer in flight:
+    (consumed + groups_filtered) / (produced - in_flight). The step report passes the queue depth as
+    `in_flight` (groups still queued may be trained later); the run's final accounting passes 0 (what is left in
+    the queue then is waste)."""
+    return (counts["consumed"] + counts["groups_filtered"]) / max(1, counts["produced"] - in_flight)
+
+
+def mark_consumed(r, run_id: str, group_ids: list[str]) -> None:
+    """Add group ids to the consumed set (a re-delivery of one of them is a duplicate)."""
+    if group_ids:
+        r.sadd(key(run_id, CONSUMED), *group_ids)
+
+
+def consumed_flags(r, run_id: str, group_ids: list[str]):
+    """Whether each group id is in the consumed set (one SMISMEMBER; on a pipeline, its result)."""
+    return r.smismember(key(run_id, CONSUMED), group_ids)
+
+
+# -- KV budget, budget log, confidences -----------------------------------------------------------------------
+def publish_kv_budget(r, run_id: str, budget: int) -> None:
+    """Publish the controlled KV budget (tokens); actors apply it from their next batch."""
+    r.set(key(run_id, KV_BUDGET), int(budget))
+
+
+def read_kv_budget(r, run_id: str, default: int) -> int:
+    """The controlled KV budget (tokens), `default` before the learner's first publish."""
+    value = r.get(key(run_id, KV_BUDGET))
+    return int(value) if value is not None else default
+
+
+def append_budget_log(r, run_id: str, record: dict) -> None:
+    """Append one controller record (a JSON-able dict) to the run's budget log."""
+    r.rpush(key(run_id, BUDGET_LOG), json.dumps(record))
+
+
+def read_budget_log(r, run_id: str) -> list[str]:
+    """The budget log's JSON lines, in order."""
+    return [line.decode() for line in r.lrange(key(run_id, BUDGET_LOG), 0, -1)]
+
+
+def read_confidences(r, run_id: str, prompt_ids: list[str]) -> list[float | None]:
+    """Confidence of each prompt (None: never sampled), one HMGET."""
+    if not prompt_ids:
+        return []
+    return [None if v is None else float(v) for v in r.hmget(key(run_id, PROMPT_CONFIDENCE), prompt_ids)]
+
+
+def write_confidences(r, run_id: str, confidences: dict[str, float]) -> None:
+    """Record prompts' confidences (floats in [0, 1]), one HSET."""
+    if confidences:
+        r.hset(key(run_id, PROMPT_CONFIDENCE), mapping={k: repr(float(v)) for k, v in confidences.items()})
+
+
+# -- prompt stream (broker/prompts.py: DataPosition) ------------------------------------------------------------
+# KEYS: prompt_redo, prompt_cursor, admission:claims, admission:claim_prompts; ARGV: n, claim id or ""
+# -> the indices (redo first, then fresh), recorded with the claim; a claim gone already gets them but puts
+# them back at once (its batch cannot be published)
+_TAKE = """
+local n = tonumber(ARGV[1])
+local out = redis.call('LPOP', KEYS[1], n) or {}
+if #out < n then
+  local fresh = n - #out
+  local stop = redis.call('INCRBY', KEYS[2], fresh)
+  for i = stop - fresh, stop - 1 do out[#out + 1] = tostring(i) end
+end
+if ARGV[2] ~= '' then
+  if redis.call('HEXISTS', KEYS[3], ARGV[2]) == 1 then
+    redis.call('HSET', KEYS[4], ARGV[2], table.concat(out, ','))
+  else
+    for _, i in ipairs(out) do redis.call('RPUSH', KEYS[1], i) end
+  end
+end
+return out
+"""
+
+
+def take_prompt_indices(r: redis.Redis, run_id: str, n: int, claim_id: str = "") -> list[int]:
+    """The next `n` prompt indices for one actor batch, in one script: redo indices first, then fresh ones from
+    the cursor; each index is given to one caller only. With `claim_id` (an admission claim) they are recorded
+    with the claim (`admission:claim_prompts`), so that they are handed out again if the claim ends unpublished
+    (the admission scripts put them back on `prompt_redo`)."""
+    keys = [key(run_id, k) for k in (PROMPT_REDO, PROMPT_CURSOR, ADMISSION_CLAIMS, ADMISSION_CLAIM_PROMPTS)]
+    return [int(i) for i in r.register_script(_TAKE)(keys=keys, args=[int(n), claim_id])]
+
+
+def restore_prompt_stream(r: redis.Redis, run_id: str, redo: list[int], cursor: int) -> None:
+    """Hand out `redo` first, then fresh indices from `cursor` (one transaction; before any actor starts)."""
+    pipe = r.pipeline(transaction=True)
+    pipe.delete(key(run_id, PROMPT_REDO))
+    if redo:
+        pipe.rpush(key(run_id, PROMPT_REDO), *redo)
+    pipe.set(key(run_id, PROMPT_CURSOR), cursor)
+    pipe.execute()
+
+
+# -- driver controls ------------------------------------------------------------------------------------------
+def set_paused(r, run_id: str, paused: bool) -> None:
+    """While paused, rollout actors start no new batch (a key, so an actor restarted by Ray obeys it too)."""
+    if paused:
+        r.set(key(run_id, PAUSED), 1)
+    else:
+        r.delete(key(run_id, PAUSED))
+
+
+def is_paused(r, run_id: str) -> bool:
+    return bool(r.exists(key(run_id, PAUSED)))
+
+
+def set_actors_target(r, run_id: str, actors: int) -> None:
+    """The actor count the driver scales to after the next learner step."""
+    r.set(key(run_id, ACTORS_TARGET), int(actors))
+
+
+def read_actors_target(r, run_id: str) -> int | None:
+    """The requested actor count, None when never set."""
+    value = r.get(key(run_id, ACTORS_TARGET))
+    return None if value is None else int(value)
+
+
+# -- admission pool (the scripts in broker/admission.py hold the claim logic) ----------------------------------
+def admission_keys(run_id: str) -> list[str]:
+    """pending, claims, expiry, counts, claim_prompts, prompt_redo: the keys every admission script gets first."""
+    return [key(run_id, n) for n in (ADMISSION_PENDING, ADMISSION_CLAIMS, ADMISSION_EXPIRY, COUNTS,
+                                     ADMISSION_CLAIM_PROMPTS, PROMPT_REDO)]
+
+
+def settle_admitted(r, run_id: str, deadlines: list[int]) -> None:
+    """Claimed groups (their deadlines) left the queue: they leave the admission pool."""
+    for d in set(deadlines):
+        r.hincrby(key(run_id, ADMISSION_PENDING), d, -deadlines.count(d))
+
+
+def set_step_capacity(r, run_id: str, capacity: int) -> None:
+    """C, the groups admitted per learner step."""
+    r.set(key(run_id, ADMISSION_STEP_CAPACITY), int(capacity))
+
+
+def read_last_version(r, run_id: str) -> int | None:
+    """The run's last training version (open_pool), None when not set."""
+    value = r.get(key(run_id, ADMISSION_LAST_VERSION))
+    return None if value is None else int(value)
+
+
+def open_pool(r: redis.Redis, run_id: str, last_version: int, capacity: int) -> None:
+    """Open admission (the learner, once it knows its version): `last_version` is the last learner version
+    whose step trains (train.steps - 1: the driver trains up to version train.steps), so no group is admitted
+    that could only be trained after the run, and the run stops with (almost) nothing left in the queue;
+    `capacity` is C, the groups per step (step_capacity)."""
+    pipe = r.pipeline(transaction=True)
+    pipe.set(key(run_id, ADMISSION_LAST_VERSION), int(last_version))
+    set_step_capacity(pipe, run_id, capacity)
+    pipe.execute()
+
+
+def reset_claims(r, run_id: str) -> None:
+    """Forget every claim and pending group of the run (a resume: the actors that held them are gone and the
+    queue was discarded, broker.streams.discard_queue)."""
+    r.delete(*(key(run_id, n) for n in (ADMISSION_PENDING, ADMISSION_CLAIMS, ADMISSION_EXPIRY,
+                                        ADMISSION_CLAIM_PROMPTS)))
