@@ -197,6 +197,14 @@ class SGLangEngine:
         """Bytes of K and V of one token over all layers in SGLang's pool."""
 
     # ---------------------------------------------------------------- generation
+    def expected_weights(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(HF name, shape, dtype) of every weight the served model takes, tied `lm_head.weight` included (what
+        the weight receiver checks a manifest against: RolloutEngine.expected_weights)."""
+        expected = [(name, shape, dtype) for name, (shape, dtype) in self.manifest.items()]
+        if self.tied_embeddings and "lm_head.weight" not in self.manifest:
+            expected.append(("lm_head.weight", *self.manifest["model.embed_tokens.weight"]))
+        return expected
+
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  kv_budgets: list[int] | None = None) -> list[list[Sample]]:
         """Sample `params.n` responses per prompt (token ids); one list of n Samples per prompt, in order.

@@ -7,8 +7,8 @@ live here so actors never import the learner.
 
 One sync, in this order on every rank (every collective has a timeout):
   1. broadcast int64 [1]: byte length of the manifest
-  2. broadcast uint8 [n]: the manifest (JSON): version, dtype, names and shapes, tied aliases, bucket layout,
-     optional per-tensor checksums
+  2. broadcast uint8 [n]: the manifest (`WeightManifest.to_wire`, JSON): version, dtype, names and full shapes,
+     tied aliases, bucket layout, optional per-tensor checksums
   3. all_reduce int32 [world_size]: each actor sets its slot to 1 if the manifest does not match its model
      (the reason goes to the store); if any slot is set, every rank raises and no weight bytes move
   4. broadcast each bucket: one flat buffer of the tensors of that bucket, cast once to the sync dtype;
@@ -18,7 +18,8 @@ Usage (the driver calls both ends concurrently, e.g. through Ray):
     sender = WeightSender(bucket_mb=16)                  # learner process; sender.port -> actors
     receiver = WeightReceiver("127.0.0.1", sender.port)  # each actor
     sender.open_group(generation=0, world_size=3)  ||  receiver.join_group(0, rank=1 or 2, world_size=3)
-    sender.send(learner.named_weights(), version)  ||  version, named = receiver.receive(model)
+    manifest, tensors = build_manifest(model.named_parameters(remove_duplicate=False), dtype, bucket_mb=16)
+    sender.send(manifest, tensors, version)  ||  version, named = receiver.receive(engine.expected_weights())
     (the actor copies `named` into its model at a batch boundary; receiver.verify(model) with verify mode)
 A new membership (actors joined or left), or any failed/timed-out collective, needs a new, larger
 generation number on every rank: a group whose collective failed is not reused.
@@ -31,6 +32,7 @@ import json
 import math
 import socket
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, ContextManager
 
@@ -148,47 +150,34 @@ class WeightSender(_GroupMember):
         Blocks until every actor has called `join_group` with the same generation (or times out)."""
         self._build(generation, 0, world_size, self.host)
 
-    def send(self, named_tensors: list[tuple[str, torch.Tensor]], version: int,
-             dtype: torch.dtype | None = None, *, shape_of: Callable[[torch.Tensor], tuple[int, ...]] | None = None,
+    def send(self, manifest: "WeightManifest", tensors: list[torch.Tensor], version: int, *,
              gather: Callable[[list[torch.Tensor]], ContextManager] | None = None) -> dict[str, float]:
         """Broadcast a new weight version to every actor of the group.
 
         Args:
-            named_tensors: (Hugging Face name, tensor) pairs; a tensor object listed under several names
-                (tied embeddings) is sent once and the other names travel as aliases.
+            manifest: what is sent (build_manifest): names, full shapes, sync dtype, tied aliases, buckets.
+            tensors: the tensor of each manifest entry, in order (ZeRO-3: this rank's live partitions).
             version: the weight version the actors will report.
-            dtype: sync dtype (default: the first tensor's); every tensor is cast once, while packing.
-            shape_of: the full shape of a tensor (default `tensor.shape`); for sharded parameters whose local
-                tensor is a partition (ZeRO-3: `ds_shape`).
             gather: for sharded parameters, `gather(tensors_of_one_bucket)` is a context manager inside which
-                those tensors hold their full values; entered once per bucket, in order (see `bucket_layout`,
-                which the other shard holders use to enter the same gathers), so at most one bucket is
-                gathered at a time.
+                those tensors hold their full values; entered once per bucket, in order (the other shard holders
+                enter the same gathers from the same manifest), so at most one bucket is gathered at a time.
         Returns:
             {"weight_sync_s": seconds, "weight_sync_bytes": payload bytes, "weight_sync_buckets": count}.
         Raises:
             ValueError: an actor rejected the manifest (the message names each rank and tensor); nothing was
                 sent. RuntimeError: no group, or a collective timed out.
         """
-        if not named_tensors:
-            raise ValueError("send needs at least one (name, tensor)")
         t0 = time.perf_counter()
-        dtype = dtype or named_tensors[0][1].dtype
-        dtype_name = str(dtype).removeprefix("torch.")
-        if dtype_name not in DTYPES:
-            raise ValueError(f"weight sync dtype {dtype}: expected one of {list(DTYPES)}")
-        shape_of = shape_of or (lambda t: tuple(t.shape))
+        dtype, buckets = DTYPES[manifest.dtype], manifest.buckets
         itemsize = torch.empty((), dtype=dtype).element_size()
-        unique, tied, buckets = bucket_layout(named_tensors, self.bucket_mb, itemsize, shape_of)
-        manifest = {"version": version, "dtype": dtype_name, "tied": tied, "buckets": buckets,
-                    "tensors": [{"name": n, "shape": list(shape_of(t))} for n, t in unique]}
+        wire = manifest.to_wire(version)
         if self.verify:
             checksums = {}
             for bucket in buckets:
-                with gather([unique[i][1] for i in bucket]) if gather else contextlib.nullcontext():
-                    checksums.update({unique[i][0]: checksum(unique[i][1].to(dtype)) for i in bucket})
-            manifest["checksums"] = checksums
-        self._exchange_manifest(manifest)
+                with gather([tensors[i] for i in bucket]) if gather else contextlib.nullcontext():
+                    checksums.update({manifest.names[i]: checksum(tensors[i].to(dtype)) for i in bucket})
+            wire["checksums"] = checksums
+        self._exchange_manifest(wire)
         rejected = self._vote(False)
         if rejected:
             reasons = [f"rank {r}: {self.store.get(f'reject/{self.generation}/{version}/{r}').decode()}"
@@ -197,8 +186,8 @@ class WeightSender(_GroupMember):
 
         works, payload = [], 0
         for bucket in buckets:   # pack the next bucket while the previous ones are on the wire
-            with gather([unique[i][1] for i in bucket]) if gather else contextlib.nullcontext():
-                flat = torch.cat([unique[i][1].detach().reshape(-1).to(self.device, dtype) for i in bucket])
+            with gather([tensors[i] for i in bucket]) if gather else contextlib.nullcontext():
+                flat = torch.cat([tensors[i].detach().reshape(-1).to(self.device, dtype) for i in bucket])
             payload += flat.numel() * itemsize
             works.append((self._broadcast(flat), flat))
         for work, _ in works:
@@ -207,31 +196,72 @@ class WeightSender(_GroupMember):
                 "weight_sync_buckets": len(buckets)}
 
 
-def bucket_layout(named_tensors: list[tuple[str, torch.Tensor]], bucket_mb: float, itemsize: int,
-                  shape_of: Callable[[torch.Tensor], tuple[int, ...]] | None = None
-                  ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str], list[list[int]]]:
-    """How `WeightSender.send` packs `named_tensors`: (unique (name, tensor) pairs in order, {tied alias: the
-    name sent}, buckets as lists of indices into unique). A bucket holds at most `bucket_mb` MiB at `itemsize`
-    bytes per element (0 = one tensor per bucket; a larger tensor travels alone). Deterministic: ranks that
-    hold shards of the same parameters compute the same layout and enter the same per-bucket gathers."""
+@dataclass
+class WeightManifest:
+    """The weight-sync contract (nanoGPT-style explicit names): what the learner sends and the actor checks.
+
+    names / shapes: the Hugging Face name and full shape of every tensor that travels, in send order (a tied
+    parameter travels once, under its first name); dtype: the sync dtype ("float32" | "bfloat16" | "float16");
+    tied: {alias: the name sent} for tied parameters (e.g. {"lm_head.weight": "model.embed_tokens.weight"}),
+    listed explicitly so no receiver infers them; buckets: lists of indices into names, each one flat buffer
+    of at most bucket_mb MiB (a larger tensor travels alone)."""
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    dtype: str
+    tied: dict[str, str]
+    buckets: list[list[int]]
+
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        """{every name the receiver gets, tied aliases included: full shape}."""
+        shapes = dict(zip(self.names, self.shapes))
+        return {**shapes, **{alias: shapes[target] for alias, target in self.tied.items()}}
+
+    def to_wire(self, version: int) -> dict:
+        """The JSON object broadcast before the tensors (with the weight version)."""
+        return {"version": version, "dtype": self.dtype, "tied": self.tied, "buckets": self.buckets,
+                "tensors": [{"name": n, "shape": list(s)} for n, s in zip(self.names, self.shapes)]}
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> "WeightManifest":
+        return cls([t["name"] for t in wire["tensors"]], [tuple(t["shape"]) for t in wire["tensors"]],
+                   wire["dtype"], dict(wire["tied"]), [list(b) for b in wire["buckets"]])
+
+
+def build_manifest(named_tensors, dtype: torch.dtype, bucket_mb: float,
+                   shape_of: Callable[[torch.Tensor], tuple[int, ...]] | None = None
+                   ) -> tuple[WeightManifest, list[torch.Tensor]]:
+    """The one way a manifest is made: from (Hugging Face name, tensor) pairs such as
+    `module.named_parameters(remove_duplicate=False)`, where a tensor object listed under several names is
+    tied (sent once; the later names become `tied` aliases). `shape_of` gives a tensor's full shape (default
+    `tensor.shape`; ZeRO-3 partitions: `ds_shape`). Buckets hold at most `bucket_mb` MiB at `dtype` (0 = one
+    tensor per bucket). Deterministic: ranks holding shards of the same parameters compute the same manifest
+    and enter the same per-bucket gathers. Returns (manifest, the tensor of each manifest name, in order).
+    Raises ValueError for no tensors or a dtype that cannot travel."""
     shape_of = shape_of or (lambda t: tuple(t.shape))
-    unique, tied, first_name = [], {}, {}
+    dtype_name = str(dtype).removeprefix("torch.")
+    if dtype_name not in DTYPES:
+        raise ValueError(f"weight sync dtype {dtype}: expected one of {list(DTYPES)}")
+    names, tensors, tied, first_name = [], [], {}, {}
     for name, t in named_tensors:
         if id(t) in first_name:
             tied[name] = first_name[id(t)]
         else:
             first_name[id(t)] = name
-            unique.append((name, t))
-    bucket_bytes = bucket_mb * 2**20
+            names.append(name)
+            tensors.append(t)
+    if not names:
+        raise ValueError("a weight manifest needs at least one (name, tensor)")
+    shapes = [tuple(shape_of(t)) for t in tensors]
+    bucket_bytes, itemsize = bucket_mb * 2**20, torch.empty((), dtype=dtype).element_size()
     buckets, size = [], math.inf
-    for i, (_, t) in enumerate(unique):
-        nbytes = math.prod(shape_of(t)) * itemsize
+    for i, shape in enumerate(shapes):
+        nbytes = math.prod(shape) * itemsize
         if size + nbytes > bucket_bytes:
             buckets.append([])
             size = 0
         buckets[-1].append(i)
         size += nbytes
-    return unique, tied, buckets
+    return WeightManifest(names, shapes, dtype_name, tied, buckets), tensors
 
 
 class WeightReceiver(_GroupMember):
@@ -270,11 +300,9 @@ class WeightReceiver(_GroupMember):
         """
         if isinstance(expected, nn.Module):
             expected = [(n, tuple(p.shape), p.dtype) for n, p in expected.named_parameters(remove_duplicate=False)]
-        manifest = self._exchange_manifest(None)
-        version, dtype = manifest["version"], DTYPES[manifest["dtype"]]
-        shapes = {t["name"]: tuple(t["shape"]) for t in manifest["tensors"]}
-        for alias, target in manifest["tied"].items():
-            shapes[alias] = shapes[target]
+        wire = self._exchange_manifest(None)
+        manifest, version = WeightManifest.from_wire(wire), wire["version"]
+        dtype, shapes = DTYPES[manifest.dtype], manifest.expected()
         want = {name: (tuple(shape), dt) for name, shape, dt in expected}
         problems = [f"{n}: missing from the manifest" for n in want if n not in shapes]
         problems += [f"{n}: not in this model" for n in shapes if n not in want]
@@ -289,22 +317,22 @@ class WeightReceiver(_GroupMember):
         if rejected:
             raise ValueError(f"weight sync version {version} aborted: rank(s) {rejected} rejected the manifest")
 
-        tensors, works = [None] * len(manifest["tensors"]), []
-        for bucket in manifest["buckets"]:
-            numels = [math.prod(manifest["tensors"][i]["shape"]) for i in bucket]
+        tensors, works = [None] * len(manifest.names), []
+        for bucket in manifest.buckets:
+            numels = [math.prod(manifest.shapes[i]) for i in bucket]
             flat = torch.empty(sum(numels), dtype=dtype, device=self.device)
             works.append(self._broadcast(flat))
             for i, part in zip(bucket, flat.split(numels)):
-                tensors[i] = part.view(manifest["tensors"][i]["shape"])
+                tensors[i] = part.view(manifest.shapes[i])
         for work in works:
             self._wait(work)
-        by_name = {t["name"]: tensors[i] for i, t in enumerate(manifest["tensors"])}
-        by_name.update({alias: by_name[target] for alias, target in manifest["tied"].items()})
-        if "checksums" in manifest:
-            bad = [n for n, c in manifest["checksums"].items() if checksum(by_name[n]) != c]
+        by_name = dict(zip(manifest.names, tensors))
+        by_name.update({alias: by_name[target] for alias, target in manifest.tied.items()})
+        if "checksums" in wire:
+            bad = [n for n, c in wire["checksums"].items() if checksum(by_name[n]) != c]
             if bad:
                 raise ValueError(f"weight sync version {version}: checksum mismatch after transfer: {bad}")
-        self.last_manifest = manifest
+        self.last_manifest = wire
         return version, [(name, by_name[name]) for name, _, _ in expected]
 
     def verify(self, model: nn.Module) -> None:

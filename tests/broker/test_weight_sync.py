@@ -5,10 +5,34 @@ import traceback
 import pytest
 import torch
 
-from broker.weight_sync import WeightReceiver, WeightSender
+from broker.weight_sync import WeightManifest, WeightReceiver, WeightSender, build_manifest
 from tests.learner.conftest import tiny_llama
 
 ROUNDS = [0, 1, 64]   # bucket_mb: one tensor per bucket, 1 MiB, 64 MiB
+
+
+def send(sender: WeightSender, named: list, version: int) -> dict:
+    """One send of (name, tensor) pairs through the manifest (fp32, the sender's bucket size)."""
+    manifest, tensors = build_manifest(named, torch.float32, sender.bucket_mb)
+    return sender.send(manifest, tensors, version)
+
+
+def test_manifest_lists_names_full_shapes_tied_aliases_and_buckets():
+    embed, norm, w = torch.zeros(8, 4), torch.zeros(4), torch.zeros(2, 4)
+    named = [("model.embed_tokens.weight", embed), ("model.norm.weight", norm), ("lm_head.weight", embed),
+             ("proj.weight", w)]
+    manifest, tensors = build_manifest(named, torch.bfloat16, bucket_mb=64 / 2**20)   # 64 B = 32 bf16 values
+    assert manifest.names == ["model.embed_tokens.weight", "model.norm.weight", "proj.weight"]
+    assert manifest.shapes == [(8, 4), (4,), (2, 4)] and manifest.dtype == "bfloat16"
+    assert manifest.tied == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert manifest.buckets == [[0], [1, 2]]   # 64 B fill the first bucket; 8 B + 16 B share the second
+    assert tensors[0] is embed and tensors[2] is w
+    assert manifest.expected()["lm_head.weight"] == (8, 4)
+    assert WeightManifest.from_wire(manifest.to_wire(7)) == manifest
+    sharded, _ = build_manifest(named, torch.float32, 0, shape_of=lambda t: (99,) + tuple(t.shape))
+    assert sharded.shapes[1] == (99, 4) and sharded.buckets == [[0], [1], [2]]
+    with pytest.raises(ValueError, match="dtype"):
+        build_manifest(named, torch.int64, 1)
 
 
 def receiver_main(port: int, rank: int, out: str) -> None:
@@ -64,7 +88,7 @@ def test_broadcast_to_two_receiver_processes(tmp_path):
         for k, bucket_mb in enumerate(ROUNDS):
             sender.bucket_mb = bucket_mb
             sender.verify = k == len(ROUNDS) - 1
-            stats.append(sender.send(named, version=10 + k))
+            stats.append(send(sender, named, version=10 + k))
         unique = len(list(model.parameters()))
         assert stats[0]["weight_sync_buckets"] == unique      # the tied lm_head travels once
         assert stats[2]["weight_sync_buckets"] == 1
@@ -73,12 +97,12 @@ def test_broadcast_to_two_receiver_processes(tmp_path):
         wrong = [(n, torch.zeros(33) if n == "model.norm.weight" else t) for n, t in named]
         wrong.append(("extra.bias", torch.zeros(2)))
         with pytest.raises(ValueError) as err:
-            sender.send(wrong, version=20)
+            send(sender, wrong, version=20)
         for rank in (1, 2):
             assert f"rank {rank}" in str(err.value)
         assert "model.norm.weight: shape [33] != model [32]" in str(err.value)
         assert "extra.bias: not in this model" in str(err.value)
-        sender.send(named, version=21)
+        send(sender, named, version=21)
     finally:
         for p in procs:
             p.join(timeout=120)
@@ -107,4 +131,4 @@ def test_receiver_rejects_bad_rank_and_generation():
     with pytest.raises(ValueError, match="rank 0"):
         receiver.join_group(0, rank=0, world_size=2)
     with pytest.raises(RuntimeError, match="open_group"):
-        sender.send([("w", torch.zeros(2))], version=1)
+        send(sender, [("w", torch.zeros(2))], version=1)
