@@ -8,6 +8,7 @@ import time
 import ray
 
 from deploy.config import RunConfig, rollout_config, to_dict
+from deploy.rank_calls import LearnerRankError
 
 WAIT_POLL_S = 2.0
 """While the learner waits for groups, the driver checks the actors (replacing the dead) this often, seconds."""
@@ -124,8 +125,6 @@ class ActorPool:
                 why = self.why_waiting(depth())
                 if why:  # (nothing to say while the learner computes with groups queued)
                     console.waiting(step, reported - waited, why)
-        from deploy.learner_worker import LearnerRankError
-
         try:
             return ray.get(done)
         except ray.exceptions.RayActorError as e:

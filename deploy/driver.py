@@ -22,14 +22,15 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import ray  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from broker import run_state as rs  # noqa: E402
 from broker.redis_server import LocalRedis, RedisInUse  # noqa: E402
-from broker.streams import BUDGET_LOG, PAUSED, connect, key, queue_depth, run_counts  # noqa: E402
+from broker.streams import connect, queue_depth  # noqa: E402
 from deploy.actor_pool import COUNTED, ActorPool, RunFailed  # noqa: E402
 from deploy.config import RunConfig, to_dict  # noqa: E402
 from deploy.console import Console  # noqa: E402
 from deploy.model_cache import resolve_model  # noqa: E402
 from deploy.record import open_record  # noqa: E402
-from deploy.scale import SCALE_KEY, write_run_info  # noqa: E402
+from deploy.scale import write_run_info  # noqa: E402
 from deploy.tracking import Tracker  # noqa: E402
 
 MAX_LOCAL_ACTORS = 16
@@ -164,34 +165,9 @@ def _train(cfg: RunConfig, progress: dict, resume: str, report=None, command=("s
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # what --resume loads
     console = Console()
     with ExitStack() as stack:
-        if not cfg.broker.url:  # embedded default: a private redis-server on 127.0.0.1, its data in the run directory
-            try:  # (append-only file: a resume finds queue and counters)
-                cfg.broker.url = stack.enter_context(LocalRedis(
-                    password=os.environ.get(cfg.broker.password_env) or None, data_dir=run_dir / "redis",
-                    appendonly=True, appendfsync="everysec")).url
-            except RedisInUse as e:
-                raise RunFailed(str(e)) from None
-        start_ray(cfg)
-        stack.callback(ray.shutdown)
-        if threading.current_thread() is threading.main_thread():
-            catch_signals()  # ray.init installed its own SIGTERM handler
-        tracker = Tracker(cfg.mlflow.tracking_uri, cfg.mlflow.experiment, run_id, run_dir,
-                          resume_run_id=record.mlflow_run_id, tags={f"parent_{k}": v for k, v in record.parent.items()})
-        # KILLED on Ctrl-C, FAILED on an error; a no-op once the run ended FINISHED
-        stack.push(lambda kind, *_: tracker.end("KILLED" if kind and issubclass(kind, KeyboardInterrupt) else "FAILED"))
-        # how `sparse-rl scale --run <id>` finds the broker, and `--resume` the MLflow run and checkpoints
-        write_run_info(run_dir, run_id, cfg.broker, mlflow_uri=tracker.uri, mlflow_run_id=tracker.run_id,
-                       checkpoint_dir=cfg.learner.checkpoint_dir)
-        changed = tracker.log_params(to_dict(cfg))
-        if report is not None:
-            tracker.log_params(report.params())
-        if record.resumed:
-            tracker.record_resume(record.start_version, changed)
-        tracker.log_artifact(run_dir / "config.yaml")
-        console.start(run_id, run_dir, cfg.broker.url, tracker.where(), record)
-
+        tracker = _open_services(cfg, stack, record, console, report)
         redis = connect(cfg.broker)
-        redis.set(key(run_id, SCALE_KEY), cfg.actors.count)
+        rs.set_actors_target(redis, run_id, cfg.actors.count)
         learner_group = start_learner(cfg, run_id, lambda: go_on_hint(cfg, run_dir, command))
         stack.callback(learner_group.shutdown)
         learner = learner_group.rank0
@@ -201,32 +177,25 @@ def _train(cfg: RunConfig, progress: dict, resume: str, report=None, command=("s
             resume_logs(run_dir, tracker, record.start_version,
                         learner_group.get(learner.resume_state.remote(), "it loaded the checkpoint"))
         before = cfg.eval.enabled and cfg.eval.before and not record.resumed  # a resumed run evaluated at its start
-        if before:
-            redis.set(key(run_id, PAUSED), 1)  # actors start, load weights, and wait for the first evaluation
-        else:
-            redis.delete(key(run_id, PAUSED))  # (left set by a run interrupted while it evaluated)
-        pool = ActorPool(cfg, run_id, learner, learner_group)
-        stack.callback(pool.shutdown)
-        pool.scale(cfg.actors.count)
-        pool.wait_ready(console)  # nothing to train or evaluate with before the first actors have started
-        pool.sync_weights()  # initial weights to everyone: one code path for initial and later weights
+        pool = _start_actors(cfg, run_id, learner_group, stack, console, paused=before)
         version = int(learner_group.get(learner.version.remote(), "it sent the weights"))
         scores_before = tracker.first_values("eval/") if record.resumed else {}
         if before:
             scores_before = pool.evaluate()
             tracker.log_metrics(scores_before, version)  # eval/* at the initial version, again at the last
-            redis.delete(key(run_id, PAUSED))
+            rs.set_paused(redis, run_id, False)
 
         def target() -> int:
-            return int(redis.get(key(run_id, SCALE_KEY)) or cfg.actors.count)
+            return rs.read_actors_target(redis, run_id) or cfg.actors.count
 
         actor_idle = []  # actor_idle_fraction of every step, for the run's figure
         for step in range(version + 1, cfg.train.steps + 1):  # step = the weight version it makes
             # returns once groups_per_step groups are trained; meanwhile actors are replaced and joined
-            metrics = pool.wait_for(learner.train_step.remote(), step, target, console,
-                                    lambda: queue_depth(redis, cfg.broker, run_id),
-                                    lambda: go_on_hint(cfg, run_dir, command))
-            log_trained_prompts(run_dir, metrics)
+            step_report = pool.wait_for(learner.train_step.remote(), step, target, console,
+                                        lambda: queue_depth(redis, cfg.broker, run_id),
+                                        lambda: go_on_hint(cfg, run_dir, command))  # a learner.step.StepReport
+            log_trained_prompts(run_dir, step_report.version, step_report.trained_prompt_ids)
+            metrics = step_report.as_metrics()
             pool.scale(target())
             metrics.update(pool.sync_weights())
             metrics.update(pool.metrics())
@@ -235,44 +204,109 @@ def _train(cfg: RunConfig, progress: dict, resume: str, report=None, command=("s
             tracker.log_metrics(metrics, version)
             progress["step"] = step  # done and logged (before its console line, which a Ctrl-C may follow at once)
             console.step(step, cfg.train.steps, version, metrics)
-        if cfg.actors.engine.compressor.budget_control != "off":  # every controller decision, with its reason
-            log = [line.decode() + "\n" for line in redis.lrange(key(run_id, BUDGET_LOG), 0, -1)]
-            (run_dir / "budget_log.jsonl").write_text("".join(log))
-            tracker.log_artifact(run_dir / "budget_log.jsonl")
+        _save_budget_log(cfg, redis, run_id, run_dir, tracker)
         learner_group.get(learner.save_final.remote(str(run_dir / "final")), "it saved the final weights")
         progress["trained"] = True  # from here an interrupted run is evaluated, not resumed
         pool.stop_generation()  # the last batches are published; from here the counts are final
-        pool.metrics()  # the actors' counts of those last batches, into pool.totals
-        accounting = {**run_counts(redis, run_id), "left_in_queue": queue_depth(redis, cfg.broker, run_id),
-                      "learner_version": int(metrics["version"]), "actor_versions": pool.versions(),
-                      **{k: int(pool.totals.get(k, 0)) for k in COUNTED}}
-        accounting.update(  # groups trained or filtered / groups produced; idle shares over the whole run
-            rollout_utilization=(accounting["consumed"] + accounting["groups_filtered"])
-            / max(1, accounting["produced"]),
-            learner_idle_fraction=metrics.get("learner_idle_fraction_run", 0.0),
-            actor_idle_fraction=sum(actor_idle) / max(1, len(actor_idle)))
+        accounting = _accounting(cfg, redis, run_id, pool, metrics, actor_idle)
         console.accounting(accounting)
+        return _finish(cfg, record, tracker, console, pool, metrics, scores_before, accounting)
 
-        scores = pool.evaluate() if cfg.eval.enabled else {}
-        tracker.log_metrics(scores, version)
-        console.eval(scores, scores_before)
-        tracker.log_artifact(tracker.plot(run_dir / "training.png"))
-        summary = {"run_id": run_id, "run_dir": str(run_dir), "mlflow_uri": tracker.uri,
-                   "mlflow_run_id": tracker.run_id, **metrics, **scores,
-                   **{k.replace("eval/", "eval_before/", 1): v for k, v in scores_before.items()},
-                   "accounting": accounting}
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        tracker.end("FINISHED")
-        console.finish(run_dir, tracker.where())
+
+def _open_services(cfg: RunConfig, stack: ExitStack, record, console: Console, report=None) -> Tracker:
+    """Redis (the embedded one unless broker.url is given), Ray and the MLflow run of `record`, each closed by
+    `stack`; the run info `scale` and `--resume` read; params (and the preflight's) logged. Returns the tracker.
+    Raises RunFailed when the embedded Redis's data directory is in use."""
+    run_id, run_dir = record.run_id, record.run_dir
+    if not cfg.broker.url:  # embedded default: a private redis-server on 127.0.0.1, its data in the run directory
+        try:  # (append-only file: a resume finds queue and counters)
+            cfg.broker.url = stack.enter_context(LocalRedis(
+                password=os.environ.get(cfg.broker.password_env) or None, data_dir=run_dir / "redis",
+                appendonly=True, appendfsync="everysec")).url
+        except RedisInUse as e:
+            raise RunFailed(str(e)) from None
+    start_ray(cfg)
+    stack.callback(ray.shutdown)
+    if threading.current_thread() is threading.main_thread():
+        catch_signals()  # ray.init installed its own SIGTERM handler
+    tracker = Tracker(cfg.mlflow.tracking_uri, cfg.mlflow.experiment, run_id, run_dir,
+                      resume_run_id=record.mlflow_run_id, tags={f"parent_{k}": v for k, v in record.parent.items()})
+    # KILLED on Ctrl-C, FAILED on an error; a no-op once the run ended FINISHED
+    stack.push(lambda kind, *_: tracker.end("KILLED" if kind and issubclass(kind, KeyboardInterrupt) else "FAILED"))
+    # how `sparse-rl scale --run <id>` finds the broker, and `--resume` the MLflow run and checkpoints
+    write_run_info(run_dir, run_id, cfg.broker, mlflow_uri=tracker.uri, mlflow_run_id=tracker.run_id,
+                   checkpoint_dir=cfg.learner.checkpoint_dir)
+    changed = tracker.log_params(to_dict(cfg))
+    if report is not None:
+        tracker.log_params(report.params())
+    if record.resumed:
+        tracker.record_resume(record.start_version, changed)
+    tracker.log_artifact(run_dir / "config.yaml")
+    console.start(run_id, run_dir, cfg.broker.url, tracker.where(), record)
+    return tracker
+
+
+def _start_actors(cfg: RunConfig, run_id: str, learner_group, stack: ExitStack, console: Console,
+                  paused: bool) -> ActorPool:
+    """actors.count rollout actors, shut down by `stack`, started and given the initial weights (the learner
+    group watched meanwhile). `paused`: they start, load the weights and wait (generation_paused) for the
+    evaluation before training; else the key is cleared (a run interrupted while it evaluated may have left it)."""
+    rs.set_paused(connect(cfg.broker), run_id, paused)
+    pool = ActorPool(cfg, run_id, learner_group.rank0, learner_group)
+    stack.callback(pool.shutdown)
+    pool.scale(cfg.actors.count)
+    pool.wait_ready(console)  # nothing to train or evaluate with before the first actors have started
+    pool.sync_weights()  # initial weights to everyone: one code path for initial and later weights
+    return pool
+
+
+def _save_budget_log(cfg: RunConfig, redis, run_id: str, run_dir: Path, tracker: Tracker) -> None:
+    """With a budget controller (compressor.budget_control): every decision, with its reason, as an artifact."""
+    if cfg.actors.engine.compressor.budget_control != "off":
+        log = [line + "\n" for line in rs.read_budget_log(redis, run_id)]
+        (run_dir / "budget_log.jsonl").write_text("".join(log))
+        tracker.log_artifact(run_dir / "budget_log.jsonl")
+
+
+def _accounting(cfg: RunConfig, redis, run_id: str, pool: ActorPool, metrics: dict, actor_idle: list[float]) -> dict:
+    """The run's final accounting (once the last batches are published): broker counts, what is left in the
+    queue, learner and actor versions, the actors' COUNTED sums, rollout utilization and the idle shares over the
+    whole run."""
+    pool.metrics()  # the actors' counts of their last batches, into pool.totals
+    counts = rs.run_counts(redis, run_id)
+    accounting = {**counts, "left_in_queue": queue_depth(redis, cfg.broker, run_id),
+                  "learner_version": int(metrics["version"]), "actor_versions": pool.versions(),
+                  **{k: int(pool.totals.get(k, 0)) for k in COUNTED}}
+    accounting.update(  # groups trained or filtered / groups produced (none in flight now); idle shares
+        rollout_utilization=rs.rollout_utilization(counts, in_flight=0),
+        learner_idle_fraction=metrics.get("learner_idle_fraction_run", 0.0),
+        actor_idle_fraction=sum(actor_idle) / max(1, len(actor_idle)))
+    return accounting
+
+
+def _finish(cfg: RunConfig, record, tracker: Tracker, console: Console, pool: ActorPool, metrics: dict,
+            scores_before: dict, accounting: dict) -> dict:
+    """The evaluation of the final weights, the plot, summary.json and the MLflow run FINISHED; returns the
+    summary (the last step's metrics, the scores before and after, the accounting)."""
+    version, run_dir = int(metrics["version"]), record.run_dir
+    scores = pool.evaluate() if cfg.eval.enabled else {}
+    tracker.log_metrics(scores, version)
+    console.eval(scores, scores_before)
+    tracker.log_artifact(tracker.plot(run_dir / "training.png"))
+    summary = {"run_id": record.run_id, "run_dir": str(run_dir), "mlflow_uri": tracker.uri,
+               "mlflow_run_id": tracker.run_id, **metrics, **scores,
+               **{k.replace("eval/", "eval_before/", 1): v for k, v in scores_before.items()},
+               "accounting": accounting}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    tracker.end("FINISHED")
+    console.finish(run_dir, tracker.where())
     return summary
 
 
-def log_trained_prompts(run_dir: Path, metrics: dict) -> None:
-    """Append the step's trained prompt ids (popped from `metrics`) to run_dir/trained_prompts.jsonl
-    ({"version", "prompt_ids"} per step)."""
-    prompt_ids = metrics.pop("trained_prompt_ids", [])
+def log_trained_prompts(run_dir: Path, version: int, prompt_ids: list[str]) -> None:
+    """Append the step's trained prompt ids to run_dir/trained_prompts.jsonl ({"version", "prompt_ids"} per step)."""
     with open(run_dir / "trained_prompts.jsonl", "a") as fh:
-        fh.write(json.dumps({"version": int(metrics["version"]), "prompt_ids": prompt_ids}) + "\n")
+        fh.write(json.dumps({"version": int(version), "prompt_ids": prompt_ids}) + "\n")
 
 
 def resume_logs(run_dir: Path, tracker: Tracker, version: int, state: dict) -> None:

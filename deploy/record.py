@@ -19,8 +19,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
+from broker.prompts import DataPosition
 from deploy.config import PRESET_MODELS, ConfigError, RunConfig, load_config, make_run_dir
 from deploy.scale import RUN_INFO
+from learner.checkpoint import read_client_state
 
 MUST_MATCH = ("seed", "actors.data", "model", "learner.ranks", "learner.zero_stage")
 """Config fields a resume or fork cannot change: the prompt order (seed, actors.data) the data position refers
@@ -78,7 +82,8 @@ def open_record(cfg: RunConfig, resume: str | Path = "") -> RunRecord:
     written) and cfg.learner.resume_from (what the learner loads, "" = its checkpoint_dir if it holds one).
 
     Raises ConfigError (nothing created) when the resumed run has no checkpoint, a checkpoint's version is
-    already at or past train.steps, or learner.checkpoint_dir belongs to another run without one to load."""
+    already at or past train.steps, the config's prompt order (seed, actors.data) differs from the checkpoint's,
+    or learner.checkpoint_dir belongs to another run without one to load."""
     ckpt = cfg.learner.checkpoint_dir
     if resume:
         return _resumed(Path(resume).resolve(), cfg)
@@ -98,6 +103,7 @@ def open_record(cfg: RunConfig, resume: str | Path = "") -> RunRecord:
         owner = _owner(src)
         if owner is not None:
             _check_unchanged(owner, cfg, f"learner.resume_from={src}")
+        _check_prompt_order(cfg, src)
         info = read_run_info(owner) if owner else {}
         parent = {"run_id": info.get("run_id", ""), "run_dir": str(owner or ""),
                   "mlflow_run_id": info.get("mlflow_run_id", ""), "checkpoint": str(Path(src).resolve())}
@@ -126,22 +132,35 @@ def _resumed(run_dir: Path, cfg: RunConfig) -> RunRecord:
                           f"learner.checkpoint_interval={cfg.learner.checkpoint_interval} versions); start a new run")
     _check_steps(cfg, version, ckpt)
     _check_unchanged(run_dir, cfg, f"--resume {run_dir}")
+    _check_prompt_order(cfg, ckpt)
     cfg.learner.checkpoint_dir, cfg.learner.resume_from = ckpt, ""
     return RunRecord(info["run_id"], run_dir, resumed=True, start_version=version,
                      mlflow_run_id=info.get("mlflow_run_id", ""))
 
 
 def _check_steps(cfg: RunConfig, version: int, ckpt: str | Path) -> None:
+    """A resume from the checkpoint in `ckpt` (at `version`) needs train.steps beyond it."""
     if cfg.train.steps <= version:
         raise ConfigError(f"train.steps={cfg.train.steps}: the checkpoint in {ckpt} is at weight version {version} "
                           f"already; train.steps counts versions, so give train.steps > {version} to train on")
 
 
+def _check_prompt_order(cfg: RunConfig, ckpt: str | Path) -> None:
+    """A resume from the checkpoint in `ckpt` needs the prompt order (seed, actors.data) its data position was
+    saved with: it continues where the checkpoint's run stopped. Checked against the checkpoint itself, so a fork
+    of a checkpoint without its run directory's config.yaml is checked too. Raises ConfigError naming the fields."""
+    saved = read_client_state(ckpt).get("data_position")
+    if saved:  # (checkpoints of runs without a data position have none)
+        changed = DataPosition.from_dict(saved).differences(
+            cfg.seed, OmegaConf.to_container(OmegaConf.structured(cfg.actors.data)))
+        if changed:
+            raise ConfigError(f"resume: the prompt order differs from the checkpoint's in {ckpt}: " + "; ".join(changed)
+                              + ". Resume with the checkpoint's values, or start a new run")
+
+
 def _check_unchanged(run_dir: Path, cfg: RunConfig, what: str) -> None:
     """Raise ConfigError (nothing written) when cfg gives a MUST_MATCH field another value than the config the
     run in run_dir trained with (its config.yaml), naming each changed field and both values."""
-    from omegaconf import OmegaConf
-
     path = run_dir / "config.yaml"
     if not path.is_file():
         return

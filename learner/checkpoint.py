@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -60,3 +61,16 @@ def load_checkpoint(learner: Learner, ckpt_dir: str | os.PathLike) -> tuple[list
     if rng["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     return client_state["consumed_group_ids"], client_state["counters"]
+
+
+def read_client_state(ckpt_dir: str | os.PathLike) -> dict:
+    """The client state (what save_checkpoint passed: weight_version, consumed_group_ids, counters,
+    data_position, extra, rng) of the latest checkpoint in `ckpt_dir`, read from rank 0's model-states file
+    without building an engine (memory-mapped: the weights beside it are not read). For checks before a
+    resume starts anything (deploy/record.py). Raises FileNotFoundError when there is no checkpoint."""
+    tag_dir = Path(ckpt_dir) / (Path(ckpt_dir) / "latest").read_text().strip()
+    found = sorted(tag_dir.glob("*mp_rank_00_model_states.pt"))  # ZeRO-3: zero_pp_rank_0_mp_rank_00_...
+    if not found:
+        raise FileNotFoundError(f"no model-states file of rank 0 in {tag_dir}")
+    state = torch.load(found[0], map_location="cpu", weights_only=False, mmap=True)
+    return {k: state.get(k) for k in ("weight_version", "consumed_group_ids", "counters", "data_position", "extra")}

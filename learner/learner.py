@@ -17,9 +17,11 @@ from datetime import timedelta
 import numpy as np
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 from broker.redis_server import free_port
 from broker.schema import TrajectoryGroup
+from broker.weight_sync import WeightManifest, WeightSender, build_manifest
 from learner.acceptance import acceptance_metrics
 from learner.config import LearnerConfig
 from learner.correction import sparse_correction
@@ -52,7 +54,7 @@ def init_distributed(rank: int = 0, world_size: int = 1, master_addr: str = "127
                        ("MASTER_ADDR", master_addr)):
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_PORT", str(master_port or free_port()))
-    import deepspeed
+    import deepspeed  # only after DS_ACCELERATOR is set (init_distributed): deepspeed picks its accelerator at import
 
     if torch.distributed.is_initialized():
         return
@@ -145,11 +147,10 @@ class Learner:
 
     def __init__(self, model: str | os.PathLike | nn.Module, cfg: LearnerConfig):
         init_distributed(timeout_s=cfg.collective_timeout_s)
-        import deepspeed
+        import deepspeed  # only after DS_ACCELERATOR is set (init_distributed, above)
 
         self.cfg = cfg
         if not isinstance(model, nn.Module):
-            from transformers import AutoModelForCausalLM
             model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
         self.dtype = TORCH_DTYPES[cfg.dtype]
         self.ref_model = None
@@ -337,6 +338,16 @@ class Learner:
             count += 1
         return count
 
+    def _optimizer_step(self) -> float | None:
+        """engine.step() over the micro-batches backpropagated since the last one (one optimizer step); returns
+        the global gradient norm before clipping, None where DeepSpeed records none."""
+        norm = None
+        if self.cfg.zero_stage == 0 and self.cfg.dtype == "fp32":   # DeepSpeed records no norm on this path
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.engine.module.parameters() if p.grad is not None])
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm() if norm is None else norm
+        return None if norm is None else float(norm)
+
     def step(self, groups: list[TrajectoryGroup], staleness: list[int]) -> dict[str, float]:
         """One learner step (SPEC §1-4) on `groups`, whose staleness (learner version at consumption minus
         the group's weight_version) the caller measured. Advances `version` by 1.
@@ -347,8 +358,8 @@ class Learner:
 
         Returns the SPEC §4 metrics of the step (the same on every rank): rejection_rate, token_mask_fraction,
         truncate_fraction, mismatch_kl, mismatch_kl_k1, pg_loss, kl_loss, clip_fraction, entropy, grad_norm,
-        staleness_mean/max, learner_tokens_per_s, reward_mean, response_length_mean, ... and weight_version
-        (after the step).
+        staleness_mean/max, learner_tokens_per_s, reward_mean, response_length_mean, ...
+        (the version after the step is `version`).
         Raises:
             ValueError: empty batch, len(staleness) != len(groups), or a malformed group (see `collate`).
             RuntimeError / DistBackendError: a collective with the other ranks failed or timed out.
@@ -372,15 +383,9 @@ class Learner:
             order = torch.randperm(S, generator=shuffle)
             for mb_rows in order.split(minibatch):
                 micro_steps += self._backward(prep, mb_rows, sums, means)
-                norm = None
-                if cfg.zero_stage == 0 and cfg.dtype == "fp32":   # DeepSpeed records no norm on this path
-                    norm = torch.nn.utils.get_total_norm(
-                        [p.grad for p in self.engine.module.parameters() if p.grad is not None])
-                self.engine.step()
-                optimizer_steps += 1
-                norm = self.engine.get_global_grad_norm() if norm is None else norm
+                norm, optimizer_steps = self._optimizer_step(), optimizer_steps + 1
                 if norm is not None:
-                    grad_norms.append(float(norm))
+                    grad_norms.append(norm)
         self.version += 1
         if self.world_size > 1:  # the loss metrics of every rank's share; micro-step means over all ranks
             names = [*sums, *means]
@@ -400,7 +405,6 @@ class Learner:
                     for g in groups for s in g.samples]
         entropy = prep["entropy"]
         metrics.update({
-            "weight_version": self.version,
             "entropy": ((entropy * validf).sum() / validf.sum().clamp(min=1)).item(),
             "grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
             "optimizer_steps": optimizer_steps,
@@ -441,7 +445,7 @@ class Learner:
         optimizer step: {Hugging Face name: float32 tensor of the parameter's full shape}, the same on every
         rank (a collective: every rank calls it). The gradients are then discarded; `version` is unchanged.
         For tests of split invariance and for debugging."""
-        from deepspeed.utils import safe_get_full_grad
+        from deepspeed.utils import safe_get_full_grad  # deepspeed after DS_ACCELERATOR (init_distributed)
 
         prep = self._prepare(groups)
         self.engine.train()
@@ -499,12 +503,6 @@ class Learner:
         out["total"] = sum(out.values())
         return out
 
-    def sync_parameters(self) -> list[tuple[str, torch.Tensor]]:
-        """Every parameter by Hugging Face name, live (ZeRO-3: this rank's partitions), tied parameters under
-        each name as the same object: what the weight sender sends with `full_shape` and `gathered` (ZeRO-3
-        parameters gathered bucket by bucket, never all at once)."""
-        return list(self.engine.module.named_parameters(remove_duplicate=False))
-
     @staticmethod
     def full_shape(p: torch.Tensor) -> tuple[int, ...]:
         """The full shape of a parameter (ZeRO-3 keeps it in `ds_shape`; the local tensor is a partition)."""
@@ -516,20 +514,48 @@ class Learner:
         parameters already (a no-op)."""
         if self.cfg.zero_stage != 3:
             return contextlib.nullcontext()
-        import deepspeed
+        import deepspeed  # only after DS_ACCELERATOR is set (init_distributed, above)
         return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
-    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """Every parameter by Hugging Face name, in the engine's dtype, for the weight sender. Tied
-        parameters (e.g. embed_tokens / lm_head) appear under each name as the *same* tensor object, so the
-        sender sends them once. ZeRO-3 parameters are gathered (all at once) and cloned; other stages
-        return detached views of the live parameters: send them before the next `step`."""
-        module = self.engine.module
-        params = list(module.parameters())
-        if self.cfg.zero_stage == 3:
-            import deepspeed
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                tensors = {id(p): p.detach().clone() for p in params}
-        else:
-            tensors = {id(p): p.detach() for p in params}
-        return [(name, tensors[id(p)]) for name, p in module.named_parameters(remove_duplicate=False)]
+    def weight_manifest(self, bucket_mb: float) -> tuple[WeightManifest, list[torch.Tensor]]:
+        """The weight-sync manifest of the model (broker.weight_sync.build_manifest: Hugging Face names, full
+        shapes, the engine's dtype, tied aliases, buckets of `bucket_mb` MiB) and the live parameter behind each
+        manifest name, in order (ZeRO-3: this rank's partition; enter `gathered` per bucket)."""
+        return build_manifest(self.engine.module.named_parameters(remove_duplicate=False), self.dtype, bucket_mb,
+                              self.full_shape)
+
+    def send_weights(self, sender: WeightSender, peers_gather: bool = False) -> dict[str, float]:
+        """The learner's one weight export: the current weights (version `version`) through `sender`, bucket by
+        bucket (ZeRO-3: each bucket gathered while it is packed). `peers_gather`: the other ranks run
+        `gather_buckets` of the same manifest meanwhile; a failed send then still enters every remaining gather,
+        so that they never wait on this rank. Returns WeightSender.send's stats; raises what it raises."""
+        manifest, tensors = self.weight_manifest(sender.bucket_mb)
+        entered = []
+
+        def gather(params):
+            entered.append(1)
+            return self.gathered(params)
+        try:
+            return sender.send(manifest, tensors, self.version, gather=gather)
+        finally:
+            if peers_gather:
+                passes = 2 if sender.verify else 1
+                for bucket in [b for _ in range(passes) for b in manifest.buckets][len(entered):]:
+                    with self.gathered([tensors[i] for i in bucket]):
+                        pass
+
+    def gather_buckets(self, bucket_mb: float, passes: int = 1, keep: bool = False) -> dict[str, torch.Tensor]:
+        """Enter the ZeRO-3 gathers of the manifest's buckets `passes` times, in order: what the other ranks do
+        while rank 0 sends (a collective; without ZeRO-3 nothing is). With `keep`, returns CPU copies of the full
+        weights in the engine's dtype by name, tied aliases included (the same tensor object as their target)."""
+        manifest, tensors = self.weight_manifest(bucket_mb)
+        out = {}
+        for _ in range(passes):
+            for bucket in manifest.buckets:
+                with self.gathered([tensors[i] for i in bucket]):
+                    if keep:
+                        out.update({manifest.names[i]: tensors[i].detach().to("cpu", self.dtype, copy=True)
+                                    for i in bucket})
+        if keep:
+            out.update({alias: out[target] for alias, target in manifest.tied.items()})
+        return out

@@ -20,12 +20,15 @@ import pytest  # noqa: E402
 import ray  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from actors.rollout_actor import SLOW_START_ENV  # noqa: E402
+from broker.faults import FAULTS_ENV  # noqa: E402
 from broker.config import BrokerConfig  # noqa: E402
-from broker.streams import connect, read_learner_version  # noqa: E402
+from broker.run_state import read_learner_version  # noqa: E402
+from broker.streams import connect  # noqa: E402
 from deploy.config import load_config  # noqa: E402
 from deploy.driver import train  # noqa: E402
 from deploy.scale import request_scale  # noqa: E402
+
+pytestmark = pytest.mark.system  # Ray, DeepSpeed, Redis (and MLflow) together: not in the quick lane
 
 
 def run_id_of_running_job() -> str:
@@ -46,7 +49,7 @@ def actors_live(summary) -> list[float]:
 def test_slow_starting_actor_is_not_killed_and_joins_while_the_learner_steps(tmp_path, redis_server, monkeypatch,
                                                                             capfd):
     # actor-0 (at start) and actor-1 (added at run time) take longer to start than the 3 s ping timeout
-    monkeypatch.setenv(SLOW_START_ENV, "actor-0=6,actor-1=6")
+    monkeypatch.setenv(FAULTS_ENV, "actor.start:actor-0=sleep:6,actor.start:actor-1=sleep:6")
     steps = 30  # a new Ray worker takes ~20 s to import torch and load the model here: it joins well before the end
     cfg = load_config("tiny", [f"run_dir={tmp_path}", f"broker.url={redis_server.url}", "actors.count=1",
                                f"train.steps={steps}", "eval.enabled=false", "learner.weight_sync_timeout_s=3",
@@ -108,13 +111,13 @@ def test_dead_actor_is_replaced_while_the_learner_waits(tmp_path, redis_server, 
 
 @pytest.mark.timeout(600)
 def test_the_run_fails_fast_when_no_actor_can_start(tmp_path, redis_server, monkeypatch, capfd):
-    monkeypatch.setenv(SLOW_START_ENV, "*=fail")  # every actor dies in its constructor, as with a model it cannot load
+    monkeypatch.setenv(FAULTS_ENV, "actor.start:*=fail")  # every actor dies in its constructor, as with a model it cannot load
     cfg = load_config("tiny", [f"run_dir={tmp_path}", f"broker.url={redis_server.url}", "actors.count=1",
                                "actors.max_restarts=0", "eval.enabled=false", "train.group_wait_s=1800",
                                "train.wait_report_s=1"])
     started = time.monotonic()
     with pytest.raises(RuntimeError, match=r"no rollout actor can start: 3 in a row failed, the last one died while "
-                                           r"starting \(.*fails to start \(test hook\)"):
+                                           r"starting \(.*actor.start of \* fails \(injected fault\)"):
         train(cfg)
     out = capfd.readouterr().out
     assert out.count("died while starting") == 3, out

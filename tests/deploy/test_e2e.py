@@ -21,7 +21,8 @@ import ray  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from broker.config import BrokerConfig  # noqa: E402
-from broker.streams import connect, read_learner_version  # noqa: E402
+from broker.run_state import read_learner_version  # noqa: E402
+from broker.streams import connect  # noqa: E402
 from deploy.config import ConfigError, load_config  # noqa: E402
 from deploy.driver import train  # noqa: E402
 from deploy.record import resume_config  # noqa: E402
@@ -46,6 +47,7 @@ def check_accounting(summary: dict, steps: int, groups_per_step: int, prompts_pe
     assert acc["actor_versions"] and set(acc["actor_versions"].values()) == {steps}
 
 
+@pytest.mark.system
 @pytest.mark.timeout(900)
 def test_tiny_run_end_to_end(tmp_path, redis_server):
     cfg = load_config("tiny", [f"run_dir={tmp_path}", f"broker.url={redis_server.url}",
@@ -72,6 +74,7 @@ def test_tiny_run_end_to_end(tmp_path, redis_server):
     assert (tmp_path / summary["run_id"] / "final" / "config.json").exists()
 
 
+@pytest.mark.system
 @pytest.mark.timeout(1200)
 def test_actors_scaled_and_killed_while_learner_steps(tmp_path, redis_server):
     steps = 30  # the learner keeps stepping while new actors start (~20-40 s for a new Ray worker here)
@@ -120,6 +123,7 @@ def test_actors_scaled_and_killed_while_learner_steps(tmp_path, redis_server):
     assert live[0] == 1 and max(live) == 3 and live[-1] == 2, live
 
 
+@pytest.mark.system
 @pytest.mark.timeout(900)
 def test_resume_continues_the_same_record_and_a_fork_starts_its_own(tmp_path, redis_server):
     """Resume: the same run directory, MLflow run (versions 1..4 in one history) and learner counters, new
@@ -166,6 +170,7 @@ def test_a_record_that_cannot_be_resumed_fails_before_anything_starts(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [run.name]  # nothing else was created
 
 
+@pytest.mark.system
 @pytest.mark.timeout(600)
 def test_a_failing_reward_function_is_counted_and_the_run_goes_on(tmp_path, redis_server):
     """copy_reward on the digits task: its items have no metadata["numbers"], so every call raises KeyError."""

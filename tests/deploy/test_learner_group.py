@@ -27,11 +27,12 @@ import torch  # noqa: E402
 
 from broker.config import BrokerConfig  # noqa: E402
 from broker.schema import decode_group  # noqa: E402
-from broker.streams import connect, key, read_learner_version, run_counts  # noqa: E402
+from broker.run_state import key, read_learner_version, run_counts  # noqa: E402
+from broker.streams import connect  # noqa: E402
 from deploy.config import load_config  # noqa: E402
 from deploy.driver import train  # noqa: E402
 from deploy.learner_group import LearnerGroup  # noqa: E402
-from deploy.learner_worker import STALL_ENV  # noqa: E402
+from broker.faults import FAULTS_ENV  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
 from learner.learner import Learner  # noqa: E402
 from tests.deploy.test_e2e import check_accounting  # noqa: E402
@@ -71,15 +72,16 @@ def group_of(model_dir, redis_url, tmp_path, ranks: int, **learner) -> LearnerGr
     return LearnerGroup(load_config("tiny", overrides), f"test-{uuid.uuid4().hex[:8]}")
 
 
+@pytest.mark.system
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_two_ranks_make_the_same_update_as_one(zero_stage, local_ray, model_dir, redis_server, tmp_path):
     torch.set_num_threads(1)
     groups = steps_groups()
     one = Learner(str(model_dir), LearnerConfig(zero_stage=zero_stage, **COMMON))
-    before = {n: t.clone() for n, t in one.named_weights()}
+    before = {n: t.clone() for n, t in one.gather_buckets(0, keep=True).items()}
     expected = one.step(groups, staleness=[0, 1])
-    after_one = {n: t.clone() for n, t in one.named_weights()}
+    after_one = {n: t.clone() for n, t in one.gather_buckets(0, keep=True).items()}
 
     group = group_of(model_dir, redis_server.url, tmp_path, 2, zero_stage=zero_stage, **COMMON)
     try:
@@ -99,6 +101,7 @@ def test_two_ranks_make_the_same_update_as_one(zero_stage, local_ray, model_dir,
         torch.testing.assert_close(after_two[name], t, rtol=0, atol=1e-5, msg=name)
 
 
+@pytest.mark.system
 @pytest.mark.timeout(600)
 def test_gradients_do_not_depend_on_the_split(local_ray, model_dir, redis_server, tmp_path):
     torch.set_num_threads(1)
@@ -127,6 +130,7 @@ def trained_prompts(summary: dict) -> list[str]:
     return [p for line in lines for p in json.loads(line)["prompt_ids"]]
 
 
+@pytest.mark.system
 @pytest.mark.timeout(900)
 def test_two_rank_learner_run_end_to_end(tmp_path, redis_server):
     """learner.ranks=2 with ZeRO-3 and 2 actors: the weights reach the actors (gathered bucket by bucket,
@@ -145,6 +149,7 @@ def test_two_rank_learner_run_end_to_end(tmp_path, redis_server):
     assert len(trained_prompts(summary)) == 3 * cfg.train.groups_per_step
 
 
+@pytest.mark.system
 @pytest.mark.timeout(1200)
 def test_resumed_run_trains_the_prompts_of_an_uninterrupted_one(tmp_path, redis_server):
     """k=2 steps with checkpoints, stop, resume to version 4 (the same record: its embedded Redis comes back with
@@ -164,13 +169,14 @@ def test_resumed_run_trains_the_prompts_of_an_uninterrupted_one(tmp_path, redis_
     assert trained_prompts(second) == trained_prompts(whole)  # the record's log: versions 1..4
 
 
+@pytest.mark.system
 @pytest.mark.timeout(900)
 def test_a_learner_rank_killed_mid_step_fails_the_run_and_a_resume_trains_its_prompts(tmp_path, redis_server,
                                                                                      monkeypatch):
     """Rank 1 is SIGKILLed while it is in the step from version 2 (a test hook holds it there): the run ends with
     an error naming the rank (within learner.collective_timeout_s, no hang), the step's groups are not
     acknowledged, and a resume from the checkpoint of version 2 trains those groups' prompts first."""
-    monkeypatch.setenv(STALL_ENV, "1@2=120")
+    monkeypatch.setenv(FAULTS_ENV, "learner.step:1@2=sleep:120")
     common = [f"run_dir={tmp_path}", "actors.count=1", "broker.max_staleness=100", "eval.enabled=false",
               "learner.ranks=2", "learner.zero_stage=2", "learner.checkpoint_interval=1",
               "learner.collective_timeout_s=60", "learner.weight_sync_timeout_s=60"]
@@ -206,7 +212,7 @@ def test_a_learner_rank_killed_mid_step_fails_the_run_and_a_resume_trains_its_pr
             if msg_id.decode() in {m.decode() if isinstance(m, bytes) else m for m in killed["pending"]}]
     assert len(lost) == cfg.train.groups_per_step
 
-    monkeypatch.delenv(STALL_ENV)
+    monkeypatch.delenv(FAULTS_ENV)
     resumed = train(load_config("tiny", common + [
         "train.steps=3", f"learner.checkpoint_dir={tmp_path / run_id / 'checkpoints'}"]))  # the same record
     assert resumed["run_dir"] == str(tmp_path / run_id) and resumed["accounting"]["learner_version"] == 3
@@ -221,11 +227,12 @@ def test_several_ranks_need_a_zero_stage_and_say_so():
         load_config("tiny", ["learner.placement=SIDEWAYS"], check_files=False)
 
 
+@pytest.mark.system
 @pytest.mark.timeout(600)
 def test_a_hanging_rank_fails_the_step_within_the_collective_timeout(model_dir, redis_server, tmp_path, monkeypatch):
     """Rank 1 hangs (a test hook holds it before its step for longer than learner.collective_timeout_s): rank 0's
     collective times out and the step fails naming rank 1, instead of waiting for it."""
-    monkeypatch.setenv(STALL_ENV, "1@0=300")      # the rank processes inherit it from this process's Ray
+    monkeypatch.setenv(FAULTS_ENV, "learner.step:1@0=sleep:300")      # the rank processes inherit it from this process's Ray
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         group = group_of(model_dir, redis_server.url, tmp_path, 2, zero_stage=2, collective_timeout_s=15,
