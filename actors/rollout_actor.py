@@ -14,18 +14,26 @@ import logging
 import os
 import threading
 import time
+import traceback
 import uuid
+from dataclasses import dataclass, field
 
+import ray
 import torch
+from omegaconf import OmegaConf
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.data import load_train_prompts
 from actors.engine import SamplingParams
+from actors.evaluate import evaluate
 from actors.reward import RewardScorer
-from broker.admission import Admission, ClaimExpired
-from broker.prompts import take_prompt_indices
+from actors.rollout_config import RolloutConfig
+from actors.torch_engine import TorchEngine
+from broker import faults
+from broker import run_state as rs
+from broker.admission import Admission, Claim, ClaimExpired
 from broker.schema import SampleRecord, TrajectoryGroup
-from broker.streams import (PAUSED, GroupProducer, connect, key, queue_depth, read_confidences, read_kv_budget,
-                            read_learner_version, write_confidences)
+from broker.streams import GroupProducer, connect, queue_depth
 from broker.weight_sync import WeightReceiver
 from compressors import CompressorConfig
 from compressors.budget import scheduled_budget, tier_budget, tier_of
@@ -35,63 +43,38 @@ def build_engine(engine_cfg, model_path: str, compressor: CompressorConfig, torc
     """The engine named by `engine_cfg.backend` (torch | sglang) on `model_path`, with `compressor`."""
     torch.set_num_threads(torch_threads)
     if engine_cfg.backend == "sglang":
-        from actors.sglang_engine import SGLangEngine
+        from actors.sglang_engine import SGLangEngine  # optional: SGLang is installed on GPU machines only
         return SGLangEngine(model_path, compressor, dtype={"fp32": "float32", "bf16": "bfloat16"}[engine_cfg.dtype])
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from actors.torch_engine import TorchEngine
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[engine_cfg.dtype]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
     return TorchEngine(model, AutoTokenizer.from_pretrained(model_path), compressor, device=device)
 
 
-def expected_weights(engine):
-    """What the weight receiver checks a manifest against: the torch engine's model itself (its names include
-    tied aliases such as lm_head.weight), or the SGLang engine's (name, shape, dtype) list."""
-    if hasattr(engine, "model"):
-        return engine.model
-    expected = [(name, shape, dtype) for name, (shape, dtype) in engine.manifest.items()]
-    if engine.tied_embeddings and "lm_head.weight" not in engine.manifest:
-        expected.append(("lm_head.weight", *engine.manifest["model.embed_tokens.weight"]))
-    return expected
-
-
-SLOW_START_ENV = "SPARSE_RL_TEST_SLOW_START"
-"""Test hook: "actor-1=20,actor-3=5" delays those actors' start (before the model loads) by that many seconds,
-as a large model's load would; "*=fail" makes every actor fail to start (as one that cannot load its model or
-engine). Read from the environment the actor processes inherit from the driver."""
-
-
-SLOW_GENERATE_ENV = "SPARSE_RL_TEST_SLOW_GENERATE"
-"""Test hook, same format: those actors sleep that many seconds inside every batch (after its claim, before
-the engine runs), as a slower node would."""
-
-
-def slow_start_s(actor_id: str, env: str = SLOW_START_ENV) -> float:
-    """The start delay of `actor_id` from SLOW_START_ENV (or another hook variable `env`; 0 when not named; the
-    name "*" matches every actor). Raises RuntimeError when its value is "fail"."""
-    for item in filter(None, os.environ.get(env, "").split(",")):
-        name, _, seconds = item.partition("=")
-        if name.strip() in (actor_id, "*"):
-            if seconds.strip() == "fail":
-                raise RuntimeError(f"{env}: {actor_id} fails to start (test hook)")
-            return float(seconds)
-    return 0.0
+@dataclass
+class Batch:
+    """One actor batch from its claim to its publish: the claim (None without admission), the weight version it
+    is generated with, its prompt indices and prompts; then each prompt's KV budget and tier, and the samples."""
+    claim: Claim | None
+    version: int
+    indices: list[int]
+    prompts: list
+    budgets: list[int] = field(default_factory=list)
+    tiers: list[str] = field(default_factory=list)
+    outputs: list = field(default_factory=list)
 
 
 class RolloutWorker:
     def __init__(self, cfg: dict, run_id: str, actor_id: str):
-        from omegaconf import OmegaConf
-
-        from actors.rollout_config import RolloutConfig  # plain dict over Ray -> typed config
-
         logging.getLogger("math_verify").setLevel(logging.ERROR)  # per-call notes about its signal timeout
         self.cfg: RolloutConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RolloutConfig), cfg))
         self.run_id, self.actor_id = run_id, actor_id
         a = self.cfg.actors
-        time.sleep(slow_start_s(actor_id))  # a test hook: a model that takes long to load
-        self.engine = build_engine(a.engine, self.cfg.model, a.engine.compressor, a.torch_threads)
+        # a test's SPARSE_RL_FAULTS may make this actor slow to start, fail, or slow in every batch (broker/faults.py)
+        self.engine = faults.wrap(build_engine, "actor.start", actor_id)(a.engine, self.cfg.model, a.engine.compressor,
+                                                                        a.torch_threads)
+        self.engine_generate = faults.wrap(self.engine.generate, "actor.generate", actor_id,
+                                           when=lambda: self.engine.weight_version)
         self.tokenizer = self.engine.tokenizer
         self.prompts = load_train_prompts(a.data, self.tokenizer, seed=self.cfg.seed)
         self.reward = RewardScorer(a.reward)
@@ -150,17 +133,11 @@ class RolloutWorker:
                                            timeout_s=self.sync_timeout)
         if self.receiver.generation != generation:
             self.receiver.join_group(generation, rank, world_size)
-        version, tensors = self.receiver.receive(expected_weights(self.engine))
+        version, tensors = self.receiver.receive(self.engine.expected_weights())
         with self.lock:
             self.staged = (version, tensors)
         self._swap(wait=False)  # swapped now if the loop is not generating, else at its next batch boundary
         return version
-
-    def _test_slow_generate(self) -> None:
-        """SLOW_GENERATE_ENV: this actor is a slow one (tests)."""
-        delay = slow_start_s(self.actor_id, SLOW_GENERATE_ENV)
-        if delay:
-            time.sleep(delay)
 
     def _swap(self, wait: bool = True) -> None:
         """Load the staged weights, if any, between two generate calls (never during one)."""
@@ -182,105 +159,132 @@ class RolloutWorker:
         try:
             self.run()
         except Exception as e:  # reported through ping(); the driver replaces this actor
-            import traceback
             self.error = f"{type(e).__name__}: {e}"
             traceback.print_exc()
 
     def run(self) -> None:
-        """Generate -> score -> publish until stop(); one batch = prompts_per_batch prompts x G samples."""
-        a, b = self.cfg.actors, self.cfg.broker
+        """The generation loop until stop(), one batch (prompts_per_batch prompts x G samples) per turn:
+        wait_turn -> claim -> generate -> score -> publish."""
+        a = self.cfg.actors
         params = SamplingParams(temperature=a.sampling.temperature, max_new_tokens=a.sampling.max_new_tokens,
                                 n=a.sampling.samples_per_prompt, stop_strings=list(a.sampling.stop_strings),
                                 topk_logprobs=a.sampling.topk_logprobs)
         while not self.stopping.is_set():
-            self._swap()
-            if self.redis.exists(key(self.run_id, PAUSED)):
-                self.stopping.wait(0.1)
+            if not self._wait_turn():
                 continue
-            waited = time.monotonic()
-            while read_learner_version(self.redis, self.run_id) - self.engine.weight_version > b.max_staleness:
-                if self.stopping.wait(0.05):  # our weights are too old: wait for the next sync round
-                    return
-                self._swap()
-            self.counters["staleness_wait_s"] += time.monotonic() - waited
-            waited = time.monotonic()
-            while queue_depth(self.redis, b, self.run_id) >= b.high_watermark:  # enough groups are waiting
-                if self.stopping.wait(b.backpressure_poll_s):
-                    return
-                self._swap()
-            self.counters["queue_wait_s"] += time.monotonic() - waited
-            claim, outputs = None, None
             with self.generating:  # weights stay fixed from the claim to the end of the batch
-                version = self.engine.weight_version
-                if self.admission is not None:  # refused: "full" | "stale" (weights too old) | "done"
-                    claim, _why = self.admission.claim(version, a.prompts_per_batch)
-                if self.admission is None or claim is not None:
-                    n = claim.groups if claim is not None else a.prompts_per_batch
-                    self.claim, self.busy_since = claim, time.monotonic()
-                    indices = self.admission.take_prompts(claim) if claim is not None else \
-                        take_prompt_indices(self.redis, self.run_id, n)  # a claim's come back if it is lost
-                    batch = [self.prompts[i % len(self.prompts)] for i in indices]
-                    params.seed = self.cfg.seed * 1_000_003 + indices[-1] + 1
-                    start = time.monotonic()
-                    try:
-                        self._test_slow_generate()
-                        budgets, tiers = self.batch_budgets(batch, version)  # after the version: see batch_budgets
-                        if self.budget_varies:
-                            outputs = self.engine.generate([p.prompt_ids for p in batch], params, kv_budgets=budgets)
-                        else:
-                            outputs = self.engine.generate([p.prompt_ids for p in batch], params)
-                    except BaseException:
-                        if claim is not None:
-                            self.claim = None
-                            self.admission.release(claim)  # its groups go back to the pool
-                        raise
-            if outputs is None:  # not admitted: wait outside the lock (weights may be swapped in meanwhile)
+                batch = self._claim()
+                if batch is not None:
+                    self._generate(batch, params)
+            if batch is None:  # not admitted: wait outside the lock (weights may be swapped in meanwhile)
                 waited = time.monotonic()
-                self.stopping.wait(b.backpressure_poll_s)
+                self.stopping.wait(self.cfg.broker.backpressure_poll_s)
                 self.counters["admission_wait_s"] += time.monotonic() - waited
                 continue
-            self.counters["gen_s"] += time.monotonic() - start
-            self.counters["kv_budget_sum"] += sum(budgets) / len(budgets)
-            self.counters["batches"] += 1
-            groups, confidences = [], {}
-            for index, prompt, samples, budget, tier in zip(indices, batch, outputs, budgets, tiers):
-                records = []
-                for s in samples:
-                    reward = self.reward(self.tokenizer.decode(s.response_ids, skip_special_tokens=True),
-                                         s.response_ids, prompt, s.finish_reason)
-                    if reward.status == "error" and not self.counters["error"]:
-                        print(f"{self.actor_id}: reward function failed (sample scored 0): {self.reward.last_error}")
-                    records.append(SampleRecord(prompt_ids=s.prompt_ids, response_ids=s.response_ids,
-                                                logp_sparse=s.logp_sparse, finish_reason=s.finish_reason,
-                                                reward=reward.reward, kv_retained_tokens=s.kv_retained_tokens,
-                                                kv_peak_bytes=s.kv_peak_bytes, topk_ids=s.topk_ids,
-                                                topk_logprobs=s.topk_logprobs))
-                    self.counters["tokens"] += len(s.response_ids)
-                    self.counters["samples"] += 1
-                    self.counters[reward.status] += 1
-                    self.counters["kv_peak_bytes"] = max(self.counters["kv_peak_bytes"], s.kv_peak_bytes)
-                groups.append(TrajectoryGroup(
-                    run_id=self.run_id, group_id=uuid.uuid4().hex, prompt_id=prompt.prompt_id,
-                    weight_version=version, temperature=params.temperature,
-                    compressor=a.engine.compressor.method, kv_budget=budget,
-                    samples=records, actor_id=self.actor_id, created_at=time.time(), budget_tier=tier,
-                    prompt_index=index))
-                mean_reward = sum(r.reward for r in records) / len(records)
-                confidences[prompt.prompt_id] = min(1.0, max(0.0, mean_reward))
-                if tier:
-                    t = self.tier_counters.setdefault(tier, [0, 0.0, 0.0, 0])
-                    t[0], t[1], t[2], t[3] = t[0] + 1, t[1] + budget, t[2] + mean_reward * len(records), t[3] + len(records)
-            if a.engine.compressor.budget_tiers != "off":
-                write_confidences(self.redis, self.run_id, confidences)
-            try:
-                self.producer.publish_many(groups, claim=claim)  # one transaction for the batch
-                self.counters["groups"] += len(groups)
-            except ClaimExpired as e:  # this process stalled longer than broker.claim_ttl_s
-                print(f"{self.actor_id}: {e}")
-                self.counters["claims_lost"] += 1
-            self.claim = None
-            self._count_busy()
-            self.busy_since = None
+            self._publish(batch, self._score(batch, params))
+
+    def _wait_turn(self) -> bool:
+        """Wait until this actor may start a batch: generation not paused, its weights within max_staleness of
+        the learner's (new weights are swapped in meanwhile), the queue below the high watermark. False when
+        it should look again (paused, or stopping)."""
+        b = self.cfg.broker
+        self._swap()
+        if rs.is_paused(self.redis, self.run_id):
+            self.stopping.wait(0.1)
+            return False
+        waited = time.monotonic()
+        while rs.read_learner_version(self.redis, self.run_id) - self.engine.weight_version > b.max_staleness:
+            if self.stopping.wait(0.05):  # our weights are too old: wait for the next sync round
+                return False
+            self._swap()
+        self.counters["staleness_wait_s"] += time.monotonic() - waited
+        waited = time.monotonic()
+        while queue_depth(self.redis, b, self.run_id) >= b.high_watermark:  # enough groups are waiting
+            if self.stopping.wait(b.backpressure_poll_s):
+                return False
+            self._swap()
+        self.counters["queue_wait_s"] += time.monotonic() - waited
+        return True
+
+    def _claim(self) -> "Batch | None":
+        """Claim the batch's groups (admission; refused: "full" | "stale" | "done") with the current weights
+        and take its prompt indices. None when not admitted."""
+        a, version, claim = self.cfg.actors, self.engine.weight_version, None
+        if self.admission is not None:
+            claim, _why = self.admission.claim(version, a.prompts_per_batch)
+            if claim is None:
+                return None
+        n = claim.groups if claim is not None else a.prompts_per_batch
+        self.claim, self.busy_since = claim, time.monotonic()
+        indices = self.admission.take_prompts(claim) if claim is not None else \
+            rs.take_prompt_indices(self.redis, self.run_id, n)  # a claim's come back if it is lost
+        return Batch(claim, version, indices, [self.prompts[i % len(self.prompts)] for i in indices])
+
+    def _generate(self, batch: "Batch", params: SamplingParams) -> None:
+        """The engine's samples for the batch's prompts, with their KV budgets (after the weight version: see
+        batch_budgets); a failure gives the claim's groups back to the pool."""
+        params.seed = self.cfg.seed * 1_000_003 + batch.indices[-1] + 1
+        start = time.monotonic()
+        try:
+            batch.budgets, batch.tiers = self.batch_budgets(batch.prompts, batch.version)
+            prompts = [p.prompt_ids for p in batch.prompts]
+            batch.outputs = self.engine_generate(prompts, params, kv_budgets=batch.budgets if self.budget_varies else None)
+        except BaseException:  # any failure, Ctrl-C included: the claim's groups go back to the pool, then re-raise
+            if batch.claim is not None:
+                self.claim = None
+                self.admission.release(batch.claim)
+            raise
+        self.counters["gen_s"] += time.monotonic() - start
+        self.counters["kv_budget_sum"] += sum(batch.budgets) / len(batch.budgets)
+        self.counters["batches"] += 1
+
+    def _score(self, batch: "Batch", params: SamplingParams) -> list[TrajectoryGroup]:
+        """Reward every sample; one trajectory group per prompt (and, with tiers, the prompts' confidences)."""
+        a = self.cfg.actors
+        groups, confidences = [], {}
+        for index, prompt, samples, budget, tier in zip(batch.indices, batch.prompts, batch.outputs, batch.budgets,
+                                                        batch.tiers):
+            records = [self._record(s, prompt) for s in samples]
+            groups.append(TrajectoryGroup(
+                run_id=self.run_id, group_id=uuid.uuid4().hex, prompt_id=prompt.prompt_id,
+                weight_version=batch.version, temperature=params.temperature, compressor=a.engine.compressor.method,
+                kv_budget=budget, samples=records, actor_id=self.actor_id, created_at=time.time(), budget_tier=tier,
+                prompt_index=index))
+            mean_reward = sum(r.reward for r in records) / len(records)
+            confidences[prompt.prompt_id] = min(1.0, max(0.0, mean_reward))
+            if tier:
+                t = self.tier_counters.setdefault(tier, [0, 0.0, 0.0, 0])
+                t[0], t[1], t[2], t[3] = t[0] + 1, t[1] + budget, t[2] + mean_reward * len(records), t[3] + len(records)
+        if a.engine.compressor.budget_tiers != "off":
+            rs.write_confidences(self.redis, self.run_id, confidences)
+        return groups
+
+    def _record(self, s, prompt) -> SampleRecord:
+        """One scored sample (counted in the rollout metrics)."""
+        reward = self.reward(self.tokenizer.decode(s.response_ids, skip_special_tokens=True), s.response_ids, prompt,
+                             s.finish_reason)
+        if reward.status == "error" and not self.counters["error"]:
+            print(f"{self.actor_id}: reward function failed (sample scored 0): {self.reward.last_error}")
+        self.counters["tokens"] += len(s.response_ids)
+        self.counters["samples"] += 1
+        self.counters[reward.status] += 1
+        self.counters["kv_peak_bytes"] = max(self.counters["kv_peak_bytes"], s.kv_peak_bytes)
+        return SampleRecord(prompt_ids=s.prompt_ids, response_ids=s.response_ids, logp_sparse=s.logp_sparse,
+                            finish_reason=s.finish_reason, reward=reward.reward,
+                            kv_retained_tokens=s.kv_retained_tokens, kv_peak_bytes=s.kv_peak_bytes,
+                            topk_ids=s.topk_ids, topk_logprobs=s.topk_logprobs)
+
+    def _publish(self, batch: "Batch", groups: list[TrajectoryGroup]) -> None:
+        """Publish the batch's groups in one transaction under its claim (refused when the claim expired)."""
+        try:
+            self.producer.publish_many(groups, claim=batch.claim)
+            self.counters["groups"] += len(groups)
+        except ClaimExpired as e:  # this process stalled longer than broker.claim_ttl_s
+            print(f"{self.actor_id}: {e}")
+            self.counters["claims_lost"] += 1
+        self.claim = None
+        self._count_busy()
+        self.busy_since = None
 
     @property
     def budget_varies(self) -> bool:
@@ -297,12 +301,12 @@ class RolloutWorker:
         each prompt's budget is the base times its tier's scale (compressors.budget.tier_budget)."""
         c = self.cfg.actors.engine.compressor
         if c.budget_control == "mismatch":
-            base = read_kv_budget(self.redis, self.run_id, c.kv_budget)
+            base = rs.read_kv_budget(self.redis, self.run_id, c.kv_budget)
         else:
             base = scheduled_budget(c, version, self.cfg.train_steps)
         if c.budget_tiers == "off":
             return [base] * len(batch), [""] * len(batch)
-        tiers = [tier_of(c, conf) for conf in read_confidences(self.redis, self.run_id, [p.prompt_id for p in batch])]
+        tiers = [tier_of(c, conf) for conf in rs.read_confidences(self.redis, self.run_id, [p.prompt_id for p in batch])]
         return [tier_budget(c, base, t) for t in tiers], tiers
 
     def stop_generation(self) -> None:
@@ -316,7 +320,6 @@ class RolloutWorker:
         self.stop_generation()
         if self.receiver is not None:
             self.receiver.close()
-        import ray
         ray.actor.exit_actor()
 
     def _count_busy(self) -> None:
@@ -358,7 +361,6 @@ class RolloutWorker:
     def evaluate(self, items: list, mode: str) -> dict:
         """Score this actor's weights on `items` with the run's reward, with the full cache (dense) or
         eval.sparse_compressor, by default the run's compressor (sparse); see actors.evaluate. Waits for the current batch (weights stay fixed meanwhile)."""
-        from actors.evaluate import evaluate
         e = self.cfg.eval
         with self.generating:
             return evaluate(self.engine, self.tokenizer, items, mode, e.sparse_compressor or self.cfg.actors.engine.compressor,

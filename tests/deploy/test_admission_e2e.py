@@ -18,14 +18,16 @@ import pytest  # noqa: E402
 import ray  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from actors.rollout_actor import SLOW_GENERATE_ENV  # noqa: E402
+from broker.faults import FAULTS_ENV  # noqa: E402
 from deploy.config import load_config  # noqa: E402
 from deploy.driver import train  # noqa: E402
+
+pytestmark = pytest.mark.system  # Ray, DeepSpeed, Redis (and MLflow) together: not in the quick lane
 
 
 @pytest.mark.timeout(900)
 def test_on_policy_run_with_a_slow_and_a_killed_actor(tmp_path, redis_server, monkeypatch):
-    monkeypatch.setenv(SLOW_GENERATE_ENV, "actor-2=3")
+    monkeypatch.setenv(FAULTS_ENV, "actor.generate:actor-2=sleep:3")
     steps = 8
     cfg = load_config("tiny", [f"run_dir={tmp_path}", f"broker.url={redis_server.url}", "actors.count=3",
                                "broker.max_staleness=0", "broker.claim_ttl_s=3", f"train.steps={steps}",

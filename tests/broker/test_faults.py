@@ -1,0 +1,39 @@
+"""The fault-injection seam (broker/faults.py): specs parse or are named when wrong, a point with no fault named
+runs the function itself, and named faults fire only for their process and version."""
+import pytest
+
+from broker import faults
+
+
+def test_specs_parse_and_a_bad_one_is_named():
+    assert faults.parse("learner.step:1@2=sleep:0.5, actor.start:*=fail,actor.generate:actor-2=exit") == [
+        faults.Fault("learner.step", "1", 2, "sleep", 0.5), faults.Fault("actor.start", "*", None, "fail"),
+        faults.Fault("actor.generate", "actor-2", None, "exit")]
+    for bad in ("learner.step=sleep:1", "learner.step:1=nap:3", "learner.step:1@x=fail", "actor.start:a=sleep"):
+        with pytest.raises(ValueError, match="SPARSE_RL_FAULTS"):
+            faults.parse(bad)
+
+
+def test_without_a_fault_the_function_itself_runs(monkeypatch):
+    def step():
+        return "stepped"
+    monkeypatch.delenv(faults.FAULTS_ENV, raising=False)
+    assert faults.wrap(step, "learner.step", 1) is step
+    monkeypatch.setenv(faults.FAULTS_ENV, "learner.step:2=fail,actor.start:1=fail")   # other rank, other point
+    assert faults.wrap(step, "learner.step", 1) is step
+
+
+def test_a_named_fault_fires_for_its_process_and_version_only(monkeypatch):
+    version, calls = [0], []
+    monkeypatch.setenv(faults.FAULTS_ENV, "learner.step:1@1=fail")
+    step = faults.wrap(lambda: calls.append(version[0]), "learner.step", 1, when=lambda: version[0])
+    step()
+    version[0] = 1
+    with pytest.raises(faults.FaultInjected, match="learner.step of 1 fails"):
+        step()
+    version[0] = 2
+    step()
+    assert calls == [0, 2]
+    monkeypatch.setenv(faults.FAULTS_ENV, "actor.start:*=fail")
+    with pytest.raises(faults.FaultInjected):
+        faults.wrap(lambda: None, "actor.start", "actor-7")()
