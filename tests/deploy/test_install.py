@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.system  # Ray, DeepSpeed, Redis (and MLflow) together: not in the quick lane
+
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("actors", "broker", "compressors", "deploy", "learner")
 

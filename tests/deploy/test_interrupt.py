@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+pytestmark = pytest.mark.system  # Ray, DeepSpeed, Redis (and MLflow) together: not in the quick lane
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -20,6 +20,8 @@ from compressors.budget import tier_budget  # noqa: E402
 from deploy.config import load_config  # noqa: E402
 from deploy.driver import train  # noqa: E402
 
+pytestmark = pytest.mark.system  # Ray, DeepSpeed, Redis (and MLflow) together: not in the quick lane
+
 
 def history(client, run_id, name):
     return [m.value for m in sorted(client.get_metric_history(run_id, name), key=lambda m: m.step)]

@@ -21,6 +21,8 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 from deploy.config import load_config  # noqa: E402
 from deploy.driver import train  # noqa: E402
 
+pytestmark = pytest.mark.system  # Ray, DeepSpeed, Redis (and MLflow) together: not in the quick lane
+
 STEPS, WINDOW, MARGIN, FLAT = 20, 5, 0.3, 0.1
 
 
