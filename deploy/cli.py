@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line: train | eval | scale | preflight."""
     parser = argparse.ArgumentParser(prog="sparse-rl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -59,8 +60,11 @@ def _main(argv: list[str] | None = None) -> int:
     pre = sub.add_parser("preflight", help="predict the run's KV memory per sequence and batch, check that it fits")
     pre.add_argument("--config", default=MAIN_JOB, help="preset name in deploy/configs/ or a YAML path")
     pre.add_argument("overrides", nargs="*")
+    return parser
 
-    args = parser.parse_args(argv)
+
+def _main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.command == "scale":  # light: no Ray, no torch, no config
         from deploy.scale import ScaleError, request_scale
         try:
@@ -69,19 +73,19 @@ def _main(argv: list[str] | None = None) -> int:
             print(f"sparse-rl scale: {e}", file=sys.stderr)
             return 2
         return 0
-    from deploy.config import ConfigError, check_eval_data, check_model, load_config
+    from deploy.config import ConfigError, check_eval_data, check_model, load_config  # (not for `scale`: torch)
 
     try:
         if args.command == "preflight":
-            from deploy.preflight import preflight
+            from deploy.preflight import preflight  # each command imports what it runs: `scale` stays light
             print(preflight(load_config(args.config, args.overrides)).table())
         elif args.command == "train":
-            from deploy.driver import Interrupted, RunFailed, train as run_train
+            from deploy.driver import Interrupted, RunFailed, train as run_train  # Ray: only for `train`
             if args.resume:
                 if args.config:
                     raise ConfigError(f"--config {args.config} with --resume: a resumed run keeps its own config "
                                       f"({args.resume}/config.yaml); give changes as overrides")
-                from deploy.record import resume_config
+                from deploy.record import resume_config  # (with the driver's imports: train only)
                 cfg = resume_config(args.resume, args.overrides)
                 command = ["sparse-rl", "train", "--resume", args.resume, *args.overrides]
             else:
@@ -96,7 +100,7 @@ def _main(argv: list[str] | None = None) -> int:
                 print(f"sparse-rl: run failed: {e}", file=sys.stderr)
                 return 1
         else:  # eval
-            from deploy.evaluate import evaluate_model
+            from deploy.evaluate import evaluate_model  # only for `eval`
             cfg = load_config(args.config, args.overrides, check_files=False)  # the model is --model
             cfg.model = os.path.expanduser(args.model)
             check_model(cfg.model)

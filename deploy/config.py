@@ -271,15 +271,8 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
             raise ConfigError(re.sub(r"\bcompressor\.", "eval.sparse_compressor.", str(e))) from None
         check(run.actors.engine.backend != "sglang", "eval.sparse_compressor: the SGLang engine evaluates with its own "
               "compressor only (its attention backend is fixed when it starts); leave it unset")
-    if check_files:  # user code named in the config is imported here, so a typo fails before anything starts
-        from actors.data import load_task_function
-        from actors.reward import load_reward_function
-        try:
-            load_reward_function(run.actors.reward.function)
-            if run.actors.data.source == "function":
-                load_task_function(run.actors.data.function)
-        except ValueError as e:
-            raise ConfigError(f"actors.{e}") from None
+    if check_files:
+        check_user_code(run)
     if run.eval.enabled:
         check_eval_data(run, check_files=check_files)
     if check_files:
@@ -315,6 +308,19 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
         own = "dense" if run.actors.engine.compressor.method == "full" else "sparse"
         check(list(run.eval.modes) == [own], f"eval.modes={list(run.eval.modes)}: the SGLang engine's attention backend "
               f"is fixed when it starts, so it evaluates in its own mode only: set eval.modes=[{own}]")
+
+
+def check_user_code(run: RunConfig) -> None:
+    """Import the user code the config names (actors.reward.function, actors.data.function with source
+    function), so that a typo fails before anything starts. Raises ConfigError naming the field."""
+    from actors.data import load_task_function  # late: math_verify (actors.reward) only when a config is checked
+    from actors.reward import load_reward_function
+    try:
+        load_reward_function(run.actors.reward.function)
+        if run.actors.data.source == "function":
+            load_task_function(run.actors.data.function)
+    except ValueError as e:
+        raise ConfigError(f"actors.{e}") from None
 
 
 def check_eval_data(run: RunConfig, *, check_files: bool = True) -> None:
