@@ -1,0 +1,29 @@
+"""A resume or fork whose prompt order (seed, actors.data) differs from its checkpoint's data position fails when
+the run record is opened (deploy/record.py), naming the fields, before any directory is made (real DeepSpeed
+checkpoint of a tiny Llama)."""
+import pytest
+from omegaconf import OmegaConf
+
+from broker.prompts import DataPosition
+from deploy.config import ConfigError, load_config
+from deploy.record import open_record
+from learner.checkpoint import save_checkpoint
+from learner.config import LearnerConfig
+from learner.learner import Learner
+from tests.learner.conftest import tiny_llama
+
+
+def test_a_fork_with_another_prompt_order_fails_at_record_open(tmp_path):
+    cfg = load_config("tiny", [f"run_dir={tmp_path / 'runs'}", "train.steps=3"])
+    data = OmegaConf.to_container(OmegaConf.structured(cfg.actors.data))
+    ckpt = tmp_path / "parent" / "checkpoints"
+    save_checkpoint(Learner(tiny_llama(), LearnerConfig(kl_coef=0.0)), ckpt, [], {},
+                    data_position=DataPosition(next_index=4, seed=cfg.seed, data=data).to_dict())
+    same = load_config("tiny", [f"run_dir={tmp_path / 'runs'}", "train.steps=3", f"learner.resume_from={ckpt}"])
+    assert open_record(same).start_version == 0               # the same order: the fork opens
+    other = load_config("tiny", [f"run_dir={tmp_path / 'other'}", "train.steps=3", f"learner.resume_from={ckpt}",
+                                 "seed=5", "actors.data.size=32"])
+    with pytest.raises(ConfigError, match=r"prompt order differs .*seed=5 \(checkpoint: 0\); "
+                                          r"actors\.data\.size=32 \(checkpoint: 64\)"):
+        open_record(other)
+    assert not (tmp_path / "other").exists()                   # nothing was made
