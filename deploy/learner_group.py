@@ -13,14 +13,17 @@ node address on a cluster; its port is picked on rank 0's node.
 """
 from __future__ import annotations
 
+import socket
 import time
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from broker.redis_server import free_port
 from deploy.actor_pool import RunFailed, root_cause
 from deploy.config import RunConfig, to_dict
+from deploy.learner_worker import LearnerWorker
 
 PLACEMENT_TIMEOUT_S = 600.0
 """How long to wait for the cluster to offer the learner's bundles before failing, seconds."""
@@ -29,12 +32,9 @@ PLACEMENT_TIMEOUT_S = 600.0
 @ray.remote(num_cpus=0)
 def _rendezvous_address(loopback: bool) -> tuple[str, int]:
     """On rank 0's node: (its address, or 127.0.0.1 on a local Ray; a port free there now)."""
-    from broker.redis_server import free_port
-
     host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
     if loopback:
         return host, free_port()
-    import socket
     with socket.socket() as s:
         s.bind((host, 0))
         return host, s.getsockname()[1]
@@ -52,8 +52,6 @@ class LearnerGroup:
     RunFailed when a rank dies while starting (its constructor's error)."""
 
     def __init__(self, cfg: RunConfig, run_id: str, hint=None):
-        from deploy.learner_worker import LearnerWorker
-
         n = cfg.learner.ranks
         bundle = {"CPU": cfg.train.learner_num_cpus}
         if cfg.train.learner_num_gpus:
