@@ -28,7 +28,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirna
 
 import torch  # noqa: E402
 
-from broker.weight_sync import WeightReceiver, WeightSender  # noqa: E402
+from broker.weight_sync import WeightReceiver, WeightSender, build_manifest  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
 
 MATRIX = 1024 * 1024   # 4 MiB in fp32
@@ -87,11 +87,12 @@ def main() -> None:
     version = 0
     for bucket_mb in buckets:
         sender.bucket_mb = bucket_mb
+        manifest, tensors = build_manifest(named, named[0][1].dtype, bucket_mb)
         ours, base, ratios = [], [], []
         for rep in range(reps + 1):          # round 0 warms up
             version += 1
             t0 = time.perf_counter()
-            sender.send(named, version)
+            sender.send(manifest, tensors, version)
             barrier(sender.group)
             t1 = time.perf_counter()
             sender.group.broadcast(flat, 0).wait()
