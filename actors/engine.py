@@ -77,8 +77,18 @@ class RolloutEngine(Protocol):
     weight_version: int
     """Version of the weights the engine currently samples with."""
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Sample]]:
-        """Generate `params.n` samples for each prompt; returns one list of n Samples per prompt."""
+    tokenizer: object
+    """The model's Hugging Face tokenizer."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 kv_budgets: list[int] | None = None) -> list[list[Sample]]:
+        """Generate `params.n` samples for each prompt; returns one list of n Samples per prompt. `kv_budgets`:
+        one KV budget (tokens) per prompt (SPEC §5.1: schedules, controller, tiers), None = the compressor's."""
+        ...
+
+    def expected_weights(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(Hugging Face name, full shape, dtype) of every weight the engine takes, tied aliases included: what
+        broker.weight_sync.WeightReceiver.receive checks the learner's WeightManifest against."""
         ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:

@@ -93,6 +93,11 @@ class TorchEngine:
         as `model.embed_tokens.weight`)."""
         return [(name, tuple(p.shape), p.dtype) for name, p in self.model.named_parameters()]
 
+    def expected_weights(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(HF name, shape, dtype) of every weight of the model, tied aliases included (what the weight receiver
+        checks a manifest against: RolloutEngine.expected_weights)."""
+        return [(name, tuple(p.shape), p.dtype) for name, p in self.model.named_parameters(remove_duplicate=False)]
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy tensors into the model by HF parameter name, then set `weight_version = version`.
 

@@ -306,6 +306,8 @@ def test_load_weights_changes_outputs_and_version_and_rejects_bad_names():
     manifest = engine.manifest()
     assert ("model.embed_tokens.weight", (VOCAB, 64), torch.float32) in manifest
     assert "lm_head.weight" not in [n for n, _, _ in manifest]             # tied: listed once
+    expected = engine.expected_weights()                                    # what a weight sync is checked against
+    assert ("lm_head.weight", (VOCAB, 64), torch.float32) in expected and set(manifest) < set(expected)
     new = tiny_model("llama", seed=1)
     engine.load_weights(new.state_dict().items(), version=4)
     after = engine.generate(PROMPTS[:1], params)[0][0]
