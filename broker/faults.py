@@ -11,7 +11,7 @@ worker inherits; or Ray's `runtime_env={"env_vars": {...}}`), a comma-separated 
           actor id, when = the actor's weight version). Other points: whatever a caller passes to `wrap`.
   who     the rank or actor id, or `*` for every one
   when    optional: fire only when the point's `when` value equals it (e.g. the learner version)
-  action  `sleep:<seconds>` (a stall, then go on) | `fail` (raise FaultInjected) | `exit` (the process dies at
+  action  `sleep:<seconds>` (a stall, then go on) | `fail` (raise FaultInjectedError) | `exit` (the process dies at
           once, as on a crash: os._exit(1))
 
 e.g. `learner.step:1@2=sleep:120` stalls learner rank 1 for 120 s at its step from version 2,
@@ -32,8 +32,9 @@ FAULTS_ENV = "SPARSE_RL_FAULTS"
 """The environment variable that names the faults (format: the module docstring)."""
 
 
-class FaultInjected(RuntimeError):
-    """Raised by a `fail` fault."""
+class FaultInjectedError(RuntimeError):
+    """Raised by a `fail` fault. (Its name ends in Error: deploy.actor_pool.root_cause finds the line that says
+    why an actor died by that suffix.)"""
 
 
 @dataclass(frozen=True)
@@ -69,11 +70,11 @@ def active(point: str, who: str | int) -> list[Fault]:
 
 
 def fire(fault: Fault) -> None:
-    """Do what `fault` says: sleep, raise FaultInjected, or end the process."""
+    """Do what `fault` says: sleep, raise FaultInjectedError, or end the process."""
     if fault.action == "sleep":
         time.sleep(fault.seconds)
     elif fault.action == "fail":
-        raise FaultInjected(f"{FAULTS_ENV}: {fault.point} of {fault.who} fails (injected fault)")
+        raise FaultInjectedError(f"{FAULTS_ENV}: {fault.point} of {fault.who} fails (injected fault)")
     else:
         os._exit(1)
 

@@ -29,11 +29,11 @@ def test_a_named_fault_fires_for_its_process_and_version_only(monkeypatch):
     step = faults.wrap(lambda: calls.append(version[0]), "learner.step", 1, when=lambda: version[0])
     step()
     version[0] = 1
-    with pytest.raises(faults.FaultInjected, match="learner.step of 1 fails"):
+    with pytest.raises(faults.FaultInjectedError, match="learner.step of 1 fails"):
         step()
     version[0] = 2
     step()
     assert calls == [0, 2]
     monkeypatch.setenv(faults.FAULTS_ENV, "actor.start:*=fail")
-    with pytest.raises(faults.FaultInjected):
+    with pytest.raises(faults.FaultInjectedError):
         faults.wrap(lambda: None, "actor.start", "actor-7")()
