@@ -251,16 +251,14 @@ def test_a_learner_lost_outside_a_step_ends_the_run_at_once(tmp_path):
     process left."""
     base = ["--config", "tiny", "train.steps=2", "eval.enabled=false", "train.wait_report_s=1"]
     cases = {  # name: (faults, extra overrides, phase in the line)
-        "actors loading": ("", [], "the actors were loading"),
+        "actors loading": ("actor.start:*=sleep:300", [], "the actors were loading"),  # they load for 5 minutes
         "constructor": ("learner.init:0=exit", [], "starting"),
         "weight sync": ("learner.send_weights:0@1=exit", ["learner.checkpoint_interval=1"], "it sent the weights"),
         "save_final": ("learner.save_final:0=exit", ["learner.checkpoint_interval=1"], "it saved the final weights"),
     }
     for name, (fault, extra, phase) in cases.items():
         runs = tmp_path / name.replace(" ", "_")
-        env = {**ENV, "SPARSE_RL_FAULTS": fault}
-        if name == "actors loading":
-            env["SPARSE_RL_TEST_SLOW_START"] = "*=300"  # the actors load for 5 minutes; the learner is killed
+        env = {**ENV, "SPARSE_RL_FAULTS": fault}  # the fault seam, broker/faults.py
         run = Run(*base, f"run_dir={runs}", *extra, env=env)
         try:
             if name == "actors loading":
@@ -332,7 +330,7 @@ def test_a_killed_actors_claimed_prompts_are_trained_later_in_the_same_run(tmp_p
     after the claim): once the claim expires, its prompt indices are handed out again, so the run trains every
     prompt index below its last exactly once (redone ones after later ones) and ends with exit 0."""
     runs = tmp_path / "runs"
-    env = {**ENV, "SPARSE_RL_TEST_SLOW_GENERATE": "*=10"}
+    env = {**ENV, "SPARSE_RL_FAULTS": "actor.generate:*=sleep:10"}  # the fault seam, broker/faults.py
     run = Run("--config", "tiny", f"run_dir={runs}", "train.steps=5", "eval.enabled=false", "broker.claim_ttl_s=3",
               env=env)
     try:
