@@ -26,13 +26,13 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from broker.config import BrokerConfig  # noqa: E402
-from broker.schema import decode_group  # noqa: E402
+from broker.faults import FAULTS_ENV  # noqa: E402
 from broker.run_state import key, read_learner_version, run_counts  # noqa: E402
+from broker.schema import decode_group  # noqa: E402
 from broker.streams import connect  # noqa: E402
 from deploy.config import load_config  # noqa: E402
 from deploy.driver import train  # noqa: E402
 from deploy.learner_group import LearnerGroup  # noqa: E402
-from broker.faults import FAULTS_ENV  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
 from learner.learner import Learner  # noqa: E402
 from tests.deploy.test_e2e import check_accounting  # noqa: E402
