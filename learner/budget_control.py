@@ -5,7 +5,7 @@ alpha_t = sum_x min(p_dense(x), q_sparse(x)), not its mean, predicts collapse, a
 >= 0.86. This controller applies that as a feedback loop on the KV budget: after every learner step it reads one
 statistic of the step (`budget_metric`): accept_upper_p5 by default when the actors send top-k log-probs (the
 p5 of alpha_t's upper bound, learner/acceptance.py: measured within +0.06 of the exact p5 where the lower bound's
-sat up to 0.49 below it, docs/SPEC.md §4; it errs toward less budget), else a quantile of the sampled token's
+sat up to 0.72 below it, docs/SPEC.md §4; it errs toward less budget), else a quantile of the sampled token's
 ratio xi (learner/correction.py `ratio_tail`: xi_pK or xi_sym_pK; a one-sample statistic on another scale than
 Sparrow's 0.86, kept for runs without top-k), and
 
