@@ -66,16 +66,17 @@ class CompressorConfig:
     kv_budget_max: int = 0
     """Highest budget the controller may set, tokens (required with budget_control mismatch)."""
     budget_metric: str = ""
-    """The controlled statistic, one of BUDGET_METRICS: accept_p5 (Sparrow, arXiv 2606.08446 §3.1: the 5th
-    percentile over tokens of the per-token acceptance rate sum_x min(p_dense, q_sparse), here its lower bound
-    from the sampler's top-k log-probs), accept_p1 | accept_p50 | accept_mean | accept_upper_p5, or a quantile
+    """The controlled statistic, one of BUDGET_METRICS: accept_upper_p5 (Sparrow, arXiv 2606.08446 §3.1: the 5th
+    percentile over tokens of the per-token acceptance rate sum_x min(p_dense, q_sparse), here its upper bound
+    from the sampler's top-k log-probs, measured near the exact p5: docs/SPEC.md §4), accept_p5 (the lower
+    bound's, far below it for a small model) | accept_p1 | accept_p50 | accept_mean, or a quantile
     of the sampled token's ratio xi: xi_p1 | xi_p5 | xi_p50 | xi_sym_p1 | xi_sym_p5 | xi_sym_p50 (xi_sym =
-    min(xi, 1/xi); not Sparrow's statistic, on another scale). "" (default) = accept_p5 when
+    min(xi, 1/xi); not Sparrow's statistic, on another scale). "" (default) = accept_upper_p5 when
     actors.sampling.topk_logprobs > 0, else xi_sym_p5; an accept_* metric turns topk_logprobs on (20) if it is 0
     (deploy/config.py)."""
     budget_target: float = 0.86
     """The controller raises the budget while budget_metric < budget_target (0.86: Sparrow's threshold for
-    accept_p5)."""
+    the acceptance rate's p5)."""
     budget_hysteresis: float = 0.03
     """... and lowers it only after budget_patience steps in a row with budget_metric >= target + this."""
     budget_patience: int = 2

@@ -8,6 +8,7 @@ from rich.table import Table
 
 COLUMNS = (("reward", "reward_mean", "{:.3f}"), ("rejection", "rejection_rate", "{:.3f}"),
            ("mismatch_kl", "mismatch_kl", "{:.2e}"), ("accept p5", "accept_p5", "{:.3f}"),
+           ("accept up p5", "accept_upper_p5", "{:.3f}"),
            ("kv kept", "kv_retained_ratio", "{:.2f}"), ("length-cut", "response_truncated_fraction", "{:.2f}"),
            ("staleness", "staleness_mean", "{:.2f}"),
            ("learner tok/s", "learner_tokens_per_s", "{:.0f}"), ("rollout tok/s", "rollout_tokens_per_s", "{:.0f}"),

@@ -47,9 +47,9 @@ def acceptance_bounds(logq_topk: torch.Tensor, logp_topk: torch.Tensor) -> tuple
 def acceptance_metrics(logq_topk: torch.Tensor, logp_topk: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """The step's acceptance-rate metrics over its valid response tokens (SPEC §4):
 
-    accept_mean, accept_p1, accept_p5, accept_p50   mean and quantiles of the lower bound (what the budget
-                                                    controller reads: it errs toward more budget)
-    accept_upper_mean, accept_upper_p5              the upper bound's (far from the lower one: raise K)
+    accept_mean, accept_p1, accept_p5, accept_p50   mean and quantiles of the lower bound
+    accept_upper_mean, accept_upper_p5              the upper bound's (accept_upper_p5: what the budget controller
+                                                    reads by default; near the exact p5 on real batches, SPEC §4)
     accept_topk_mass_outside                        mean sparse mass outside the top K, 1 - q(topK(q))
 
     logq_topk / logp_topk: float [S, T, K] (module docstring); mask: bool [S, T], valid response tokens.

@@ -3,8 +3,9 @@
 Sparrow (arXiv 2606.08446, §3.1-3.2) found that the tail of the per-token acceptance rate
 alpha_t = sum_x min(p_dense(x), q_sparse(x)), not its mean, predicts collapse, and keeps its 5th percentile
 >= 0.86. This controller applies that as a feedback loop on the KV budget: after every learner step it reads one
-statistic of the step (`budget_metric`): accept_p5 by default when the actors send top-k log-probs (the lower
-bound of alpha_t, learner/acceptance.py: it errs toward more budget), else a quantile of the sampled token's
+statistic of the step (`budget_metric`): accept_upper_p5 by default when the actors send top-k log-probs (the
+p5 of alpha_t's upper bound, learner/acceptance.py: measured within +0.06 of the exact p5 where the lower bound's
+sat up to 0.72 below it, docs/SPEC.md §4; it errs toward less budget), else a quantile of the sampled token's
 ratio xi (learner/correction.py `ratio_tail`: xi_pK or xi_sym_pK; a one-sample statistic on another scale than
 Sparrow's 0.86, kept for runs without top-k), and
 

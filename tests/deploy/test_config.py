@@ -253,14 +253,18 @@ def test_a_bare_off_means_off(override):
 
 
 def test_budget_metric_defaults_to_the_acceptance_rate_when_top_k_is_on():
-    """compressor.budget_metric "" -> accept_p5 with actors.sampling.topk_logprobs > 0, else xi_sym_p5; an accept_*
-    metric turns top-k on at 20 (issue 22); xi_* stays available."""
+    """compressor.budget_metric "" -> accept_upper_p5 (the p5 of the acceptance rate's upper bound, the one near the
+    exact p5 on a real batch: docs/SPEC.md §5.1) with actors.sampling.topk_logprobs > 0, else xi_sym_p5; an accept_*
+    metric turns top-k on at 20 (issue 22); accept_p5 (the lower bound) and xi_* stay available."""
     control = ["actors.engine.compressor.budget_control=mismatch", "actors.engine.compressor.kv_budget_min=16",
                "actors.engine.compressor.kv_budget_max=64", "actors.engine.compressor.kv_budget=32"]
     plain = load_config("tiny", control)
     assert (plain.actors.engine.compressor.budget_metric, plain.actors.sampling.topk_logprobs) == ("xi_sym_p5", 0)
     top = load_config("tiny", control + ["actors.sampling.topk_logprobs=8"])
-    assert (top.actors.engine.compressor.budget_metric, top.actors.sampling.topk_logprobs) == ("accept_p5", 8)
+    assert (top.actors.engine.compressor.budget_metric, top.actors.sampling.topk_logprobs) == ("accept_upper_p5", 8)
+    assert load_config("tiny", control + ["actors.engine.compressor.budget_metric=accept_p5",
+                                          "actors.sampling.topk_logprobs=8"]).actors.engine.compressor.budget_metric \
+        == "accept_p5"
     named = load_config("tiny", control + ["actors.engine.compressor.budget_metric=accept_p5"])
     assert named.actors.sampling.topk_logprobs == 20
     # the acceptance rate does not need the correction's ratio tail
