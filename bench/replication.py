@@ -14,8 +14,9 @@ config, prompts, seeds and settings, differing only in what the arm names:
     sparse_rl_geometric   the same with the length-normalised (geometric-mean) rejection (--geometric-budgets)
 
 Sparse arms run at each of --budgets (KV tokens per sequence, layer and head). Each run evaluates its model after
-training (and dense / sparse_rl runs also before) on --eval-limit held-out items of the training task, greedy,
-with dense and with sparse inference; "sparse" is the same cache for every arm at a budget (the dense model is
+training (and dense / sparse_rl runs also before) on --eval-limit held-out items of the training task, sampled
+as the config's `eval` says (smollm2-count: temperature 1.0, top_p 1.0; greedy where it sets temperature 0), with
+dense and with sparse inference; "sparse" is the same cache for every arm at a budget (the dense model is
 evaluated under each budget's compressor: `eval.sparse_compressor` in its run for the first budget, `sparse-rl
 eval`-equivalent calls for the others). All runs go to one MLflow experiment (`replication`, sqlite in --out).
 The command is resumable: a finished run (its summary.json) is kept and skipped when the command is run again
