@@ -129,9 +129,9 @@ class BudgetController:
         if m < t:
             self.misses[old] = self.misses.get(old, 0) + 1
             self._move(min(self.budget_max, old + self.step))
-            what = f"raise {old} -> {self.budget}" if self.budget != old else f"at kv_budget_max={old}: hold"
-            return BudgetChange(old, self.budget, m, f"{self.metric}={m:.4f} < target {t:g}: {what}; {old} "
-                                                     f"tried again after {self.wait(old)} steps above it")
+            what = (f"raise {old} -> {self.budget}; {old} tried again after {self.wait(old)} steps above it"
+                    if self.budget != old else f"at kv_budget_max={old}: hold")
+            return BudgetChange(old, self.budget, m, f"{self.metric}={m:.4f} < target {t:g}: {what}")
         self.recent = (self.recent + [m])[-self.window:]
         self.steps_here += 1
         if self.steps_here == self.patience and self.misses.get(old):

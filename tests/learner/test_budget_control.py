@@ -44,6 +44,8 @@ def test_the_climb_remembers_the_budgets_it_left():
                        112, 112, 112, 112, 112, 112, 112, 80, 112,
                        112, 112, 112, 112, 112, 112]
     assert c.wait(80) == 16 and c.wait(48) == 4
+    d = BudgetController(112, 48, 112, step=32).update(0.5)
+    assert (d.new, d.reason) == (112, "xi_sym_p5=0.5000 < target 0.86: at kv_budget_max=112: hold")
 
 
 def test_a_probe_is_judged_over_patience_steps():
