@@ -383,12 +383,14 @@ def main() -> None:
     print(f"3. controller on {metric} >= {args.target} vs fixed budget {args.kv_budget}: {args.steps} steps x "
           f"{args.prompts_per_step} prompts x {args.samples} samples, top-{topk}, R-KV interval {compressor.interval}, "
           f"budget {args.budget_min}..{args.budget_max} step {args.budget_step} (prompt {prompt_len} + {max_new} new), "
-          f"hysteresis {compressor.budget_hysteresis}, patience {compressor.budget_patience}, warm-up {args.warmup}",
+          f"hysteresis {compressor.budget_hysteresis}, patience {compressor.budget_patience}, window "
+          f"{compressor.budget_window}, warm-up {args.warmup}",
           flush=True)
     fixed, _, _ = run_arm("fixed", engine, steps=args.steps, budget=args.kv_budget, **common)
     controller = BudgetController(args.kv_budget, args.budget_min, args.budget_max, metric=metric,
                                   target=args.target, hysteresis=compressor.budget_hysteresis,
-                                  patience=compressor.budget_patience, step=args.budget_step)
+                                  patience=compressor.budget_patience, step=args.budget_step,
+                                  window=compressor.budget_window)
     controlled, _, _ = run_arm("controlled", engine, steps=args.steps, controller=controller, **common)
 
     schedule = dataclasses.replace(compressor, budget_schedule="length", budget_growth=args.growth,

@@ -78,9 +78,14 @@ class CompressorConfig:
     """The controller raises the budget while budget_metric < budget_target (0.86: Sparrow's threshold for
     the acceptance rate's p5)."""
     budget_hysteresis: float = 0.03
-    """... and lowers it only after budget_patience steps in a row with budget_metric >= target + this."""
+    """... and lowers it only when the mean of budget_metric over the last budget_window steps at the current
+    budget is >= target + this (and budget_patience steps, doubled per recorded miss of the lower budget, have
+    passed there; learner/budget_control.py)."""
     budget_patience: int = 2
-    """Consecutive steps above target + hysteresis before the controller lowers the budget."""
+    """Steps at a budget before the controller lowers it (x 2 per step the lower budget missed the target since
+    it last held, up to x 16); also the steps in a row at or above target after which a budget counts as held."""
+    budget_window: int = 4
+    """Steps at the current budget whose budget_metric the controller averages before a lowering (>= 1)."""
     budget_step: int = 0
     """Tokens per controller change (0 = an eighth of kv_budget_max - kv_budget_min, at least 1)."""
     budget_tiers: str = "off"
@@ -169,6 +174,8 @@ class CompressorConfig:
             raise ValueError(f"compressor.budget_hysteresis={self.budget_hysteresis} must be >= 0")
         if self.budget_patience < 1:
             raise ValueError(f"compressor.budget_patience={self.budget_patience} must be >= 1")
+        if self.budget_window < 1:
+            raise ValueError(f"compressor.budget_window={self.budget_window} must be >= 1")
         if self.method == "full" and (self.budget_schedule != "constant" or self.budget_control != "off"
                                       or self.budget_tiers != "off"):
             raise ValueError("compressor.method='full' keeps every token: budget_schedule, budget_control and "

@@ -76,6 +76,7 @@ def test_budget_range():
     (dict(budget_tiers="confidence", tier_scales=[1.0, 0.5]), "compressor.tier_scales"),
     (dict(budget_target=1.2), "compressor.budget_target"),
     (dict(budget_patience=0), "compressor.budget_patience"),
+    (dict(budget_window=0), "compressor.budget_window"),
     (dict(method="full", budget_tiers="confidence"), "compressor.method"),
 ])
 def test_bad_budget_settings_name_the_field(fields, named):
