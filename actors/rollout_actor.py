@@ -75,6 +75,7 @@ class RolloutWorker:
                                                                         a.torch_threads)
         self.engine_generate = faults.wrap(self.engine.generate, "actor.generate", actor_id,
                                            when=lambda: self.engine.weight_version)
+        self.published = faults.wrap(lambda: None, "actor.published", actor_id, when=lambda: self.engine.weight_version)
         self.tokenizer = self.engine.tokenizer
         self.prompts = load_train_prompts(a.data, self.tokenizer, seed=self.cfg.seed)
         self.reward = RewardScorer(a.reward)
@@ -285,6 +286,7 @@ class RolloutWorker:
         self.claim = None
         self._count_busy()
         self.busy_since = None
+        self.published()  # a test's fault (broker/faults.py): e.g. dies between two learner steps
 
     @property
     def budget_varies(self) -> bool:
