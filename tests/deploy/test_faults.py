@@ -298,8 +298,9 @@ def test_workers_import_the_installed_code_from_any_directory_and_counts_add_up(
     (a user's folders, an older checkout), the run imports the installed code everywhere and ends with exit 0.
     Its reward function fails on every sample: the run's reward_errors are the samples of every group produced
     (counts summed over the actors, not averaged), rollout_groups the groups produced, and the evaluation counts
-    its reward errors too. Actor 0 dies right after it published its first batch, between two learner steps
-    (restarted by Ray): its counts of that batch are still in the run's totals."""
+    its reward errors too. Every process of actor 0 dies right after it published a batch, before the driver
+    reads the step's metrics (Ray restarts it twice, then the driver replaces it; actor 1 starts 10 s late, so
+    actor 0 publishes first): the counts of those batches are still in the run's totals."""
     cwd = tmp_path / "work"
     for name in ("actors", "learner", "broker", "deploy", "compressors"):
         (cwd / name).mkdir(parents=True)
@@ -309,14 +310,13 @@ def test_workers_import_the_installed_code_from_any_directory_and_counts_add_up(
     (user / "failing_reward.py").write_text("def reward(text, response_ids, item):\n"
                                             "    raise ValueError('this reward always fails')\n")
     path = os.pathsep.join(filter(None, [str(user), os.environ.get("PYTHONPATH")]))  # (an empty entry = the cwd)
-    env = {**ENV, "PYTHONPATH": path, "SPARSE_RL_FAULTS": "actor.published:actor-0@0=exit"}  # broker/faults.py
+    env = {**ENV, "PYTHONPATH": path, "SPARSE_RL_FAULTS": "actor.published:actor-0=exit,actor.start:actor-1=sleep:10"}
     cli = str(Path(sys.executable).with_name("sparse-rl"))  # the console script: no cwd on the driver's sys.path
     done = subprocess.run([cli, "train", "--config", "tiny", "run_dir=runs", "train.steps=3", "eval.limit=4",
                            "actors.reward.function=failing_reward:reward", "eval.modes=[dense]"],
                           cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=800)
     assert done.returncode == 0, done.stdout
     assert "decoy" not in done.stdout, done.stdout
-    assert re.search(r"^rollout actor 0 (was restarted by Ray|is gone)", done.stdout, re.M), done.stdout  # it died
     (run_dir,) = (cwd / "runs").iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())
     acc = summary["accounting"]
