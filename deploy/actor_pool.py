@@ -136,7 +136,8 @@ class ActorPool:
             if isinstance(e.cause, TimeoutError):  # waited train.group_wait_s for groups: say so in one line
                 why = self.why_waiting(depth())
                 raise RunFailed(f"{e.cause}" + (f" ({why})" if why else "")) from None
-            raise
+            raise RunFailed(f"learner step {step} failed: learner rank 0 raised {root_cause(e)}; nothing of this "
+                            f"step was acknowledged; {hint()}") from None  # (one rank: no LearnerRankError)
 
     def check_learner(self, phase: str) -> None:
         """Raise RunFailed when a learner rank has died (LearnerGroup.check)."""
