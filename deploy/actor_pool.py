@@ -19,6 +19,11 @@ MAX_START_FAILURES = 3
 no actor can ever produce."""
 
 
+PROCESS_LOST = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.OutOfMemoryError,
+                ray.exceptions.NodeDiedError)
+"""Ray's errors for a call whose actor process is gone: it died, Ray's OOM monitor killed it, its node was lost."""
+
+
 class RunFailed(RuntimeError):
     """The run cannot go on for a reason the driver diagnosed (e.g. no rollout actor can start); str() is the
     one line to print. The MLflow run is FAILED and everything is shut down."""
@@ -126,7 +131,7 @@ class ActorPool:
                     console.waiting(step, reported - waited, why)
         try:
             return ray.get(done)
-        except ray.exceptions.RayActorError as e:
+        except PROCESS_LOST as e:
             raise RunFailed(f"learner step {step} failed: learner rank 0 died ({str(e).strip().splitlines()[0][:200]}); "
                             f"nothing of this step was acknowledged; {hint()}") from None
         except LearnerRankError as e:  # Ray's error is also a LearnerRankError; its cause holds the message
