@@ -62,6 +62,8 @@ class Batch:
     budgets: list[int] = field(default_factory=list)
     tiers: list[str] = field(default_factory=list)
     outputs: list = field(default_factory=list)
+    counts: list[dict[str, int]] = field(default_factory=list)
+    """Per group: the run counters its publish adds (run_state.add_actor_counts)."""
 
 
 class RolloutWorker:
@@ -75,6 +77,7 @@ class RolloutWorker:
                                                                         a.torch_threads)
         self.engine_generate = faults.wrap(self.engine.generate, "actor.generate", actor_id,
                                            when=lambda: self.engine.weight_version)
+        self.published = faults.wrap(lambda: None, "actor.published", actor_id, when=lambda: self.engine.weight_version)
         self.tokenizer = self.engine.tokenizer
         self.prompts = load_train_prompts(a.data, self.tokenizer, seed=self.cfg.seed)
         self.reward = RewardScorer(a.reward)
@@ -91,9 +94,9 @@ class RolloutWorker:
         self.staged: tuple[int, list] | None = None
         self.lock = threading.Lock()  # guards `staged`
         self.generating = threading.Lock()  # held while the engine generates or weights are swapped in
-        self.counters = {"groups": 0, "samples": 0, "correct": 0, "wrong": 0, "unparseable": 0, "error": 0, "tokens": 0, "gen_s": 0.0,
+        self.counters = {"samples": 0, "correct": 0, "wrong": 0, "unparseable": 0, "error": 0, "tokens": 0, "gen_s": 0.0,
                          "kv_peak_bytes": 0, "staleness_wait_s": 0.0,
-                         "queue_wait_s": 0.0, "admission_wait_s": 0.0, "busy_s": 0.0, "claims_lost": 0,
+                         "queue_wait_s": 0.0, "admission_wait_s": 0.0, "busy_s": 0.0,
                          "kv_budget_sum": 0, "batches": 0}
         self.busy_since: float | None = None  # monotonic start of the batch in progress (claim to publish)
         self.metrics_since = time.monotonic()
@@ -244,7 +247,10 @@ class RolloutWorker:
         groups, confidences = [], {}
         for index, prompt, samples, budget, tier in zip(batch.indices, batch.prompts, batch.outputs, batch.budgets,
                                                         batch.tiers):
-            records = [self._record(s, prompt) for s in samples]
+            scored = [self._record(s, prompt) for s in samples]
+            records = [record for record, _ in scored]
+            batch.counts.append({"rollout_groups": 1, "reward_errors": sum(status == "error" for _, status in scored),
+                                 **({f"tier/{tier}/groups": 1} if tier else {})})
             groups.append(TrajectoryGroup(
                 run_id=self.run_id, group_id=uuid.uuid4().hex, prompt_id=prompt.prompt_id,
                 weight_version=batch.version, temperature=params.temperature, compressor=a.engine.compressor.method,
@@ -259,8 +265,9 @@ class RolloutWorker:
             rs.write_confidences(self.redis, self.run_id, confidences)
         return groups
 
-    def _record(self, s, prompt) -> SampleRecord:
-        """One scored sample (counted in the rollout metrics)."""
+    def _record(self, s, prompt) -> tuple[SampleRecord, str]:
+        """One scored sample (counted in the rollout metrics) and its reward status (correct | wrong |
+        unparseable | error)."""
         reward = self.reward(self.tokenizer.decode(s.response_ids, skip_special_tokens=True), s.response_ids, prompt,
                              s.finish_reason)
         if reward.status == "error" and not self.counters["error"]:
@@ -272,19 +279,20 @@ class RolloutWorker:
         return SampleRecord(prompt_ids=s.prompt_ids, response_ids=s.response_ids, logp_sparse=s.logp_sparse,
                             finish_reason=s.finish_reason, reward=reward.reward,
                             kv_retained_tokens=s.kv_retained_tokens, kv_peak_bytes=s.kv_peak_bytes,
-                            topk_ids=s.topk_ids, topk_logprobs=s.topk_logprobs)
+                            topk_ids=s.topk_ids, topk_logprobs=s.topk_logprobs), reward.status
 
     def _publish(self, batch: "Batch", groups: list[TrajectoryGroup]) -> None:
-        """Publish the batch's groups in one transaction under its claim (refused when the claim expired)."""
+        """Publish the batch's groups in one transaction under its claim (refused when the claim expired), with
+        their counts (groups, reward errors, tiers) added to the run's actor_counts in the same transaction."""
         try:
-            self.producer.publish_many(groups, claim=batch.claim)
-            self.counters["groups"] += len(groups)
+            self.producer.publish_many(groups, claim=batch.claim, counts=batch.counts)
         except ClaimExpired as e:  # this process stalled longer than broker.claim_ttl_s
             print(f"{self.actor_id}: {e}")
-            self.counters["claims_lost"] += 1
+            rs.add_actor_counts(self.redis, self.run_id, {"claims_lost": 1})
         self.claim = None
         self._count_busy()
         self.busy_since = None
+        self.published()  # a test's fault (broker/faults.py): e.g. dies between two learner steps
 
     @property
     def budget_varies(self) -> bool:
@@ -331,9 +339,10 @@ class RolloutWorker:
             self.busy_since = now
 
     def metrics(self) -> dict:
-        """Rollout metrics since the last call: tokens/s, groups, KV peak bytes per sequence, queue waits,
-        actor_idle_fraction = 1 - (time spent on batches, from claim to publish) / wall time; the mean KV budget
-        of the batches (actor_kv_budget) and, with tiers, per tier its budget, groups and reward."""
+        """This process's rollout metrics since the last call: tokens/s, accuracy, KV peak bytes per sequence,
+        queue waits (seconds), actor_idle_fraction = 1 - (time spent on batches, from claim to publish) / wall
+        time; the mean KV budget of the batches (actor_kv_budget, tokens) and, with tiers, per tier its budget
+        and reward. (Counts of events, groups and reward errors, are the run's actor_counts in Redis.)"""
         self._count_busy()
         now = time.monotonic()
         wall, self.metrics_since = now - self.metrics_since, now
@@ -341,19 +350,16 @@ class RolloutWorker:
         tiers, self.tier_counters = self.tier_counters, {}
         per_tier = {}
         for name, (groups, budget_sum, reward_sum, samples) in tiers.items():
-            per_tier.update({f"tier/{name}/kv_budget": budget_sum / groups, f"tier/{name}/groups": float(groups),
-                             f"tier/{name}/reward": reward_sum / samples})
+            per_tier.update({f"tier/{name}/kv_budget": budget_sum / groups, f"tier/{name}/reward": reward_sum / samples})
         if c["batches"]:  # mean budget (tokens) of this actor's batches since the last call
             per_tier["actor_kv_budget"] = c["kv_budget_sum"] / c["batches"]
         return {**per_tier,
                 "rollout_tokens_per_s": c["tokens"] / c["gen_s"] if c["gen_s"] else 0.0,
-                "rollout_groups": float(c["groups"]),
                 "accuracy": c["correct"] / c["samples"] if c["samples"] else 0.0,
                 "unparseable_fraction": c["unparseable"] / c["samples"] if c["samples"] else 0.0,
-                "reward_errors": float(c["error"]),
                 "kv_peak_bytes_per_seq": float(c["kv_peak_bytes"]),
                 "actor_staleness_wait_s": c["staleness_wait_s"], "actor_queue_wait_s": c["queue_wait_s"],
-                "actor_admission_wait_s": c["admission_wait_s"], "claims_lost": float(c["claims_lost"]),
+                "actor_admission_wait_s": c["admission_wait_s"],
                 "actor_idle_fraction": max(0.0, 1.0 - c["busy_s"] / wall) if wall > 0 else 0.0,
                 "producer_backpressure_wait_s": float(self.producer.backpressure_wait_s)}
 

@@ -26,6 +26,7 @@ A claimed group's stream entry carries the fields `deadline` and `claim` next to
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -141,7 +142,8 @@ reap(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], now_ms())
 return redis.call('HGETALL', KEYS[1])
 """
 
-# KEYS: stream, counts, claims, expiry, claim_prompts; ARGV: claim id, message bytes...
+# KEYS: stream, counts, claims, expiry, claim_prompts, actor_counts; ARGV: claim id, JSON {counter: n} to add to
+# actor_counts, message bytes...
 # (a claim published in full forgets its prompt indices: they are in the stream now)
 # -> {depth, msg ids...}, or -1 when the claim expired (nothing is published)
 _PUBLISH = """
@@ -149,13 +151,16 @@ local val = redis.call('HGET', KEYS[3], ARGV[1])
 if not val then return -1 end
 local remaining, d = string.match(val, '^(%d+):(%-?%d+)$')
 remaining = tonumber(remaining)
-local k = #ARGV - 1
+local k = #ARGV - 2
 if k > remaining then return redis.error_reply('publish of ' .. k .. ' groups on a claim of ' .. remaining) end
 local reply = {0}
-for i = 2, #ARGV do
+for i = 3, #ARGV do
   reply[#reply + 1] = redis.call('XADD', KEYS[1], '*', 'group', ARGV[i], 'deadline', d, 'claim', ARGV[1])
 end
 redis.call('HINCRBY', KEYS[2], 'produced', k)
+for name, n in pairs(cjson.decode(ARGV[2])) do
+  redis.call('HINCRBY', KEYS[6], name, n)
+end
 if k == remaining then
   redis.call('HDEL', KEYS[3], ARGV[1])
   redis.call('ZREM', KEYS[4], ARGV[1])
@@ -224,12 +229,15 @@ class Admission:
         """Give a claim's unpublished groups back to the pool (the batch failed); returns how many."""
         return int(self._release(keys=self.keys, args=[claim.claim_id]))
 
-    def publish(self, claim: Claim, messages: list[bytes]) -> tuple[int, list[str]]:
-        """XADD encoded groups made under `claim` (with their deadline) and count them produced, atomically,
-        only if the claim is still held. Returns (stream depth, message ids). Raises ClaimExpired."""
+    def publish(self, claim: Claim, messages: list[bytes], counts: dict[str, int] | None = None) \
+            -> tuple[int, list[str]]:
+        """XADD encoded groups made under `claim` (with their deadline), count them produced and add `counts`
+        to the run's actor_counts, atomically, only if the claim is still held. Returns (stream depth, message
+        ids). Raises ClaimExpired."""
         reply = self._publish(keys=[rs.key(self.run_id, self.cfg.stream), self.keys[3], self.keys[1], self.keys[2],
-                                    self.keys[4]],
-                              args=[claim.claim_id, *messages])
+                                    self.keys[4], rs.key(self.run_id, rs.ACTOR_COUNTS)],
+                              args=[claim.claim_id, json.dumps({k: int(n) for k, n in (counts or {}).items() if n}),
+                                    *messages])
         if reply == -1:
             raise ClaimExpired(f"claim {claim.claim_id} expired (no heartbeat for broker.claim_ttl_s="
                                f"{self.cfg.claim_ttl_s:g} s); its {len(messages)} group(s) were not published")

@@ -8,7 +8,8 @@ worker inherits; or Ray's `runtime_env={"env_vars": {...}}`), a comma-separated 
   point   where the fault fires: `learner.step` (a learner rank's step; who = rank, when = learner version at
           the start of the step), `actor.start` (a rollout actor's start, before its model loads; who = actor
           id), `actor.generate` (inside every batch of an actor, after its claim, before the engine runs; who =
-          actor id, when = the actor's weight version). Other points: whatever a caller passes to `wrap`.
+          actor id, when = the actor's weight version), `actor.published` (after a batch was published or
+          refused, before the next one; who = actor id, when = the actor's weight version). Other points: whatever a caller passes to `wrap`.
   who     the rank or actor id, or `*` for every one
   when    optional: fire only when the point's `when` value equals it (e.g. the learner version)
   action  `sleep:<seconds>` (a stall, then go on) | `fail` (raise FaultInjectedError) | `exit` (the process dies at

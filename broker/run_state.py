@@ -10,6 +10,7 @@ light (no Ray, no torch).
 | `{broker.dead_letter_stream}` | stream | learner (GroupConsumer: invalid messages)   | operators                        |
 | `consumed`                | set     | learner (commit; restored at start)            | learner (duplicate check)        |
 | `counts`                  | hash    | producers, consumer, admission scripts, resume | learner (step report), driver    |
+| `actor_counts`            | hash    | actors (in each publish's transaction)         | driver (step metrics, accounting) |
 | `learner_version`         | int     | learner (start, every commit)                  | actors, consumer, admission, scale |
 | `kv_budget`               | int     | learner (budget controller)                    | actors (every batch)             |
 | `budget_log`              | list    | learner (one JSON line per step)               | driver (budget_log.jsonl)        |
@@ -29,6 +30,11 @@ light (no Ray, no torch).
 the admission counters admitted, claims_expired, claimed_returned, prompts_redone; each changed in the same transaction as
 the operation it counts (broker/streams.py, broker/admission.py), so produced == consumed + groups_filtered +
 dropped_stale + dead_lettered + duplicates + queue depth.
+
+`actor_counts` fields: rollout_groups, reward_errors (samples whose reward function raised), tier/<tier>/groups,
+each added in the transaction that publishes the groups they count (broker/streams.py publish_many), and
+claims_lost (a publish refused because its claim expired); so a counter is never lost with an actor process and
+rollout_groups == produced for a run whose groups all come from its actors.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ import json
 import redis
 
 CONSUMED, COUNTS, LEARNER_VERSION = "consumed", "counts", "learner_version"
+ACTOR_COUNTS = "actor_counts"
 KV_BUDGET, BUDGET_LOG, PROMPT_CONFIDENCE = "kv_budget", "budget_log", "prompt_confidence"
 PROMPT_CURSOR, PROMPT_REDO = "prompt_cursor", "prompt_redo"
 PAUSED, ACTORS_TARGET = "generation_paused", "actors_target"
@@ -45,6 +52,8 @@ ADMISSION_STEP_CAPACITY, ADMISSION_LAST_VERSION = "admission:step_capacity", "ad
 ADMISSION_CLAIM_PROMPTS = "admission:claim_prompts"
 COUNT_NAMES = ("produced", "consumed", "groups_filtered", "dropped_stale", "dead_lettered", "duplicates")
 """The `counts` fields reported as 0 before their first increment."""
+ACTOR_COUNT_NAMES = ("rollout_groups", "reward_errors", "claims_lost")
+"""The `actor_counts` fields reported as 0 before their first increment."""
 
 
 def key(run_id: str, name: str) -> str:
@@ -80,6 +89,22 @@ def run_counts(r, run_id: str) -> dict[str, int]:
     counters (admitted, claims_expired, claimed_returned) once used."""
     counts = dict.fromkeys(COUNT_NAMES, 0)
     counts.update({k.decode(): int(v) for k, v in r.hgetall(key(run_id, COUNTS)).items()})
+    return counts
+
+
+def add_actor_counts(r, run_id: str, counts: dict[str, int]) -> None:
+    """Add each of `counts` (events, e.g. {"reward_errors": 3}) to the run's `actor_counts` (on a pipeline: in
+    its transaction)."""
+    for name, n in counts.items():
+        if n:
+            r.hincrby(key(run_id, ACTOR_COUNTS), name, int(n))
+
+
+def actor_counts(r, run_id: str) -> dict[str, int]:
+    """The run's actor counters (all actors, every process of each, since the run started): rollout_groups,
+    reward_errors, claims_lost (0 when never incremented) and tier/<tier>/groups once used."""
+    counts = dict.fromkeys(ACTOR_COUNT_NAMES, 0)
+    counts.update({k.decode(): int(v) for k, v in r.hgetall(key(run_id, ACTOR_COUNTS)).items()})
     return counts
 
 

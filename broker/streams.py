@@ -87,7 +87,8 @@ class GroupProducer:
         """Publish one group; returns its stream message id. See publish_many."""
         return self.publish_many([group])[0]
 
-    def publish_many(self, groups: list[TrajectoryGroup], claim=None) -> list[str]:
+    def publish_many(self, groups: list[TrajectoryGroup], claim=None, counts: list[dict[str, int]] | None = None) \
+            -> list[str]:
         """Encode (validating) all `groups`, then append them to the stream; returns their stream message ids,
         in order. Each transaction (up to TRANSACTION_BYTES of messages) XADDs its groups, adds their number to
         the `produced` count and reads the depth. Raises SchemaError for a bad group, ValueError when a
@@ -96,9 +97,12 @@ class GroupProducer:
         watermark afterwards (a batch is not split by it, so one call may take the depth from
         cfg.high_watermark to cfg.high_watermark + len(groups)). With `claim` (a broker.admission.Claim of
         this producer's admission), each transaction is the admission publish script: it publishes only while
-        the claim is held (raises broker.admission.ClaimExpired otherwise) and tags entries with the deadline."""
+        the claim is held (raises broker.admission.ClaimExpired otherwise) and tags entries with the deadline.
+        `counts` (one dict per group, e.g. {"rollout_groups": 1, "reward_errors": 2}): added to the run's
+        `actor_counts` in the transaction that publishes their group (run_state.add_actor_counts)."""
         chunks, size = [], TRANSACTION_BYTES  # the messages of each transaction
-        for group in groups:
+        chunk_counts = []  # the summed `counts` of each transaction's groups
+        for group, group_counts in zip(groups, counts or [{}] * len(groups)):
             if group.run_id != self.run_id:
                 raise ValueError(f"group.run_id {group.run_id!r} != producer run_id {self.run_id!r}")
             data = encode_group(group, self.cfg.max_response_tokens, self.cfg.max_prompt_tokens)
@@ -107,22 +111,27 @@ class GroupProducer:
                                                        f"max_message_bytes = {self.cfg.max_message_bytes}")
             if size + len(data) > TRANSACTION_BYTES:
                 chunks.append([])
+                chunk_counts.append({})
                 size = 0
             chunks[-1].append(data)
+            for name, n in group_counts.items():
+                chunk_counts[-1][name] = chunk_counts[-1].get(name, 0) + n
             size += len(data)
         msg_ids, depth = [], 0
-        for chunk in chunks:
+        for chunk, added in zip(chunks, chunk_counts):
             if claim is not None:
-                depth, chunk_ids = self.admission.publish(claim, chunk)
+                depth, chunk_ids = self.admission.publish(claim, chunk, added)
                 msg_ids += [m.encode() for m in chunk_ids]
                 continue
             pipe = self.client.pipeline(transaction=True)
             for data in chunk:
                 pipe.xadd(self.stream, {"group": data})
             rs.add_count(pipe, self.run_id, "produced", len(chunk))
+            rs.add_actor_counts(pipe, self.run_id, added)
             pipe.xlen(self.stream)
-            *chunk_ids, _, depth = pipe.execute()
-            msg_ids += chunk_ids
+            replies = pipe.execute()  # XADD ids, the counts' HINCRBYs, XLEN
+            msg_ids += replies[:len(chunk)]
+            depth = replies[-1]
         if depth > self.cfg.high_watermark:
             t0 = time.monotonic()
             self.backpressure_waits += 1

@@ -7,6 +7,8 @@ import time
 
 import ray
 
+from broker import run_state as rs
+from broker.streams import connect
 from deploy.config import RunConfig, rollout_config, to_dict
 from deploy.rank_calls import LearnerRankError
 
@@ -17,8 +19,9 @@ MAX_START_FAILURES = 3
 no actor can ever produce."""
 
 
-COUNTED = ("rollout_groups", "reward_errors", "claims_lost")
-"""Actor metrics that count events: summed over the actors (the others are rates, fractions or waits)."""
+PROCESS_LOST = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.OutOfMemoryError,
+                ray.exceptions.NodeDiedError)
+"""Ray's errors for a call whose actor process is gone: it died, Ray's OOM monitor killed it, its node was lost."""
 
 
 class RunFailed(RuntimeError):
@@ -50,7 +53,8 @@ class ActorPool:
         self.start_failures = 0  # actors in a row that died before they were ready
         self.target = cfg.actors.count
         self.replaced = 0
-        self.totals: dict[str, float] = {}  # the run's sums of the COUNTED metrics (metrics())
+        self.redis = connect(cfg.broker)
+        self.counted = rs.actor_counts(self.redis, run_id)  # the run's actor counters at the last metrics()
         address = learner.sync_address.remote()  # (host, port) of the learner's TCPStore
         self.sync_address = learners.get(address, "the actors were starting") if learners else ray.get(address)
 
@@ -127,7 +131,7 @@ class ActorPool:
                     console.waiting(step, reported - waited, why)
         try:
             return ray.get(done)
-        except ray.exceptions.RayActorError as e:
+        except PROCESS_LOST as e:
             raise RunFailed(f"learner step {step} failed: learner rank 0 died ({str(e).strip().splitlines()[0][:200]}); "
                             f"nothing of this step was acknowledged; {hint()}") from None
         except LearnerRankError as e:  # Ray's error is also a LearnerRankError; its cause holds the message
@@ -137,7 +141,8 @@ class ActorPool:
             if isinstance(e.cause, TimeoutError):  # waited train.group_wait_s for groups: say so in one line
                 why = self.why_waiting(depth())
                 raise RunFailed(f"{e.cause}" + (f" ({why})" if why else "")) from None
-            raise
+            raise RunFailed(f"learner step {step} failed: learner rank 0 raised {root_cause(e)}; nothing of this "
+                            f"step was acknowledged; {hint()}") from None  # (one rank: no LearnerRankError)
 
     def check_learner(self, phase: str) -> None:
         """Raise RunFailed when a learner rank has died (LearnerGroup.check)."""
@@ -232,23 +237,22 @@ class ActorPool:
                 "actors_replaced": float(self.replaced)}
 
     def metrics(self) -> dict:
-        """The live actors' rollout metrics since the last call: counts (COUNTED: groups, reward errors, lost
-        claims, groups per tier) summed over the actors, and added to `totals` (the run's sums); the KV peak
-        per sequence the largest; the others (tokens/s, idle fractions, waits) the mean over the actors."""
+        """The rollout metrics since the last call: the counts (rollout_groups, reward_errors, claims_lost,
+        tier/<tier>/groups) from the run's actor_counts in Redis, so summed over every actor and every process
+        of it, a killed one's included; of the live actors' own metrics, the KV peak per sequence the largest
+        (bytes), the others (tokens/s, fractions, waits in seconds) the mean over the actors."""
+        counts = rs.actor_counts(self.redis, self.run_id)
+        out = {k: float(n - self.counted.get(k, 0)) for k, n in counts.items()}
+        self.counted = counts
         results = []
         for h in (self.actors[i] for i in self.ready()):
             try:
                 results.append(ray.get(h.metrics.remote(), timeout=30))
             except Exception:
                 pass
-        out = {}
         for k in {k for r in results for k in r}:
             values = [r[k] for r in results if k in r]
-            if k in COUNTED or (k.startswith("tier/") and k.endswith("/groups")):
-                out[k] = sum(values)
-                self.totals[k] = self.totals.get(k, 0.0) + out[k]
-            else:
-                out[k] = max(values) if k == "kv_peak_bytes_per_seq" else sum(values) / len(values)
+            out[k] = max(values) if k == "kv_peak_bytes_per_seq" else sum(values) / len(values)
         return out
 
     def stop_generation(self) -> None:

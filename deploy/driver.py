@@ -25,7 +25,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from broker import run_state as rs  # noqa: E402
 from broker.redis_server import LocalRedis, RedisInUse  # noqa: E402
 from broker.streams import connect, queue_depth  # noqa: E402
-from deploy.actor_pool import COUNTED, ActorPool, RunFailed  # noqa: E402
+from deploy.actor_pool import ActorPool, RunFailed  # noqa: E402
 from deploy.config import RunConfig, to_dict  # noqa: E402
 from deploy.console import Console  # noqa: E402
 from deploy.model_cache import resolve_model  # noqa: E402
@@ -270,13 +270,12 @@ def _save_budget_log(cfg: RunConfig, redis, run_id: str, run_dir: Path, tracker:
 
 def _accounting(cfg: RunConfig, redis, run_id: str, pool: ActorPool, metrics: dict, actor_idle: list[float]) -> dict:
     """The run's final accounting (once the last batches are published): broker counts, what is left in the
-    queue, learner and actor versions, the actors' COUNTED sums, rollout utilization and the idle shares over the
-    whole run."""
-    pool.metrics()  # the actors' counts of their last batches, into pool.totals
+    queue, learner and actor versions, the actors' counters (run_state.actor_counts: every actor process, the
+    killed ones' included), rollout utilization and the idle shares over the whole run."""
     counts = rs.run_counts(redis, run_id)
     accounting = {**counts, "left_in_queue": queue_depth(redis, cfg.broker, run_id),
                   "learner_version": int(metrics["version"]), "actor_versions": pool.versions(),
-                  **{k: int(pool.totals.get(k, 0)) for k in COUNTED}}
+                  **rs.actor_counts(redis, run_id)}
     accounting.update(  # groups trained or filtered / groups produced (none in flight now); idle shares
         rollout_utilization=rs.rollout_utilization(counts, in_flight=0),
         learner_idle_fraction=metrics.get("learner_idle_fraction_run", 0.0),

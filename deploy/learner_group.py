@@ -21,7 +21,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from broker.redis_server import free_port
-from deploy.actor_pool import RunFailed, root_cause
+from deploy.actor_pool import PROCESS_LOST, RunFailed, root_cause
 from deploy.config import RunConfig, to_dict
 from deploy.learner_worker import LearnerWorker
 
@@ -116,7 +116,7 @@ class LearnerGroup:
             self.check(phase)
         try:
             return ray.get(ref)
-        except ray.exceptions.RayActorError as e:
+        except PROCESS_LOST as e:
             time.sleep(poll_s)  # Ray reports the death to the watch calls a moment later
             self.check(phase)
             self.died(0, phase, root_cause(e))

@@ -14,7 +14,7 @@ import pytest
 
 from broker.admission import Admission, ClaimExpired, Held, StepCollector, plan_step, step_capacity
 from broker.config import BrokerConfig
-from broker.run_state import key, open_pool, publish_learner_version, run_counts
+from broker.run_state import actor_counts, key, open_pool, publish_learner_version, run_counts
 from broker.streams import GroupConsumer, GroupProducer, connect
 from learner.loss import zero_variance
 
@@ -123,10 +123,14 @@ def test_an_expired_claim_returns_its_groups_and_cannot_publish(any_redis, make_
     again, _ = admission.claim(0, 1)
     assert again is not None and again.groups == 1  # ... and another actor can take it
     with pytest.raises(ClaimExpired):
-        producer.publish_many([make_group("late", run_id=RUN)], claim=lost)
-    producer.publish_many([make_group("kept", run_id=RUN)], claim=kept)
+        producer.publish_many([make_group("late", run_id=RUN)], claim=lost, counts=[{"rollout_groups": 1}])
+    producer.publish_many([make_group("kept", run_id=RUN)], claim=kept,
+                          counts=[{"rollout_groups": 1, "reward_errors": 2, "tier/hard/groups": 1}])
     counts = run_counts(client, RUN)
     assert counts["produced"] == 1 and counts["claims_expired"] == 1 and counts["claimed_returned"] == 1
+    # the counts come with the publish, in its script: the refused one's are not added
+    assert actor_counts(client, RUN) == {"rollout_groups": 1, "reward_errors": 2, "claims_lost": 0,
+                                         "tier/hard/groups": 1}
     assert client.xlen(key(RUN, cfg.stream)) == 1
     assert admission.release(again) == 1 and admission.pending(0) == {0: 1}  # only `kept`, in the stream
 

@@ -20,7 +20,7 @@ from broker.config import BrokerConfig
 from broker.redis_server import LocalRedis, RedisInUse, find_redis_server
 from broker import streams
 from broker.schema import SchemaError, encode_group
-from broker.run_state import key, publish_learner_version, read_learner_version, run_counts
+from broker.run_state import actor_counts, key, publish_learner_version, read_learner_version, run_counts
 from broker.streams import GroupConsumer, GroupProducer, connect, queue_depth
 
 WORKER = os.path.join(os.path.dirname(__file__), "_worker.py")
@@ -247,20 +247,23 @@ def test_publish_many_counts_exactly_and_publishes_all_or_nothing(transaction_by
     client = connect(cfg)
     consumer = GroupConsumer(client, cfg, "run", "learner-0")
     producer = GroupProducer(client, cfg, "run")
-    ids = producer.publish_many([make_group(f"g{i}", seed=i) for i in range(5)])
+    counts = [{"rollout_groups": 1, "reward_errors": i} for i in range(5)]  # the actor's counts, per group
+    ids = producer.publish_many([make_group(f"g{i}", seed=i) for i in range(5)], counts=counts)
     assert [fields[b"group"] for _, fields in client.xrange(key("run", cfg.stream))] == \
         [encode_group(make_group(f"g{i}", seed=i)) for i in range(5)]
     assert ids == [m.decode() for m, _ in client.xrange(key("run", cfg.stream))]
     assert run_counts(client, "run")["produced"] == 5 and queue_depth(client, cfg, "run") == 5
+    assert actor_counts(client, "run") == {"rollout_groups": 5, "reward_errors": 0 + 1 + 2 + 3 + 4, "claims_lost": 0}
 
     bad = make_group("bad")
     bad.samples[1].logp_sparse = np.array([-1, -1, 0.5, -1, -1], dtype=np.float32)
     with pytest.raises(SchemaError, match=r"logp_positive: samples\[1\]"):
-        producer.publish_many([make_group("g5"), bad])
+        producer.publish_many([make_group("g5"), bad], counts=[{"rollout_groups": 1}] * 2)
     with pytest.raises(ValueError, match="run_id"):
         producer.publish_many([make_group("g5"), make_group("other", run_id="another-run")])
     assert producer.publish_many([]) == []
     assert run_counts(client, "run")["produced"] == 5 and queue_depth(client, cfg, "run") == 5
+    assert actor_counts(client, "run")["rollout_groups"] == 5  # nothing published: nothing counted
 
     got = read_all(consumer, 5)
     assert [d.msg_id for d in got] == ids

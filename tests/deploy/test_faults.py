@@ -246,17 +246,20 @@ def learner_processes(run: Run) -> list:
 @pytest.mark.timeout(1200)
 def test_a_learner_lost_outside_a_step_ends_the_run_at_once(tmp_path):
     """The learner dies in its constructor, while the actors load their model, during a weight sync, or while it
-    saves the final weights: each run ends within 30 s of the death with exit 1 and one line naming the rank and
-    the phase, with a command that works (start again without a checkpoint, resume with one), MLflow FAILED, no
-    process left."""
+    saves the final weights, or its first step raises: each run ends within 30 s of the death with exit 1 and one
+    line naming the rank and the phase, with a command that works (start again without a checkpoint, resume with
+    one), MLflow FAILED, no process left."""
     base = ["--config", "tiny", "train.steps=2", "eval.enabled=false", "train.wait_report_s=1"]
-    cases = {  # name: (faults, extra overrides, phase in the line)
-        "actors loading": ("actor.start:*=sleep:300", [], "the actors were loading"),  # they load for 5 minutes
-        "constructor": ("learner.init:0=exit", [], "starting"),
-        "weight sync": ("learner.send_weights:0@1=exit", ["learner.checkpoint_interval=1"], "it sent the weights"),
-        "save_final": ("learner.save_final:0=exit", ["learner.checkpoint_interval=1"], "it saved the final weights"),
+    died = "run failed: learner rank 0 died while"
+    cases = {  # name: (faults, extra overrides, the line after "sparse-rl: ")
+        "actors loading": ("actor.start:*=sleep:300", [], f"{died} the actors were loading"),  # they load 5 minutes
+        "constructor": ("learner.init:0=exit", [], f"{died} starting"),
+        "weight sync": ("learner.send_weights:0@1=exit", ["learner.checkpoint_interval=1"], f"{died} it sent the weights"),
+        "save_final": ("learner.save_final:0=exit", ["learner.checkpoint_interval=1"], f"{died} it saved the final weights"),
+        "step raises": ("learner.step:0@0=fail", [], "learner step 1 failed: learner rank 0 raised "
+                                                     "broker.faults.FaultInjectedError"),
     }
-    for name, (fault, extra, phase) in cases.items():
+    for name, (fault, extra, expected) in cases.items():
         runs = tmp_path / name.replace(" ", "_")
         env = {**ENV, "SPARSE_RL_FAULTS": fault}  # the fault seam, broker/faults.py
         run = Run(*base, f"run_dir={runs}", *extra, env=env)
@@ -274,7 +277,7 @@ def test_a_learner_lost_outside_a_step_ends_the_run_at_once(tmp_path):
             run.kill()
         assert rc == 1, (name, run.text)
         line = one_line(run.text)
-        assert line.startswith(f"sparse-rl: run failed: learner rank 0 died while {phase}: "), (name, line)
+        assert line.startswith(f"sparse-rl: {expected}"), (name, line)
         (run_dir,) = runs.iterdir()
         if extra:  # a checkpoint of version 1 (weight sync) or 2 (the last step): the resume command is runnable
             steps = " train.steps=3" if name == "save_final" else ""
@@ -298,7 +301,9 @@ def test_workers_import_the_installed_code_from_any_directory_and_counts_add_up(
     (a user's folders, an older checkout), the run imports the installed code everywhere and ends with exit 0.
     Its reward function fails on every sample: the run's reward_errors are the samples of every group produced
     (counts summed over the actors, not averaged), rollout_groups the groups produced, and the evaluation counts
-    its reward errors too."""
+    its reward errors too. Every process of actor 0 dies right after it published a batch, before the driver
+    reads the step's metrics (Ray restarts it twice, then the driver replaces it; actor 1 starts 10 s late, so
+    actor 0 publishes first): the counts of those batches are still in the run's totals."""
     cwd = tmp_path / "work"
     for name in ("actors", "learner", "broker", "deploy", "compressors"):
         (cwd / name).mkdir(parents=True)
@@ -307,7 +312,8 @@ def test_workers_import_the_installed_code_from_any_directory_and_counts_add_up(
     user.mkdir()
     (user / "failing_reward.py").write_text("def reward(text, response_ids, item):\n"
                                             "    raise ValueError('this reward always fails')\n")
-    env = {**ENV, "PYTHONPATH": str(user)}
+    path = os.pathsep.join(filter(None, [str(user), os.environ.get("PYTHONPATH")]))  # (an empty entry = the cwd)
+    env = {**ENV, "PYTHONPATH": path, "SPARSE_RL_FAULTS": "actor.published:actor-0=exit,actor.start:actor-1=sleep:10"}
     cli = str(Path(sys.executable).with_name("sparse-rl"))  # the console script: no cwd on the driver's sys.path
     done = subprocess.run([cli, "train", "--config", "tiny", "run_dir=runs", "train.steps=3", "eval.limit=4",
                            "actors.reward.function=failing_reward:reward", "eval.modes=[dense]"],
