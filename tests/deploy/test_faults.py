@@ -256,7 +256,7 @@ def test_a_learner_lost_outside_a_step_ends_the_run_at_once(tmp_path):
         "constructor": ("learner.init:0=exit", [], f"{died} starting"),
         "weight sync": ("learner.send_weights:0@1=exit", ["learner.checkpoint_interval=1"], f"{died} it sent the weights"),
         "save_final": ("learner.save_final:0=exit", ["learner.checkpoint_interval=1"], f"{died} it saved the final weights"),
-        "step raises": ("learner.step:0@0=fail", [], "learner step 1 failed: learner rank 0 raised "
+        "step raises": ("learner.step:0@0=fail", [], "run failed: learner step 1 failed: learner rank 0 raised "
                                                      "broker.faults.FaultInjectedError"),
     }
     for name, (fault, extra, expected) in cases.items():
