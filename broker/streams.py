@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -101,7 +102,7 @@ class GroupProducer:
         `counts` (one dict per group, e.g. {"rollout_groups": 1, "reward_errors": 2}): added to the run's
         `actor_counts` in the transaction that publishes their group (run_state.add_actor_counts)."""
         chunks, size = [], TRANSACTION_BYTES  # the messages of each transaction
-        chunk_counts = []  # the summed `counts` of each transaction's groups
+        chunk_counts: list[Counter] = []  # the summed `counts` of each transaction's groups
         for group, group_counts in zip(groups, counts or [{}] * len(groups)):
             if group.run_id != self.run_id:
                 raise ValueError(f"group.run_id {group.run_id!r} != producer run_id {self.run_id!r}")
@@ -111,11 +112,10 @@ class GroupProducer:
                                                        f"max_message_bytes = {self.cfg.max_message_bytes}")
             if size + len(data) > TRANSACTION_BYTES:
                 chunks.append([])
-                chunk_counts.append({})
+                chunk_counts.append(Counter())
                 size = 0
             chunks[-1].append(data)
-            for name, n in group_counts.items():
-                chunk_counts[-1][name] = chunk_counts[-1].get(name, 0) + n
+            chunk_counts[-1].update(group_counts)
             size += len(data)
         msg_ids, depth = [], 0
         for chunk, added in zip(chunks, chunk_counts):
