@@ -252,12 +252,12 @@ def test_a_learner_lost_outside_a_step_ends_the_run_at_once(tmp_path):
     base = ["--config", "tiny", "train.steps=2", "eval.enabled=false", "train.wait_report_s=1"]
     died = "run failed: learner rank 0 died while"
     cases = {  # name: (faults, extra overrides, the line after "sparse-rl: ")
-        "actors loading": ("actor.start:*=sleep:300", [], f"{died} the actors were loading"),  # they load 5 minutes
-        "constructor": ("learner.init:0=exit", [], f"{died} starting"),
-        "weight sync": ("learner.send_weights:0@1=exit", ["learner.checkpoint_interval=1"], f"{died} it sent the weights"),
-        "save_final": ("learner.save_final:0=exit", ["learner.checkpoint_interval=1"], f"{died} it saved the final weights"),
+        "actors loading": ("actor.start:*=sleep:300", [], f"{died} the actors were loading: "),  # they load 5 minutes
+        "constructor": ("learner.init:0=exit", [], f"{died} starting: "),
+        "weight sync": ("learner.send_weights:0@1=exit", ["learner.checkpoint_interval=1"], f"{died} it sent the weights: "),
+        "save_final": ("learner.save_final:0=exit", ["learner.checkpoint_interval=1"], f"{died} it saved the final weights: "),
         "step raises": ("learner.step:0@0=fail", [], "run failed: learner step 1 failed: learner rank 0 raised "
-                                                     "broker.faults.FaultInjectedError"),
+                                                     "broker.faults.FaultInjectedError: "),
     }
     for name, (fault, extra, expected) in cases.items():
         runs = tmp_path / name.replace(" ", "_")
