@@ -104,7 +104,9 @@ def test_actors_scaled_and_killed_while_learner_steps(tmp_path, redis_server):
                     break
                 except (ValueError, ray.exceptions.RayActorError):  # not created yet, or being restarted (a
                     time.sleep(0.5)                                  # slow start replaced on a loaded machine)
-        version = at_version(run_id, read_learner_version(redis, run_id) + 1)  # a step with all three
+        # a step whose weight sync had all three: the learner writes version v during its step, before the
+        # driver's sync of step v, so v + 2 is the first version whose arrival proves that sync is done
+        version = at_version(run_id, read_learner_version(redis, run_id) + 2)
         victim = ray.get_actor(f"{run_id}-actor-0")
         os.kill(ray.get(victim.ping.remote())["pid"], signal.SIGKILL)
         events.append(f"kill@{version}")
