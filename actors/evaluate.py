@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from actors.config import DEFAULT_INSTRUCTION
 from actors.data import Prompt, tokenize_prompts
 from actors.engine import SamplingParams
 from actors.reward import RewardConfig, RewardScorer
@@ -29,7 +30,7 @@ def evaluate(engine, tokenizer, items: list[Prompt], mode: str, compressor: Comp
     elif (engine.compressor_cfg.method == "full") != (mode == "dense"):  # SGLang: the backend is fixed at start
         raise ValueError(f"mode={mode!r}: this {type(engine).__name__} was started "
                          f"{'dense' if engine.compressor_cfg.method == 'full' else 'sparse'}; evaluate it in that mode")
-    items = tokenize_prompts(items, tokenizer, *([instruction] if instruction else []))
+    items = tokenize_prompts(items, tokenizer, DEFAULT_INSTRUCTION if instruction is None else instruction)
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, n=1, seed=seed)
     reward = reward or RewardScorer(RewardConfig())
     statuses, rewards, lengths, kv = [], [], [], []
