@@ -70,11 +70,23 @@ def count_numbers(size: int, seed: int, start_low: int = 1, start_high: int = 50
     return out
 
 
+def count_demonstration(item: dict, restate: bool) -> str:
+    """The right answer to a `count_numbers` problem, as the supervised warm-up writes it: the numbers a..b one
+    per line, plain ("25\n26\n...") or restating the stop number on every line ("25 of 46\n26 of 46\n...").
+    Under a decode-time KV budget the restating format keeps b in the recent window, so it survives eviction;
+    the plain one relies on the prompt's b staying in the cache (docs/results.md 6.6)."""
+    a, b = item["metadata"]["start"], item["metadata"]["stop"]
+    return "\n".join(f"{n} of {b}" if restate else str(n) for n in range(a, b + 1))
+
+
 def count_reward(response: str, response_ids, item) -> float:
     """LCS(words of the response, [a, a+1, ..., b]) / max(words, b - a + 1), in [0, 1]: 1 only for exactly
-    the numbers a..b in order. Words are the response split on whitespace and commas; a word that is not an
-    integer counts as a wrong element, so stopping late, repeating, skipping or writing prose all cost."""
-    want = list(range(item.metadata["start"], item.metadata["stop"] + 1))
+    the numbers a..b in order. Words are the response split on whitespace and commas, after removing " of b"
+    after a number (the restating format of `count_demonstration`, "25 of 46"); a word that is not an integer
+    counts as a wrong element, so stopping late, repeating, skipping or writing prose all cost."""
+    stop = item.metadata["stop"]
+    want = list(range(item.metadata["start"], stop + 1))
+    response = re.sub(rf"(\d)[ \t]+of[ \t]+{stop}(?!\d)", r"\1", response)
     got = [int(w) if _INT.fullmatch(w) else w for w in re.split(r"[\s,]+", response) if w]
     return lcs_length(got, want) / max(len(got), len(want))
 

@@ -13,6 +13,12 @@ import os
 from pathlib import Path
 
 SMOLLM2 = "smollm2-135m-instruct"
+SMOLLM2_COUNT_WARM = "smollm2-135m-count-warm"
+COUNT_WARMUP = {"size": 64, "seed": 1234, "restate_every": 2, "start_low": 51, "start_high": 100,
+                "span_low": 12, "span_high": 20}
+"""The count warm-up's demonstrations: `size` count_numbers problems with starts in [51, 100], outside every
+preset's range (starts 1-50), so no training or held-out problem is seen; every `restate_every`-th answer in the
+restating format ("25 of 46"), the others plain (actors.tasks.count_demonstration)."""
 TINY_LLAMA = "tiny-llama"
 TINY_CHAR = "tiny-char"
 CHAR_VOCAB = "0123456789abcdefghijklmnopqrstuvwxyz \n.,:;+-=#?"
@@ -98,13 +104,37 @@ def _make_tiny_char(out: Path) -> None:
     _save_tiny_llama(tok, out)
 
 
+def _warm_smollm2_count(out: Path) -> None:
+    """SmolLM2-135M-Instruct after the count task's supervised warm-up (`COUNT_WARMUP`, learner.warmup): it
+    answers "List the numbers from a to b" in either format, plain or restating b on every line, so that RL
+    under a decode-time KV budget can prefer the format that survives eviction (docs/results.md 6.6)."""
+    from transformers import AutoTokenizer
+
+    from actors.data import tokenize_prompts, Prompt
+    from actors.tasks import count_demonstration, count_numbers
+    from learner.warmup import supervised_warmup
+
+    base = resolve_model(SMOLLM2)
+    tok = AutoTokenizer.from_pretrained(base)
+    w = COUNT_WARMUP
+    problems = count_numbers(w["size"], w["seed"], start_low=w["start_low"], start_high=w["start_high"],
+                             span_low=w["span_low"], span_high=w["span_high"])
+    prompts = tokenize_prompts([Prompt(str(i), p["question"], p["answer"]) for i, p in enumerate(problems)], tok, "")
+    examples = [(q.prompt_ids, tok(count_demonstration(p, i % w["restate_every"] == 0),
+                                   add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
+                for i, (p, q) in enumerate(zip(problems, prompts))]
+    print(f"warming up {SMOLLM2} on {len(examples)} count demonstrations (once; cached in {out})", flush=True)
+    supervised_warmup(base, out, examples)
+
+
 def resolve_model(name_or_path: str) -> str:
     """Return a local Hugging Face directory for a preset model name, building and caching it once;
     any other value is returned unchanged (a path or a hub id the user provides).
 
     Raises FileNotFoundError when the files a preset needs are not installed.
     """
-    builders = {SMOLLM2: _convert_smollm2, TINY_LLAMA: _make_tiny_llama, TINY_CHAR: _make_tiny_char}
+    builders = {SMOLLM2: _convert_smollm2, TINY_LLAMA: _make_tiny_llama, TINY_CHAR: _make_tiny_char,
+                SMOLLM2_COUNT_WARM: _warm_smollm2_count}
     if name_or_path not in builders:
         return name_or_path
     out = cache_dir() / name_or_path

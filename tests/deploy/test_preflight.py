@@ -168,12 +168,19 @@ def test_bad_budget_config_fails_at_start_naming_the_dotted_field(overrides, nam
         load_config("tiny", overrides, check_files=False)
 
 
-def test_decode_preset_compresses_the_trace_not_the_prompt():
-    """smollm2-count is in the Sparse-RL paper's regime (its longest chat-templated prompt fits the KV budget,
-    the responses it allows are 3x the budget); smollm2-copy compresses its prompt at prefill, and the
-    preflight says so."""
-    main = preflight(load_config("smollm2-count"))
-    budget = load_config("smollm2-count").actors.engine.compressor.kv_budget
+@pytest.mark.parametrize("preset", ["smollm2-count", "smollm2-count-warm"])
+def test_decode_preset_compresses_the_trace_not_the_prompt(preset):
+    """smollm2-count(-warm) is in the Sparse-RL paper's regime (its longest chat-templated prompt fits the KV
+    budget, the responses it allows are 3x the budget); smollm2-copy compresses its prompt at prefill, and the
+    preflight says so. (The warm-up model has the base model's tokenizer and shapes: its preflight reads those.)"""
+    if preset == "smollm2-count-warm":
+        cfg = load_config(preset)
+        cfg.model = resolve_model("smollm2-135m-instruct")  # the same prompt tokens and KV shapes, no warm-up run
+        main, budget = preflight(cfg), cfg.actors.engine.compressor.kv_budget
+        assert main.prompt_tokens < budget and main.max_new_tokens >= 3 * budget
+        return
+    main = preflight(load_config(preset))
+    budget = load_config(preset).actors.engine.compressor.kv_budget
     assert main.prompt_tokens < budget and main.max_new_tokens >= 3 * budget
     assert not any("compressed at prefill" in w for w in main.warnings), main.warnings
     copy = preflight(load_config("smollm2-copy"))
