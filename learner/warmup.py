@@ -10,6 +10,10 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, PrinterCallback, Trainer,
+                          TrainingArguments)
+
 
 @dataclass
 class WarmupConfig:
@@ -35,10 +39,6 @@ def supervised_warmup(model_dir: str, out: Path, examples: list[tuple[list[int],
     Returns {"steps", "loss_first", "loss_last", "seconds"} from the trainer's log. Raises ValueError when
     `examples` is empty.
     """
-    import torch
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, PrinterCallback,
-                              Trainer, TrainingArguments)
-
     if not examples:
         raise ValueError("supervised warm-up: no examples")
     torch.set_num_threads(cfg.threads)
