@@ -14,11 +14,12 @@ from pathlib import Path
 
 SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_COUNT_WARM = "smollm2-135m-count-warm"
-COUNT_WARMUP = {"size": 64, "seed": 1234, "restate_every": 2, "start_low": 51, "start_high": 100,
+COUNT_WARMUP = {"size": 64, "seed": 1234, "restate_share": 0.625, "start_low": 51, "start_high": 100,
                 "span_low": 12, "span_high": 20}
 """The count warm-up's demonstrations: `size` count_numbers problems with starts in [51, 100], outside every
-preset's range (starts 1-50), so no training or held-out problem is seen; every `restate_every`-th answer in the
-restating format ("25 of 46"), the others plain (actors.tasks.count_demonstration)."""
+preset's range (starts 1-50), so no training or held-out problem is seen; a `restate_share` of the answers, spread
+evenly (example i restates when floor((i + 1) * share) > floor(i * share)), in the restating format ("25 of 46"),
+the others plain (actors.tasks.count_demonstration)."""
 TINY_LLAMA = "tiny-llama"
 TINY_CHAR = "tiny-char"
 CHAR_VOCAB = "0123456789abcdefghijklmnopqrstuvwxyz \n.,:;+-=#?"
@@ -120,7 +121,8 @@ def _warm_smollm2_count(out: Path) -> None:
     problems = count_numbers(w["size"], w["seed"], start_low=w["start_low"], start_high=w["start_high"],
                              span_low=w["span_low"], span_high=w["span_high"])
     prompts = tokenize_prompts([Prompt(str(i), p["question"], p["answer"]) for i, p in enumerate(problems)], tok, "")
-    examples = [(q.prompt_ids, tok(count_demonstration(p, i % w["restate_every"] == 0),
+    share = w["restate_share"]
+    examples = [(q.prompt_ids, tok(count_demonstration(p, int((i + 1) * share) > int(i * share)),
                                    add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
                 for i, (p, q) in enumerate(zip(problems, prompts))]
     print(f"warming up {SMOLLM2} on {len(examples)} count demonstrations (once; cached in {out})", flush=True)
