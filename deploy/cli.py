@@ -14,9 +14,10 @@ import sys
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep local Ray on 127.0.0.1
 
-MAIN_JOB = "smollm2-copy"
-"""The preset `sparse-rl train` (and eval, preflight) uses without --config. The decode-regime `smollm2-count`
-takes its place once it learns within the main job's 8 steps (issue 19; docs/results.md section 6)."""
+MAIN_JOB = "smollm2-count-warm"
+"""The preset `sparse-rl train` (and eval, preflight) uses without --config: the count task in the Sparse-RL paper's
+regime (the prompt fits the KV budget, the response is compressed while it is decoded) on the warm-up model
+(docs/results.md 6.7). `smollm2-copy`, the main job before, compresses its prompt at prefill."""
 
 
 def main(argv: list[str] | None = None) -> int:

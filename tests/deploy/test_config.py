@@ -34,11 +34,12 @@ def test_main_job_defaults():
     import inspect
 
     from deploy import cli
-    assert "default=MAIN_JOB" in inspect.getsource(cli) and cli.MAIN_JOB == "smollm2-copy"
-    cfg = load_config(cli.MAIN_JOB)   # `sparse-rl train` without --config
-    assert cfg.model == "smollm2-135m-instruct"
+    assert "default=MAIN_JOB" in inspect.getsource(cli) and cli.MAIN_JOB == "smollm2-count-warm"
+    cfg = load_config(cli.MAIN_JOB)   # `sparse-rl train` without --config: the decode regime (issue 19)
+    assert cfg.model == "smollm2-135m-count-warm"
     assert cfg.actors.engine.compressor.method == "rkv" and cfg.actors.count == 2
-    assert cfg.actors.reward.function == "actors.tasks:copy_reward"
+    assert cfg.actors.reward.function == "actors.tasks:count_reward"
+    assert load_config("smollm2-copy").actors.reward.function == "actors.tasks:copy_reward"  # the prefill regime
     assert cfg.eval.data == "train_task" and cfg.eval.before and list(cfg.eval.modes) == ["dense", "sparse"]
     assert load_config("smollm2-count").actors.reward.function == "actors.tasks:count_reward"  # the decode regime
     gsm8k = load_config("smollm2-gsm8k")   # GSM8K evaluation stays available as a preset
