@@ -53,7 +53,7 @@ def supervised_warmup(model_dir: str, out: Path, examples: list[tuple[list[int],
         output_dir=str(tmp / "trainer"), per_device_train_batch_size=cfg.batch_size, num_train_epochs=cfg.epochs,
         learning_rate=cfg.lr, lr_scheduler_type="linear", warmup_steps=0.1, weight_decay=0.0,
         max_grad_norm=1.0, seed=cfg.seed, logging_steps=1, save_strategy="no", report_to=[],
-        disable_tqdm=True, dataloader_num_workers=0)
+        disable_tqdm=True, dataloader_num_workers=0, dataloader_pin_memory=False)
     collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
     trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collator)
     trainer.remove_callback(PrinterCallback)  # a dict per step on stdout; the summary is returned instead
