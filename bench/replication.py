@@ -15,7 +15,7 @@ config, prompts, seeds and settings, differing only in what the arm names:
 
 Sparse arms run at each of --budgets (KV tokens per sequence, layer and head). Each run evaluates its model after
 training (and dense / sparse_rl runs also before) on --eval-limit held-out items of the training task, sampled
-as the config's `eval` says (smollm2-count: temperature 1.0, top_p 1.0; greedy where it sets temperature 0), with
+as the config's `eval` says (smollm2-count-warm: temperature 1.0, top_p 1.0; greedy where it sets temperature 0), with
 dense and with sparse inference; "sparse" is the same cache for every arm at a budget (the dense model is
 evaluated under each budget's compressor: `eval.sparse_compressor` in its run for the first budget, `sparse-rl
 eval`-equivalent calls for the others). All runs go to one MLflow experiment (`replication`, sqlite in --out).
@@ -23,7 +23,7 @@ The command is resumable: a finished run (its summary.json) is kept and skipped 
 (a run cut short restarts), and the plot and JSON are rebuilt from what exists.
 
     python bench/replication.py --quick        # tiny-decode: 2 seeds x 16 steps, one budget, a few minutes
-    python bench/replication.py                # smollm2-count, budgets 48 and 96, 3 seeds (hours on 2 cores)
+    python bench/replication.py                # smollm2-count-warm, budgets 48 and 96, 3 seeds, 20 steps (~10 h on 2 cores)
     python bench/replication.py --config qwen2.5-math --budgets 512 ray.address=auto   # a GPU cluster
 
 Writes <out>/replication.png (per budget: reward, grad_norm, mismatch KL, rejection rate, response length,
@@ -65,19 +65,20 @@ EDGE = 3
 SPIKE = 10.0
 """H2: a grad-norm spike is max / median of a run's grad_norm above this."""
 ROOT = Path(__file__).resolve().parent.parent
-CPU_DEFAULT = {"config": "smollm2-count", "overrides": ["train.learner_num_cpus=2"], "budgets": "48,96",
-               "steps": 30, "seeds": 3, "eval_limit": 64}
-"""The default (CPU-scale) comparison: the main job's decode-regime task and model; budgets 48 and 96 keep about
-a third and a half of the rollouts' KV; a learner with 2 torch threads (with max_staleness 0 the actors are idle
-while it steps). Overrides on the command line follow."""
+CPU_DEFAULT = {"config": "smollm2-count-warm", "overrides": ["train.learner_num_cpus=2"], "budgets": "48,96",
+               "steps": 20, "seeds": 3, "eval_limit": 64}
+"""The default (CPU-scale) comparison: the main job's decode-regime task and model (docs/results.md 6.2, amended
+for 6.7); budgets 48 and 96 keep about 0.3 and 0.5 of the rollouts' KV; 20 steps (~35 min a run with its
+evaluations, 18 runs ~10 h); a learner with 2 torch threads (with max_staleness 0 the actors are idle while it
+steps). Overrides on the command line follow."""
 QUICK = {"config": "tiny-decode", "overrides": [], "budgets": "", "steps": 16, "seeds": 2, "eval_limit": 16}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=None, help="preset or YAML (default smollm2-count; tiny-decode with --quick)")
+    p.add_argument("--config", default=None, help="preset or YAML (default smollm2-count-warm; tiny-decode with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny scale for regression checks (tiny-decode, 16 steps)")
-    p.add_argument("--steps", type=int, default=None, help="learner steps per run (default 30; 16 with --quick)")
+    p.add_argument("--steps", type=int, default=None, help="learner steps per run (default 20; 16 with --quick)")
     p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 per arm (default 3; 2 with --quick)")
     p.add_argument("--budgets", default=None, help="comma-separated kv_budget values of the sparse arms (default "
                                                    "48,96; the config's own budget with --quick or --config)")
