@@ -61,7 +61,6 @@ def supervised_warmup(model_dir: str, out: Path, examples: list[tuple[list[int],
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-
     shutil.rmtree(tmp / "trainer", ignore_errors=True)
     tmp.rename(out)
     return {"steps": result.global_step, "loss_first": losses[0], "loss_last": losses[-1],
