@@ -168,21 +168,17 @@ def test_bad_budget_config_fails_at_start_naming_the_dotted_field(overrides, nam
         load_config("tiny", overrides, check_files=False)
 
 
-@pytest.mark.parametrize("preset", ["smollm2-count", "smollm2-count-warm"])
-def test_decode_preset_compresses_the_trace_not_the_prompt(preset):
-    """smollm2-count(-warm) is in the Sparse-RL paper's regime (its longest chat-templated prompt fits the KV
-    budget, the responses it allows are 3x the budget); smollm2-copy compresses its prompt at prefill, and the
-    preflight says so. (The warm-up model has the base model's tokenizer and shapes: its preflight reads those.)"""
-    if preset == "smollm2-count-warm":
+def test_decode_preset_compresses_the_trace_not_the_prompt():
+    """smollm2-count and smollm2-count-warm are in the Sparse-RL paper's regime (the longest chat-templated prompt
+    fits the KV budget, the responses they allow are 3x the budget); smollm2-copy compresses its prompt at prefill,
+    and the preflight says so. (The warm-up model has the base model's tokenizer and shapes, so the preflight reads
+    the base model: no warm-up run here.)"""
+    for preset in ("smollm2-count", "smollm2-count-warm"):
         cfg = load_config(preset)
-        cfg.model = resolve_model("smollm2-135m-instruct")  # the same prompt tokens and KV shapes, no warm-up run
+        cfg.model = resolve_model("smollm2-135m-instruct")
         main, budget = preflight(cfg), cfg.actors.engine.compressor.kv_budget
-        assert main.prompt_tokens < budget and main.max_new_tokens >= 3 * budget
-        return
-    main = preflight(load_config(preset))
-    budget = load_config(preset).actors.engine.compressor.kv_budget
-    assert main.prompt_tokens < budget and main.max_new_tokens >= 3 * budget
-    assert not any("compressed at prefill" in w for w in main.warnings), main.warnings
+        assert main.prompt_tokens < budget and main.max_new_tokens >= 3 * budget, preset
+        assert not any("compressed at prefill" in w for w in main.warnings), (preset, main.warnings)
     copy = preflight(load_config("smollm2-copy"))
     assert copy.prompt_tokens > 64
     assert [w for w in copy.warnings if "compressed at prefill" in w] == [
