@@ -10,6 +10,7 @@ CORRECTIONS = ("on", "metrics_only", "off")
 DTYPES = ("fp32", "bf16")
 BACKENDS = ("auto", "gloo", "nccl")
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean")
 
 
 @dataclass
@@ -56,6 +57,11 @@ class LearnerConfig:
     """PPO ratio clip below 1: r is clipped to [1 - clip_eps, 1 + clip_eps_high] (SPEC §3)."""
     clip_eps_high: float = 0.2
     """PPO ratio clip above 1."""
+    loss_agg_mode: str = "seq-mean-token-mean"
+    """How token losses are reduced (verl's `loss_agg_mode`, SPEC §3): seq-mean-token-mean (GRPO's; slime's
+    default, which the Sparse-RL authors' scripts use) averages each sequence's tokens, then the sequences;
+    token-mean (DAPO section 3.3, verl's default) averages over every response token of the minibatch, so a
+    long response weighs by its length and running on past the answer is not diluted per token."""
     kl_coef: float = 1e-4
     """beta of the k3 KL to the frozen reference (SPEC §3). 0 skips the reference model entirely."""
 
@@ -134,6 +140,7 @@ class LearnerConfig:
             (self.micro_batch_size >= 1, "micro_batch_size", "expected >= 1"),
             (self.minibatch_size >= 0, "minibatch_size", "expected >= 0"),
             (self.kl_coef >= 0, "kl_coef", "expected >= 0"),
+            (self.loss_agg_mode in LOSS_AGG_MODES, "loss_agg_mode", f"expected one of {LOSS_AGG_MODES}"),
             (0 < self.eps < 1, "eps", "expected 0 < eps < 1"),
             (self.tis_cap > 0, "tis_cap", "expected > 0"),
             (self.token_mask_bounds[0] < self.token_mask_bounds[1], "token_mask_bounds", "expected low < high"),

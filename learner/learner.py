@@ -318,6 +318,9 @@ class Learner:
         loss metrics to `sums`/`means`; returns the number of real (non-padding) micro-batches."""
         cfg = self.cfg
         shares = token_balanced_split(mb_rows, prep["seq_len"], self.world_size)
+        num_tokens = None   # token-mean: every response token of the minibatch, on all ranks (SPEC §3)
+        if cfg.loss_agg_mode == "token-mean":
+            num_tokens = max(float(prep["mask"][mb_rows].sum()), 1.0)
         count = 0
         for rows in micro_batches(shares, cfg.micro_batch_size, self.rank):
             if rows is None:  # nothing left on this rank: a zero loss keeps the gradient reductions in step
@@ -328,7 +331,8 @@ class Learner:
             logp_ref = prep["logp_ref"]
             loss, m = grpo_loss(
                 logp, prep["logp_old"][rows], prep["advantages"][rows], prep["loss_mask"][rows],
-                prep["weights"][rows], num_seqs=len(mb_rows), logp_ref=None if logp_ref is None else logp_ref[rows],
+                prep["weights"][rows], num_seqs=len(mb_rows), num_tokens=num_tokens,
+                logp_ref=None if logp_ref is None else logp_ref[rows],
                 kl_coef=cfg.kl_coef, clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high)
             self.engine.backward(loss * self.world_size if self.world_size > 1 else loss, scale_wrt_gas=False)
             for k in sums:

@@ -50,6 +50,7 @@ def grpo_loss(
     weights: torch.Tensor,
     *,
     num_seqs: int,
+    num_tokens: float | None = None,
     logp_ref: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     clip_eps: float = 0.2,
@@ -58,7 +59,8 @@ def grpo_loss(
     """Sparse-RL GRPO loss: L = L_pg + beta * L_kl (SPEC §3).
 
     L_clip_t = max(-r_t A_i, -clip(r_t, 1 - clip_eps, 1 + clip_eps_high) A_i), r_t = exp(logp - logp_old);
-    L_pg = (1/N) sum_i [sum_t M_it w_t L_clip_t] / max(1, sum_t M_it); the k3 KL
+    L_pg = (1/N) sum_i [sum_t M_it w_t L_clip_t] / max(1, sum_t M_it) (seq-mean-token-mean, GRPO's), or, with
+    `num_tokens` = T_N, L_pg = sum_i sum_t M_it w_t L_clip_t / T_N (token-mean, DAPO section 3.3); the k3 KL
     kl_t = exp(logp_ref - logp) - (logp_ref - logp) - 1, clamped to [-10, 10], reduced the same way with M
     (no importance weight).
 
@@ -70,6 +72,8 @@ def grpo_loss(
         weights: float [S, T] detached importance weights w (ones without correction).
         num_seqs: N, the denominator: every sequence of the minibatch, rejected ones included; pass the
             minibatch size when a minibatch is split into micro-batches so the micro losses add up.
+        num_tokens: T_N for token-mean, the response tokens of the whole minibatch (rejected sequences
+            included, as in N); None for seq-mean-token-mean.
         logp_ref: float [S, T] log pi_ref, required when kl_coef > 0.
     Returns:
         (loss scalar, metrics: pg_loss, kl_loss, clip_fraction, ppo_kl, ratio_mean). Metrics are sums
@@ -84,9 +88,13 @@ def grpo_loss(
         raise ValueError(f"advantages {tuple(advantages.shape)} must be [S] = [{logp.shape[0]}]")
     if kl_coef > 0 and logp_ref is None:
         raise ValueError("kl_coef > 0 needs logp_ref")
+    if num_tokens is not None and not num_tokens > 0:
+        raise ValueError(f"num_tokens={num_tokens}: expected > 0 (the minibatch's response tokens)")
 
     mask = loss_mask.float()
-    seq_tokens = mask.sum(1).clamp(min=1)
+    # per-sequence divisor: its own loss tokens (seq-mean-token-mean), or T_N / N (token-mean), so that
+    # sum_i [...] / divisor_i / N is the same formula for both
+    seq_tokens = mask.sum(1).clamp(min=1) if num_tokens is None else torch.full_like(mask[:, 0], num_tokens / num_seqs)
     log_ratio = logp - logp_old
     ratio = log_ratio.exp()
     adv = advantages[:, None].float()

@@ -45,6 +45,22 @@ def test_step_lowers_loss_and_advances_version(zero_stage, dtype, kl_coef):
     assert "lm_head.weight" in names and "model.embed_tokens.weight" in names
 
 
+def test_token_mean_gradient_does_not_depend_on_the_micro_batches():
+    groups = make_groups(num_groups=2, G=4)          # responses of 2-8 tokens: the two modes weigh them apart
+    grads = {}
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        for micro in (1, 8):
+            cfg = LearnerConfig(kl_coef=0.0, loss_agg_mode=mode, micro_batch_size=micro, rejection="none",
+                                token_mask=False)
+            torch.manual_seed(0)
+            grads[mode, micro] = Learner(tiny_llama(), cfg).gradients(groups)
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        for name, g in grads[mode, 8].items():
+            torch.testing.assert_close(grads[mode, 1][name], g, rtol=1e-5, atol=1e-7, msg=f"{mode}: {name}")
+    differ = max((grads["token-mean", 8][n] - g).abs().max().item() for n, g in grads["seq-mean-token-mean", 8].items())
+    assert differ > 1e-4                              # the option changes the gradient
+
+
 def test_correction_rejects_mismatched_samples():
     learner = Learner(tiny_llama(), LearnerConfig(lr=1e-3, kl_coef=0.0))
     groups = make_groups(num_groups=1, G=4)

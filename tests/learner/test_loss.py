@@ -62,6 +62,22 @@ def test_clipped_loss_with_kl_matches_reference():
     assert logp.grad[0, 0] != 0
 
 
+def test_token_mean_by_hand():
+    # the 5 loss tokens' w * L_clip, worked out by hand: sequence 0 (A = 1): r = e^0.1 -> -1.1 * e^0.1, r = e^0.4
+    # clipped to 1.2 -> -0.9 * 1.2, r = 1 -> -1; sequence 1 (A = -0.5): r = 1 -> 1.2 * 0.5, r = e^-0.6 clipped
+    # to 0.8 (the max picks it) -> 0.8 * 0.5 * 0.8; sequence 2 rejected
+    seq0 = -1.1 * math.exp(0.1) - 0.9 * 1.2 - 1.0
+    seq1 = 1.2 * 0.5 + 0.8 * 0.5 * 0.8
+    t = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    token_mean, m = grpo_loss(t(LOGP), t(LOGP_OLD), t(ADV), t(MASK), t(W), num_seqs=3, num_tokens=9)
+    assert token_mean.item() == pytest.approx((seq0 + seq1) / 9, rel=1e-12)     # 9 response tokens, 3 rejected
+    assert m["pg_loss"] == pytest.approx((seq0 + seq1) / 9, rel=1e-12)
+    seq_mean, _ = grpo_loss(t(LOGP), t(LOGP_OLD), t(ADV), t(MASK), t(W), num_seqs=3)
+    assert seq_mean.item() == pytest.approx((seq0 / 3 + seq1 / 2) / 3, rel=1e-12)
+    with pytest.raises(ValueError, match="num_tokens"):
+        grpo_loss(t(LOGP), t(LOGP_OLD), t(ADV), t(MASK), t(W), num_seqs=3, num_tokens=0)
+
+
 def test_sparse_rl_equals_plain_grpo_when_sampler_matches_dense():
     rng = np.random.default_rng(0)
     logp_old = -rng.uniform(0.1, 3.0, size=(4, 5))
