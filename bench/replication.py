@@ -66,14 +66,14 @@ SPIKE = 10.0
 """H2: a grad-norm spike is max / median of a run's grad_norm above this."""
 ROOT = Path(__file__).resolve().parent.parent
 CPU_DEFAULT = {"config": "smollm2-count-warm", "overrides": [
-    "train.learner_num_cpus=2", "learner.loss_agg_mode=seq-mean-token-mean", "actors.prompts_per_batch=2"],
+    "train.learner_num_cpus=2", "learner.norm_adv_by_std=true", "actors.prompts_per_batch=2"],
     "budgets": "48,96",
                "steps": 20, "seeds": 3, "eval_limit": 64}
 """The default (CPU-scale) comparison: the main job's decode-regime task and model (docs/results.md 6.2, amended
 for 6.7); budgets 48 and 96 keep about 0.3 and 0.5 of the rollouts' KV; 20 steps (~35 min a run with its
 evaluations, 18 runs ~10 h); a learner with 2 torch threads (with max_staleness 0 the actors are idle while it
 steps). The last two overrides keep the grid as pre-registered (commit b1c3cb8) after the main job's preset moved
-on (token-mean loss, batches of 4 prompts: docs/results.md 6.8). Overrides on the command line follow."""
+on (advantages not divided by the group std, batches of 4 prompts: docs/results.md 6.8). Overrides on the command line follow."""
 QUICK = {"config": "tiny-decode", "overrides": [], "budgets": "", "steps": 16, "seeds": 2, "eval_limit": 16}
 
 

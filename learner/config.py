@@ -57,6 +57,10 @@ class LearnerConfig:
     """PPO ratio clip below 1: r is clipped to [1 - clip_eps, 1 + clip_eps_high] (SPEC §3)."""
     clip_eps_high: float = 0.2
     """PPO ratio clip above 1."""
+    norm_adv_by_std: bool = True
+    """GRPO's advantage divides by the group's reward std (SPEC §3; the paper's). False: A = R - mean (Dr. GRPO,
+    verl's `norm_adv_by_std_in_grpo`); with a graded reward near 1, a group of [1, 1, 1, 0.95] then gives
+    advantages of a few hundredths, not +-1.5."""
     loss_agg_mode: str = "seq-mean-token-mean"
     """How token losses are reduced (verl's `loss_agg_mode`, SPEC §3): seq-mean-token-mean (GRPO's; slime's
     default, which the Sparse-RL authors' scripts use) averages each sequence's tokens, then the sequences;

@@ -304,7 +304,7 @@ class Learner:
             logp_old, batch["logp_sparse"].to(self.device), mask, correction=cfg.correction,
             rejection=cfg.rejection, eps=cfg.eps, geo_bounds=cfg.geo_bounds, token_mask=cfg.token_mask,
             token_mask_bounds=cfg.token_mask_bounds, tis_cap=cfg.tis_cap)
-        advantages = grpo_advantages(batch["reward"], batch["group_index"]).to(self.device)
+        advantages = grpo_advantages(batch["reward"], batch["group_index"], cfg.norm_adv_by_std).to(self.device)
         metrics.update(self._tier_metrics(groups, logp_old, batch["logp_sparse"].to(self.device), mask))
         if dense_topk is not None:   # Sparrow's per-token acceptance rate (issue 22): accept_*
             metrics.update(acceptance_metrics(batch["topk_logprobs"].to(self.device), dense_topk, mask))

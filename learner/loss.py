@@ -9,13 +9,17 @@ import torch
 KL_CLAMP = 10.0
 
 
-def grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+def grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, norm_by_std: bool = True) -> torch.Tensor:
     """A_i = (R_i - mean_G R) / (std_G R + 1e-6), std unbiased (n - 1), over all G samples of each group
-    (SPEC §3: computed before rejection and never recomputed after it).
+    (SPEC §3: computed before rejection and never recomputed after it); with norm_by_std=False,
+    A_i = R_i - mean_G R (Dr. GRPO, Liu et al. 2025 section 3.1; verl's norm_adv_by_std_in_grpo=False).
 
     Args:
         rewards: float [num_seqs].
         group_index: int64 [num_seqs], the group (prompt) each sequence belongs to.
+        norm_by_std: divide by the group's std (GRPO). Off, a group whose rewards differ by 0.05 gets advantages
+            of +-0.05, not +-1: a graded reward near saturation no longer steps the policy as hard as a
+            pass/fail split.
     Returns:
         float32 [num_seqs]. A group of one sample gets advantage 0.
     Raises:
@@ -30,7 +34,7 @@ def grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.T
         members = group_index == g
         r = rewards[members]
         if r.numel() > 1:
-            advantages[members] = (r - r.mean()) / (r.std(unbiased=True) + 1e-6)
+            advantages[members] = (r - r.mean()) / (r.std(unbiased=True) + 1e-6 if norm_by_std else 1.0)
     return advantages
 
 

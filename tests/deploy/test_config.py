@@ -65,6 +65,7 @@ def test_bad_config_names_the_field(override, field):
 @pytest.mark.parametrize("override, message", [
     ("learner.eps=-1", "learner.eps=-1.0: expected 0 < eps < 1"),
     ("learner.lr=-1e-6", "learner.lr=-1e-06: expected >= 0"),
+    ("learner.loss_agg_mode=token-sum", "learner.loss_agg_mode='token-sum': expected one of"),
     ("actors.sampling.temperature=-1", "actors.sampling.temperature=-1.0: expected >= 0"),
     ("actors.sampling.temperature=0", "actors.sampling.temperature=0.0: training rollouts require temperature > 0"),
     ("actors.sampling.top_p=0.9", "actors.sampling.top_p=0.9: training rollouts require top_p = 1.0"),

@@ -36,6 +36,15 @@ def test_advantages_by_hand():
     np.testing.assert_allclose(grpo_advantages(rewards, groups).numpy(), [a, -a, -a, a, 0, 0, 0, 0], rtol=1e-6)
 
 
+def test_advantages_without_std_by_hand():
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.95, 0.2, 0.6])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1])
+    # group 0: mean 0.9875 -> 0.0125 x 3, -0.0375 (GRPO's std 0.025 would make them 0.5 and -1.5); group 1: mean 0.4
+    np.testing.assert_allclose(grpo_advantages(rewards, groups, norm_by_std=False).numpy(),
+                               [0.0125, 0.0125, 0.0125, -0.0375, -0.2, 0.2], rtol=1e-5)
+    np.testing.assert_allclose(grpo_advantages(rewards, groups).numpy()[:4], [0.5, 0.5, 0.5, -1.5], rtol=1e-4)
+
+
 LOGP = [[-1.0, -0.5, -2.0], [-0.3, -1.2, -0.8], [-0.9, -0.1, -1.5]]
 LOGP_OLD = [[-1.1, -0.9, -2.0], [-0.3, -0.6, -1.0], [-0.2, -0.1, -1.4]]
 LOGP_REF = [[-1.3, -0.4, -2.5], [-0.2, -1.0, -0.8], [-0.9, -0.3, -1.0]]
