@@ -61,6 +61,19 @@ def test_token_mean_gradient_does_not_depend_on_the_micro_batches():
     assert differ > 1e-4                              # the option changes the gradient
 
 
+def test_advantages_without_std_reach_the_gradient():
+    groups = make_groups(num_groups=2, G=4)          # rewards 0, 1, 0, 1 in each group: std sqrt(1/3) in both
+    grads = {}
+    for norm in (True, False):
+        torch.manual_seed(0)
+        cfg = LearnerConfig(kl_coef=0.0, norm_adv_by_std=norm, rejection="none", token_mask=False)
+        grads[norm] = Learner(tiny_llama(), cfg).gradients(groups)
+    std = (1 / 3) ** 0.5 + 1e-6
+    assert max(g.abs().max().item() for g in grads[True].values()) > 1e-3
+    for name, g in grads[True].items():              # A = (R - mean) / std: the gradient scales by 1 / std
+        torch.testing.assert_close(grads[False][name] / std, g, rtol=1e-4, atol=1e-7, msg=name)
+
+
 def test_correction_rejects_mismatched_samples():
     learner = Learner(tiny_llama(), LearnerConfig(lr=1e-3, kl_coef=0.0))
     groups = make_groups(num_groups=1, G=4)
