@@ -23,7 +23,7 @@ The command is resumable: a finished run (its summary.json) is kept and skipped 
 (a run cut short restarts), and the plot and JSON are rebuilt from what exists.
 
     python bench/replication.py --quick        # tiny-decode: 2 seeds x 16 steps, one budget, a few minutes
-    python bench/replication.py                # smollm2-count-warm, budgets 48 and 96, 3 seeds, 20 steps (~10 h on 2 cores)
+    python bench/replication.py                # smollm2-count-warm, budgets 48 and 96, 3 seeds, 20 steps (~7 h alone on 2 cores)
     python bench/replication.py --config qwen2.5-math --budgets 512 ray.address=auto   # a GPU cluster
 
 Writes <out>/replication.png (per budget: reward, grad_norm, mismatch KL, rejection rate, response length,
@@ -70,8 +70,8 @@ CPU_DEFAULT = {"config": "smollm2-count-warm", "overrides": [
     "budgets": "48,96",
                "steps": 20, "seeds": 3, "eval_limit": 64}
 """The default (CPU-scale) comparison: the main job's decode-regime task and model (docs/results.md 6.2, amended
-for 6.7); budgets 48 and 96 keep about 0.3 and 0.5 of the rollouts' KV; 20 steps (~35 min a run with its
-evaluations, 18 runs ~10 h); a learner with 2 torch threads (with max_staleness 0 the actors are idle while it
+for 6.7); budgets 48 and 96 keep about 0.3 and 0.5 of the rollouts' KV; 20 steps (~22 min a run with its
+evaluations alone on 2 cores, 18 runs ~7 h); a learner with 2 torch threads (with max_staleness 0 the actors are idle while it
 steps). The last two overrides keep the grid as pre-registered (commit b1c3cb8) after the main job's preset moved
 on (advantages not divided by the group std, batches of 4 prompts: docs/results.md 6.8). Overrides on the command line follow."""
 QUICK = {"config": "tiny-decode", "overrides": [], "budgets": "", "steps": 16, "seeds": 2, "eval_limit": 16}
@@ -101,7 +101,7 @@ def parse_args(argv=None):
     p.add_argument("--only-report", action="store_true", help="rebuild the plot and JSON from finished runs only")
     p.add_argument("overrides", nargs="*", help="dotted overrides applied to every arm, e.g. ray.address=auto")
     args = p.parse_args(argv)
-    base = QUICK if args.quick else CPU_DEFAULT if args.config is None else {**CPU_DEFAULT, "config": args.config,
+    base = QUICK if args.quick else CPU_DEFAULT if args.config in (None, CPU_DEFAULT["config"]) else {**CPU_DEFAULT, "config": args.config,
                                                                              "overrides": [], "budgets": ""}
     args.config = args.config or base["config"]
     args.overrides = [*base["overrides"], *args.overrides]

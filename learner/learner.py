@@ -313,7 +313,8 @@ class Learner:
 
     def _backward(self, prep: dict, mb_rows: torch.Tensor, sums: dict, means: dict) -> int:
         """Forward/backward of this rank's token-balanced share of minibatch `mb_rows`, in micro-batches. Each
-        micro loss is normalised by the sequences of the whole minibatch and multiplied by the number of ranks
+        micro loss is normalised by the sequences of the whole minibatch (token-mean: by its response tokens, T_N)
+        and multiplied by the number of ranks
         (DeepSpeed averages gradients over ranks), so the summed gradient is the one-rank gradient. Adds the
         loss metrics to `sums`/`means`; returns the number of real (non-padding) micro-batches."""
         cfg = self.cfg

@@ -17,9 +17,9 @@ def grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, norm_by_st
     Args:
         rewards: float [num_seqs].
         group_index: int64 [num_seqs], the group (prompt) each sequence belongs to.
-        norm_by_std: divide by the group's std (GRPO). Off, a group whose rewards differ by 0.05 gets advantages
-            of +-0.05, not +-1: a graded reward near saturation no longer steps the policy as hard as a
-            pass/fail split.
+        norm_by_std: divide by the group's std (GRPO). Off, rewards [1, 1, 1, 0.95] get advantages 0.0125 x 3
+            and -0.0375, not 0.5 x 3 and -1.5: a graded reward near saturation no longer steps the policy as
+            hard as a pass/fail split.
     Returns:
         float32 [num_seqs]. A group of one sample gets advantage 0.
     Raises:
@@ -81,9 +81,9 @@ def grpo_loss(
         logp_ref: float [S, T] log pi_ref, required when kl_coef > 0.
     Returns:
         (loss scalar, metrics: pg_loss, kl_loss, clip_fraction, ppo_kl, ratio_mean). Metrics are sums
-        scaled by 1/num_seqs like the loss (pg_loss, kl_loss) or token means over M (the rest).
+        scaled by 1/num_seqs (token-mean: 1/num_tokens) like the loss (pg_loss, kl_loss) or token means over M (the rest).
     Raises:
-        ValueError: shapes differ, or kl_coef > 0 without logp_ref.
+        ValueError: shapes differ, kl_coef > 0 without logp_ref, or num_tokens <= 0.
     """
     if not (logp.shape == logp_old.shape == loss_mask.shape == weights.shape) or logp.dim() != 2:
         raise ValueError(f"logp {tuple(logp.shape)}, logp_old {tuple(logp_old.shape)}, loss_mask "
@@ -98,7 +98,7 @@ def grpo_loss(
     mask = loss_mask.float()
     # per-sequence divisor: its own loss tokens (seq-mean-token-mean), or T_N / N (token-mean), so that
     # sum_i [...] / divisor_i / N is the same formula for both
-    seq_tokens = mask.sum(1).clamp(min=1) if num_tokens is None else torch.full_like(mask[:, 0], num_tokens / num_seqs)
+    seq_tokens = mask.sum(1).clamp(min=1) if num_tokens is None else mask.new_full(mask.shape[:1], num_tokens / num_seqs)
     log_ratio = logp - logp_old
     ratio = log_ratio.exp()
     adv = advantages[:, None].float()
