@@ -103,14 +103,16 @@ def test_two_ranks_make_the_same_update_as_one(zero_stage, local_ray, model_dir,
 
 @pytest.mark.system
 @pytest.mark.timeout(600)
-def test_gradients_do_not_depend_on_the_split(local_ray, model_dir, redis_server, tmp_path):
+@pytest.mark.parametrize("loss_agg_mode", ["seq-mean-token-mean", "token-mean"])
+def test_gradients_do_not_depend_on_the_split(local_ray, model_dir, redis_server, tmp_path, loss_agg_mode):
     torch.set_num_threads(1)
-    groups = steps_groups()                     # 8 sequences, one minibatch
+    groups = steps_groups()                     # 8 sequences, one minibatch (one vetoed: token-mean still counts it)
+    common = {**COMMON, "minibatch_size": 0, "loss_agg_mode": loss_agg_mode}
     grads = {}
     for micro in (1, 2, 8):
-        cfg = LearnerConfig(zero_stage=2, **{**COMMON, "micro_batch_size": micro, "minibatch_size": 0})
+        cfg = LearnerConfig(zero_stage=2, **{**common, "micro_batch_size": micro})
         grads[f"1 rank, micro-batch {micro}"] = Learner(str(model_dir), cfg).gradients(groups)
-    group = group_of(model_dir, redis_server.url, tmp_path, 2, zero_stage=2, **{**COMMON, "minibatch_size": 0})
+    group = group_of(model_dir, redis_server.url, tmp_path, 2, zero_stage=2, **common)
     try:
         grads["2 ranks, micro-batch 2"] = ray.get(group.rank0.full_gradients.remote(groups))
     finally:
