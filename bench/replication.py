@@ -255,7 +255,10 @@ def run_stats(h: dict[str, np.ndarray], summary: dict) -> dict:
     final = float(r[-EDGE:].mean())
     stats = {"reward_gain": float(r[-EDGE:].mean() - r[:EDGE].mean()), "final_reward": final,
              "peak_reward": float(r.max()), "collapse": bool(final < 0.5 * r.max()),
-             "grad_norm_spike": float(g.max() / np.median(g)) if len(g) else None,
+             "grad_norm_spike": spike_ratio(g),
+             # not pre-registered, reported beside it: a step whose groups all have equal rewards has no policy
+             # gradient (norm 0), and such steps pull the median down (docs/results.md 6.4)
+             "grad_norm_spike_with_gradient": spike_ratio(g[g > 0]), "steps_without_gradient": int((g == 0).sum()),
              "kv_retained_ratio": float(h["kv_retained_ratio"].mean()),
              "response_truncated_fraction": float(h["response_truncated_fraction"].mean()),
              "mismatch_kl": float(np.nanmean(h["mismatch_kl"])), "rejection_rate": float(np.nanmean(h["rejection_rate"]))}
@@ -265,9 +268,23 @@ def run_stats(h: dict[str, np.ndarray], summary: dict) -> dict:
     return stats
 
 
+def spike_ratio(g: np.ndarray) -> float | str | None:
+    """max / median of per-step grad norms (6.2's spike rule); "inf" when the median is 0 and the max is not
+    (a string, so the JSON stays strict); None without steps or without any gradient."""
+    if not len(g) or g.max() == 0:
+        return None
+    median = float(np.median(g))
+    return float(g.max() / median) if median > 0 else "inf"
+
+
 def mean(values) -> float | None:
     values = [v for v in values if v is not None]
     return float(np.mean(values)) if values else None
+
+
+def spiked(ratio) -> bool:
+    """6.2's rule: max / median grad norm above SPIKE ("inf" counts; None does not)."""
+    return ratio == "inf" or (ratio is not None and ratio > SPIKE)
 
 
 def verdicts(arms: dict[str, dict[int, dict]], dense: dict[int, dict], dense_sparse: dict[int, dict]) -> dict:
@@ -291,7 +308,7 @@ def verdicts(arms: dict[str, dict[int, dict]], dense: dict[int, dict], dense_spa
         spread = max(max(v) - min(v) for v in finals.values())
         lower = mean(finals["sparse_rl"]) - mean(finals["naive_sparse"]) > spread
         seeds = sorted(set(srl) & set(naive))
-        spikes = [s for s in seeds if (naive[s]["grad_norm_spike"] or 0) > SPIKE >= (srl[s]["grad_norm_spike"] or 0)]
+        spikes = [s for s in seeds if spiked(naive[s]["grad_norm_spike"]) and not spiked(srl[s]["grad_norm_spike"])]
         collapses = [s for s in seeds if naive[s]["collapse"] and not srl[s]["collapse"]]
         majority = len(seeds) // 2 + 1
         out["h2"] = {"confirmed": bool(lower or len(spikes) >= majority or len(collapses) >= majority),
@@ -301,6 +318,8 @@ def verdicts(arms: dict[str, dict[int, dict]], dense: dict[int, dict], dense_spa
                      "per_seed": {s: {"naive_final": naive[s]["final_reward"], "sparse_rl_final": srl[s]["final_reward"],
                                       "naive_grad_norm_spike": naive[s]["grad_norm_spike"],
                                       "sparse_rl_grad_norm_spike": srl[s]["grad_norm_spike"],
+                                      "naive_grad_norm_spike_with_gradient": naive[s].get("grad_norm_spike_with_gradient"),
+                                      "sparse_rl_grad_norm_spike_with_gradient": srl[s].get("grad_norm_spike_with_gradient"),
                                       "naive_collapse": naive[s]["collapse"], "sparse_rl_collapse": srl[s]["collapse"]}
                                   for s in seeds}}
     if srl and dense_sparse:

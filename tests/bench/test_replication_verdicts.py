@@ -27,6 +27,20 @@ def test_run_stats_by_hand():
     assert st["eval/dense/reward"] == 0.7 and "eval/dense/n" not in st
 
 
+def test_spike_with_steps_that_have_no_gradient():
+    h = {"reward_mean": np.array([0.5] * 6), "grad_norm": np.array([0, 0, 0, 0.5, 1, 5.0]),
+         "kv_retained_ratio": np.array([0.4] * 6), "response_truncated_fraction": np.array([0.0] * 6),
+         "mismatch_kl": np.array([0.1] * 6), "rejection_rate": np.array([0.0] * 6)}
+    st = replication.run_stats(h, {})
+    assert st["grad_norm_spike"] == pytest.approx(20.0)                  # 5 / median (0 + 0.5) / 2
+    assert st["grad_norm_spike_with_gradient"] == pytest.approx(5.0)     # 5 / median of 0.5, 1, 5
+    assert st["steps_without_gradient"] == 3
+    assert replication.spike_ratio(np.array([0, 0, 0, 2.0])) == "inf"    # median 0: a strict-JSON "inf"
+    assert replication.spike_ratio(np.array([0, 0.0])) is None
+    assert replication.spiked("inf") and replication.spiked(10.5) and not replication.spiked(10.0)
+    assert not replication.spiked(None)
+
+
 def test_h1_needs_both_training_and_held_out_reward_within_5_percent():
     dense = {0: run(0.60, eval_dense=0.80), 1: run(0.40, eval_dense=0.60)}          # means 0.50, 0.70
     close = {"sparse_rl": {0: run(0.50, eval_dense=0.70), 1: run(0.46, eval_dense=0.64)}}   # 0.48 >= 0.475, 0.67 >= 0.665
