@@ -147,8 +147,24 @@ def finished(args, name: str) -> dict | None:
     or None."""
     for folder in (args.out / "records", args.records):
         if folder is not None and (folder / f"{name}.json").exists():
-            return json.loads((folder / f"{name}.json").read_text())
+            return with_dense_evals(args, name, json.loads((folder / f"{name}.json").read_text()))
     return record_of_run(args, name)
+
+
+def missing_budgets(name: str, record: dict, budgets: list[int]) -> list[int]:
+    """The budgets at which a dense run's record has no score of its model under the sparse cache (a record made
+    before the grid's budgets changed); [] for the other arms."""
+    return [b for b in budgets if str(b) not in record.get("evals", {})] if name.startswith("dense-") else []
+
+
+def with_dense_evals(args, name: str, record: dict) -> dict:
+    """`record`, with the dense model scored at any budget it lacks (from its final weights, kept in <out>/runs)."""
+    missing = missing_budgets(name, record, args.budgets)
+    if missing:
+        seed = int(name.rsplit("-s", 1)[1])
+        record["evals"].update({str(b): dense_sparse_eval(args, seed, b, record["summary"]) for b in missing})
+        save_record(args, name, record)
+    return record
 
 
 def record_of_run(args, name: str) -> dict | None:

@@ -85,3 +85,10 @@ def test_default_grid_runs_the_pre_registered_config(argv, tmp_path):
     assert cfg.actors.prompts_per_batch == 2 and cfg.train.learner_num_cpus == 2 and cfg.learner.lr == 2e-5
     assert args.budgets == [48, 96] and args.steps == 20 and args.seeds == 3 and args.eval_limit == 64
     assert args.records is not None and args.records.name == "replication-decode"
+
+
+def test_missing_budgets_of_a_dense_record():
+    record = {"evals": {"48": {"sparse/reward": 0.9}, "96": {"sparse/reward": 0.95}}}
+    assert replication.missing_budgets("dense-s0", record, [48, 64]) == [64]      # the grid's budgets changed
+    assert replication.missing_budgets("dense-s0", record, [48, 96]) == []
+    assert replication.missing_budgets("naive_sparse-b48-s0", {"evals": {}}, [48, 64]) == []
