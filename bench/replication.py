@@ -65,15 +65,15 @@ EDGE = 3
 SPIKE = 10.0
 """H2: a grad-norm spike is max / median of a run's grad_norm above this."""
 ROOT = Path(__file__).resolve().parent.parent
-CPU_DEFAULT = {"config": "smollm2-count-warm", "overrides": [
-    "train.learner_num_cpus=2", "learner.norm_adv_by_std=true", "actors.prompts_per_batch=2"],
-    "budgets": "48,96",
-               "steps": 20, "seeds": 3, "eval_limit": 64}
+CPU_DEFAULT = {"config": "smollm2-count-warm",
+               "overrides": ["train.learner_num_cpus=2", "learner.norm_adv_by_std=true", "actors.prompts_per_batch=2"],
+               "budgets": "48,96", "steps": 20, "seeds": 3, "eval_limit": 64}
 """The default (CPU-scale) comparison: the main job's decode-regime task and model (docs/results.md 6.2, amended
-for 6.7); budgets 48 and 96 keep about 0.3 and 0.5 of the rollouts' KV; 20 steps (~22 min a run with its
-evaluations alone on 2 cores, 18 runs ~7 h); a learner with 2 torch threads (with max_staleness 0 the actors are idle while it
-steps). The last two overrides keep the grid as pre-registered (commit b1c3cb8) after the main job's preset moved
-on (advantages not divided by the group std, batches of 4 prompts: docs/results.md 6.8). Overrides on the command line follow."""
+for 6.7); budgets 48 and 96 keep about 0.3 and 0.56-0.87 of the rollouts' KV (96 was expected to keep ~0.5; 6.4
+proposes 72); 20 steps (~22 min a run with its evaluations alone on 2 cores, 18 runs ~7 h); a learner with 2 torch
+threads (with max_staleness 0 the actors are idle while it steps). The last two overrides keep the grid as
+pre-registered (commit b1c3cb8) after the main job's preset moved on (advantages not divided by the group std,
+batches of 4 prompts: docs/results.md 6.8). Overrides on the command line follow."""
 QUICK = {"config": "tiny-decode", "overrides": [], "budgets": "", "steps": 16, "seeds": 2, "eval_limit": 16}
 
 
@@ -101,8 +101,8 @@ def parse_args(argv=None):
     p.add_argument("--only-report", action="store_true", help="rebuild the plot and JSON from finished runs only")
     p.add_argument("overrides", nargs="*", help="dotted overrides applied to every arm, e.g. ray.address=auto")
     args = p.parse_args(argv)
-    base = QUICK if args.quick else CPU_DEFAULT if args.config in (None, CPU_DEFAULT["config"]) else {**CPU_DEFAULT, "config": args.config,
-                                                                             "overrides": [], "budgets": ""}
+    named = {**CPU_DEFAULT, "config": args.config, "overrides": [], "budgets": ""}
+    base = QUICK if args.quick else CPU_DEFAULT if args.config in (None, CPU_DEFAULT["config"]) else named
     args.config = args.config or base["config"]
     args.overrides = [*base["overrides"], *args.overrides]
     args.steps = args.steps or base["steps"]

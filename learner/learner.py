@@ -314,9 +314,8 @@ class Learner:
     def _backward(self, prep: dict, mb_rows: torch.Tensor, sums: dict, means: dict) -> int:
         """Forward/backward of this rank's token-balanced share of minibatch `mb_rows`, in micro-batches. Each
         micro loss is normalised by the sequences of the whole minibatch (token-mean: by its response tokens, T_N)
-        and multiplied by the number of ranks
-        (DeepSpeed averages gradients over ranks), so the summed gradient is the one-rank gradient. Adds the
-        loss metrics to `sums`/`means`; returns the number of real (non-padding) micro-batches."""
+        and multiplied by the number of ranks (DeepSpeed averages gradients over ranks), so the summed gradient
+        is the one-rank gradient. Adds the loss metrics to `sums`/`means`; returns the number of real (non-padding) micro-batches."""
         cfg = self.cfg
         shares = token_balanced_split(mb_rows, prep["seq_len"], self.world_size)
         num_tokens = None   # token-mean: every response token of the minibatch, on all ranks (SPEC §3)
