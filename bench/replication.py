@@ -23,7 +23,7 @@ The command is resumable: a finished run (its summary.json) is kept and skipped 
 (a run cut short restarts), and the plot and JSON are rebuilt from what exists.
 
     python bench/replication.py --quick        # tiny-decode: 2 seeds x 16 steps, one budget, a few minutes
-    python bench/replication.py                # smollm2-count-warm, budgets 48 and 96, 3 seeds, 20 steps (~7 h alone on 2 cores)
+    python bench/replication.py                # smollm2-count-warm, budgets 48 and 72, 3 seeds, 20 steps (~7 h alone on 2 cores)
     python bench/replication.py --config qwen2.5-math --budgets 512 ray.address=auto   # a GPU cluster
 
 Writes <out>/replication.png (per budget: reward, grad_norm, mismatch KL, rejection rate, response length,
@@ -67,11 +67,11 @@ SPIKE = 10.0
 ROOT = Path(__file__).resolve().parent.parent
 CPU_DEFAULT = {"config": "smollm2-count-warm",
                "overrides": ["train.learner_num_cpus=2", "learner.norm_adv_by_std=true", "actors.prompts_per_batch=2"],
-               "budgets": "48,96", "steps": 20, "seeds": 3, "eval_limit": 64}
+               "budgets": "48,72", "steps": 20, "seeds": 3, "eval_limit": 64}
 """The default (CPU-scale) comparison: the main job's decode-regime task and model (docs/results.md 6.2, amended
-for 6.7); budgets 48 and 96 keep about 0.3 and 0.56-0.87 of the rollouts' KV (96 was expected to keep ~0.5; 6.4
-proposes 72); 20 steps (~22 min a run with its evaluations alone on 2 cores, 18 runs ~7 h); a learner with 2 torch
-threads (with max_staleness 0 the actors are idle while it steps). The last two overrides keep the grid as
+for 6.7, and a third time for the second budget); budgets 48 and 72 keep about 0.3 and 0.5 of the rollouts' KV
+(72 replaced 96, measured to keep 0.56-0.87: docs/results.md 6.4); 20 steps (~22-30 min a run with its evaluations
+alone on 2 cores, 18 runs ~7-9 h); a learner with 2 torch threads (with max_staleness 0 the actors are idle while it steps). The last two overrides keep the grid as
 pre-registered (commit b1c3cb8) after the main job's preset moved on (advantages not divided by the group std,
 batches of 4 prompts: docs/results.md 6.8). Overrides on the command line follow."""
 QUICK = {"config": "tiny-decode", "overrides": [], "budgets": "", "steps": 16, "seeds": 2, "eval_limit": 16}
@@ -84,7 +84,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=None, help="learner steps per run (default 20; 16 with --quick)")
     p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 per arm (default 3; 2 with --quick)")
     p.add_argument("--budgets", default=None, help="comma-separated kv_budget values of the sparse arms (default "
-                                                   "48,96; the config's own budget with --quick or --config)")
+                                                   "48,72; the config's own budget with --quick or --config)")
     p.add_argument("--geometric-budgets", default=None,
                    help="budgets at which sparse_rl_geometric runs (default: the first of --budgets)")
     p.add_argument("--eval-limit", type=int, default=None, help="held-out items per evaluation (default 64; 16 "
