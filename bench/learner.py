@@ -9,9 +9,16 @@ samples, prompt 32 + response 64 tokens) for both:
     baseline: plain torch: no-grad recompute forward over micro-batches of 4, forward/backward per
               micro-batch with a policy-gradient loss on the same tokens, clip_grad_norm_, torch AdamW step
 
-    deepspeed_vs_plain_torch = ours tokens/s / baseline tokens/s   (tokens = prompt + response, target >= 0.9)
+    deepspeed_vs_plain_torch = ours tokens/s / baseline tokens/s   (tokens = prompt + response, target >= 0.9;
+        ours with learner.fuse_logp_old=false, so that both do the same work)
 
-Steps alternate between the two (order swapped each step) after one warm-up step each; the ratio is the
+and our on-policy step without its separate recompute (learner.fuse_logp_old, the default: logp_old from the
+training forward, SPEC section 3):
+
+    fused_vs_two_pass = fused tokens/s / ours (two-pass) tokens/s   (target >= 1.15: one forward of three
+        forward-equivalents fewer, ~1.33 at best)
+
+Steps rotate between the three (the order shifted each step) after one warm-up step each; each ratio is the
 median over `--steps` of the per-step ratios (robust to load from other processes).
 
 Then the distributed learner (deploy/learner_group.py: Ray actors, one gloo group on loopback, real Redis), on
@@ -29,6 +36,7 @@ Prints a table and, as the very last line, one JSON object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -97,8 +105,10 @@ def main() -> None:
     steps = args.steps or (7 if args.quick else 15)
     torch.set_num_threads(1)
 
-    cfg = LearnerConfig(lr=1e-5, kl_coef=0.0, micro_batch_size=MICRO, zero_stage=args.zero_stage, dtype="fp32")
+    cfg = LearnerConfig(lr=1e-5, kl_coef=0.0, micro_batch_size=MICRO, zero_stage=args.zero_stage, dtype="fp32",
+                        fuse_logp_old=False)
     learner = Learner(make_model(), cfg)
+    fused = Learner(make_model(), dataclasses.replace(cfg, fuse_logp_old=True))
     plain = make_model()
     optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-5, betas=cfg.betas, weight_decay=cfg.weight_decay)
     groups = make_groups()
@@ -106,30 +116,33 @@ def main() -> None:
                        dtype=torch.long)
     advantages = torch.tensor([1.0, -1.0] * (len(ids) // 2))
     tokens = ids.numel()
+    run = {"ours": lambda: learner.step(groups, staleness=[0] * len(groups)),
+           "fused": lambda: fused.step(groups, staleness=[0] * len(groups)),
+           "plain": lambda: plain_torch_step(plain, optimizer, ids, advantages)}
 
-    ratios, ours, base = [], [], []
-    for step in range(steps + 1):          # step 0 warms up; the order alternates against drifting load
-        times = {}
-        for who in (("ours", "plain") if step % 2 else ("plain", "ours")):
+    times = {who: [] for who in run}
+    for step in range(steps + 1):          # step 0 warms up; the order rotates against drifting load
+        order = list(run)[step % 3:] + list(run)[:step % 3]
+        for who in order:
             t0 = time.perf_counter()
-            if who == "ours":
-                learner.step(groups, staleness=[0] * len(groups))
-            else:
-                plain_torch_step(plain, optimizer, ids, advantages)
-            times[who] = time.perf_counter() - t0
-        if step:
-            ours.append(tokens / times["ours"])
-            base.append(tokens / times["plain"])
-            ratios.append(times["plain"] / times["ours"])
-    ours_tps, base_tps, ratio = statistics.median(ours), statistics.median(base), statistics.median(ratios)
+            run[who]()
+            if step:
+                times[who].append(time.perf_counter() - t0)
+    tps = {who: tokens / statistics.median(t) for who, t in times.items()}
+    ratio = statistics.median(p / o for p, o in zip(times["plain"], times["ours"]))
+    fused_ratio = statistics.median(o / f for o, f in zip(times["ours"], times["fused"]))
+    fused_on = fused.fusable(fused.collate(groups)) and not learner.fusable(learner.collate(groups))
     print(f"learner step, Llama h256 x4 layers vocab {VOCAB}, {len(ids)} seqs x {PROMPT + RESPONSE} tokens, fp32, "
           f"1 thread, median of {steps}")
-    print(f"{'':>22} {'tokens/s':>10}")
-    print(f"{f'ours (ZeRO-{args.zero_stage})':>22} {ours_tps:>10.1f}")
-    print(f"{'plain torch':>22} {base_tps:>10.1f}")
+    print(f"{'':>30} {'tokens/s':>10}")
+    print(f"{f'ours (ZeRO-{args.zero_stage}), two-pass':>30} {tps['ours']:>10.1f}")
+    print(f"{f'ours, fused logp_old' + ('' if fused_on else ' (not fusable)'):>30} {tps['fused']:>10.1f}")
+    print(f"{'plain torch':>30} {tps['plain']:>10.1f}")
     result = {"bench": "learner", "zero_stage": args.zero_stage, "tokens_per_step": tokens,
-              "ours_tokens_per_s": round(ours_tps, 2), "plain_torch_tokens_per_s": round(base_tps, 2),
-              "deepspeed_vs_plain_torch": round(ratio, 4), "target": 0.9}
+              "ours_tokens_per_s": round(tps["ours"], 2), "plain_torch_tokens_per_s": round(tps["plain"], 2),
+              "deepspeed_vs_plain_torch": round(ratio, 4), "target": 0.9,
+              "fused_tokens_per_s": round(tps["fused"], 2), "fused": fused_on,
+              "fused_vs_two_pass": round(fused_ratio, 4), "fused_target": 1.15}
     if not args.no_ranks:
         result.update(compare_ranks(groups, steps, tokens))
     print(json.dumps(result))

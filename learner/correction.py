@@ -37,6 +37,7 @@ def sparse_correction(
     token_mask: bool = True,
     token_mask_bounds: tuple[float, float] = (0.5, 1.5),
     tis_cap: float = 1.5,
+    normalize: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Importance weights and loss mask correcting pi_sparse -> pi_old (SPEC §2).
 
@@ -50,10 +51,13 @@ def sparse_correction(
             per-sequence geometric mean of xi outside geo_bounds rejects it) | "none".
         token_mask: mask tokens with xi outside token_mask_bounds.
         tis_cap: C in w = min(xi, C).
+        normalize: divide the weights by their batch mean (the authors'). False returns min(xi, C) itself, for a
+            caller that sees the batch in parts and applies the mean (`metrics["tis_weight_mean"]` of the whole
+            batch) afterwards: the learner's single-pass step scales the gradient by it.
 
     Returns:
         weights: float32 [num_seqs, max_resp_len], min(xi, C) divided by its mean over all valid
-            (non-padding) response tokens of the batch; detached; 0 on padding.
+            (non-padding) response tokens of the batch (not divided with normalize=False); detached; 0 on padding.
         loss_mask: float32 [num_seqs, max_resp_len], response_mask after sequence rejection and token mask.
         metrics: rejection_rate, token_mask_fraction, truncate_fraction, mismatch_kl (k3 per-sequence token
             mean, averaged over sequences), mismatch_kl_k1 (same reduction of logp_sparse - logp_old),
@@ -100,7 +104,7 @@ def sparse_correction(
             keep = keep & ~out_of_bounds
 
         truncated = xi.clamp(max=tis_cap) * validf
-        weights = truncated / (truncated.sum() / num_tokens)
+        weights = truncated / (truncated.sum() / num_tokens) if normalize else truncated
 
         k3 = (xi - log_xi - 1) * validf
         metrics = {

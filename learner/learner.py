@@ -1,8 +1,10 @@
 """The DeepSpeed learner: dense recompute of pi_old (and pi_ref), Sparse-RL correction, GRPO update
 (docs/SPEC.md §1-4). One `step` per batch of trajectory groups; each step advances the weight version.
 
-Read `Learner.step` top to bottom: collate -> recompute logp_old/logp_ref -> correction -> advantages ->
-PPO epochs x minibatches x micro-batches -> optimizer steps -> version += 1 -> metrics.
+Read `Learner.step` top to bottom: collate -> advantages -> recompute logp_old/logp_ref -> correction ->
+PPO epochs x minibatches x micro-batches -> optimizer steps -> version += 1 -> metrics. An on-policy step
+(`fusable`: one epoch, one minibatch) skips the recompute: its micro-batches' training forwards give logp_old
+(`_backward_fused`).
 """
 from __future__ import annotations
 
@@ -267,16 +269,20 @@ class Learner:
             torch.distributed.all_reduce(t)
         return t
 
-    def _prepare(self, groups: list[TrajectoryGroup]) -> dict:
-        """Collate the whole step's groups, recompute logp_old (and logp_ref) over this rank's token-balanced
-        share, sum the shares over the ranks, then correction weights, loss mask, correction metrics and
-        GRPO advantages over the *whole* step: every rank holds the same tensors, whatever the number of
-        ranks (SPEC §2-3). Returns a dict of the collated batch plus logp_old/entropy/logp_ref float32 [S, T],
-        weights/loss_mask float32 [S, T], advantages float32 [S], mask bool [S, T] and `metrics`."""
+    def _prepare(self, groups: list[TrajectoryGroup], batch: dict, recompute: bool = True) -> dict:
+        """The collated `batch` with mask bool [S, T] and GRPO advantages float32 [S] over the *whole* step; with
+        `recompute`, also logp_old (and logp_ref) from a no-grad forward over this rank's token-balanced share,
+        summed over the ranks, then correction weights, loss mask and correction metrics over the whole step:
+        every rank holds the same tensors, whatever the number of ranks (SPEC §2-3). Returns a dict of the
+        batch plus advantages and mask, and with `recompute` logp_old/entropy/logp_ref float32 [S, T],
+        weights/loss_mask float32 [S, T] and `metrics` (without it `_backward_fused` adds them)."""
         cfg = self.cfg
-        batch = self.collate(groups)
         S = batch["input_ids"].shape[0]
         mask = batch["response_mask"].to(self.device)
+        advantages = grpo_advantages(batch["reward"], batch["group_index"], cfg.norm_adv_by_std).to(self.device)
+        prep = {**batch, "mask": mask, "advantages": advantages}
+        if not recompute:
+            return prep
 
         # dense recompute of pi_old (and pi_ref) with the weights held at the start of the step
         logp_old = torch.zeros(mask.shape, device=self.device)
@@ -299,17 +305,35 @@ class Learner:
         for t in (logp_old, entropy, logp_ref, dense_topk):  # each row is non-zero on one rank: the sum is exact
             if t is not None:
                 self._all_reduce(t)
+        prep.update(logp_old=logp_old, entropy=entropy, logp_ref=logp_ref)
+        prep.update(self._correct(groups, prep, dense_topk))
+        return prep
 
-        weights, loss_mask, metrics = sparse_correction(
-            logp_old, batch["logp_sparse"].to(self.device), mask, correction=cfg.correction,
-            rejection=cfg.rejection, eps=cfg.eps, geo_bounds=cfg.geo_bounds, token_mask=cfg.token_mask,
-            token_mask_bounds=cfg.token_mask_bounds, tis_cap=cfg.tis_cap)
-        advantages = grpo_advantages(batch["reward"], batch["group_index"], cfg.norm_adv_by_std).to(self.device)
-        metrics.update(self._tier_metrics(groups, logp_old, batch["logp_sparse"].to(self.device), mask))
+    def _correction_options(self) -> dict:
+        """The keyword arguments of `sparse_correction` this learner's config sets."""
+        c = self.cfg
+        return dict(correction=c.correction, rejection=c.rejection, eps=c.eps, geo_bounds=c.geo_bounds,
+                    token_mask=c.token_mask, token_mask_bounds=c.token_mask_bounds, tis_cap=c.tis_cap)
+
+    def _correct(self, groups: list[TrajectoryGroup], prep: dict, dense_topk: torch.Tensor | None = None) -> dict:
+        """Correction weights, loss mask and metrics (SPEC §2, §4; per tier; Sparrow's acceptance rate when
+        `dense_topk` is given) from prep's logp_old over the whole step: {weights, loss_mask, metrics}."""
+        logp_sparse = prep["logp_sparse"].to(self.device)
+        weights, loss_mask, metrics = sparse_correction(prep["logp_old"], logp_sparse, prep["mask"],
+                                                        **self._correction_options())
+        metrics.update(self._tier_metrics(groups, prep["logp_old"], logp_sparse, prep["mask"]))
         if dense_topk is not None:   # Sparrow's per-token acceptance rate (issue 22): accept_*
-            metrics.update(acceptance_metrics(batch["topk_logprobs"].to(self.device), dense_topk, mask))
-        return {**batch, "mask": mask, "logp_old": logp_old, "entropy": entropy, "logp_ref": logp_ref,
-                "weights": weights, "loss_mask": loss_mask, "advantages": advantages, "metrics": metrics}
+            metrics.update(acceptance_metrics(prep["topk_logprobs"].to(self.device), dense_topk, prep["mask"]))
+        return {"weights": weights, "loss_mask": loss_mask, "metrics": metrics}
+
+    def fusable(self, batch: dict) -> bool:
+        """Whether a step on `batch` (collated) takes logp_old from its training forward (`learner.fuse_logp_old`):
+        on-policy (one PPO epoch, one minibatch), one rank, ZeRO stage 0, fp32 (the gradients are the
+        parameters' .grad), no reference model, no top-k log-probs to score."""
+        cfg = self.cfg
+        one_minibatch = cfg.minibatch_size == 0 or cfg.minibatch_size >= batch["input_ids"].shape[0]
+        return (cfg.fuse_logp_old and cfg.ppo_epochs == 1 and one_minibatch and self.world_size == 1
+                and cfg.zero_stage == 0 and cfg.dtype == "fp32" and self.ref_model is None and "topk_ids" not in batch)
 
     def _backward(self, prep: dict, mb_rows: torch.Tensor, sums: dict, means: dict) -> int:
         """Forward/backward of this rank's token-balanced share of minibatch `mb_rows`, in micro-batches. Each
@@ -341,6 +365,42 @@ class Learner:
                 means[k] += m[k]
             count += 1
         return count
+
+    def _backward_fused(self, groups: list[TrajectoryGroup], prep: dict, mb_rows: torch.Tensor, sums: dict,
+                        means: dict) -> int:
+        """`_prepare`'s recompute and `_backward` in one pass (`fusable` steps): each micro-batch's training
+        forward gives logp_old (its value, detached: the weights are still those of the step's start; verl's
+        on-policy case), and from it the micro-batch's veto, token mask and min(xi, C), unnormalised; after the
+        last backward, the correction over the whole step fills `prep` as `_prepare` does, and the gradient is
+        multiplied by 1 / (the step's mean of min(xi, C)). The loss is linear in the weights, so this is the
+        update of the two-pass step, one no-grad forward of the batch fewer. Returns the micro-batches run."""
+        cfg = self.cfg
+        mask = prep["mask"]
+        logp_old = torch.zeros(mask.shape, device=self.device)
+        entropy = torch.zeros(mask.shape, device=self.device)
+        num_tokens = max(float(mask[mb_rows].sum()), 1.0) if cfg.loss_agg_mode == "token-mean" else None
+        for rows in mb_rows.split(cfg.micro_batch_size):
+            logp, entropy[rows] = self.response_logprobs(self.engine, prep, rows, with_entropy=True)
+            logp_old[rows] = logp.detach()
+            truncated, keep, _ = sparse_correction(logp_old[rows], prep["logp_sparse"][rows].to(self.device),
+                                                   mask[rows], normalize=False, **self._correction_options())
+            loss, m = grpo_loss(logp, logp_old[rows], prep["advantages"][rows], keep, truncated,
+                                num_seqs=len(mb_rows), num_tokens=num_tokens, clip_eps=cfg.clip_eps,
+                                clip_eps_high=cfg.clip_eps_high)
+            self.engine.backward(loss, scale_wrt_gas=False)
+            for k in sums:
+                sums[k] += m[k]
+            for k in means:
+                means[k] += m[k]
+        prep.update(logp_old=logp_old, entropy=entropy, logp_ref=None)
+        prep.update(self._correct(groups, prep))
+        mean_weight = prep["metrics"].get("tis_weight_mean", 0.0) if cfg.correction == "on" else 0.0
+        if mean_weight > 0:   # the authors' normalisation by the batch mean, applied to the summed gradient
+            for p in self.engine.module.parameters():
+                if p.grad is not None:
+                    p.grad.div_(mean_weight)
+            sums["pg_loss"] /= mean_weight
+        return len(mb_rows.split(cfg.micro_batch_size))
 
     def _optimizer_step(self) -> float | None:
         """engine.step() over the micro-batches backpropagated since the last one (one optimizer step); returns
@@ -374,8 +434,10 @@ class Learner:
         if len(staleness) != len(groups):
             raise ValueError(f"staleness has {len(staleness)} values for {len(groups)} groups")
         t0 = time.perf_counter()
-        prep = self._prepare(groups)
-        S, mask, metrics = prep["input_ids"].shape[0], prep["mask"], prep["metrics"]
+        batch = self.collate(groups)
+        fused = self.fusable(batch)   # logp_old from the training forward: no separate recompute
+        prep = self._prepare(groups, batch, recompute=not fused)
+        S, mask = prep["input_ids"].shape[0], prep["mask"]
 
         minibatch = cfg.minibatch_size or S
         shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.version)
@@ -386,7 +448,10 @@ class Learner:
         for _epoch in range(cfg.ppo_epochs):
             order = torch.randperm(S, generator=shuffle)
             for mb_rows in order.split(minibatch):
-                micro_steps += self._backward(prep, mb_rows, sums, means)
+                if fused:
+                    micro_steps += self._backward_fused(groups, prep, mb_rows, sums, means)
+                else:
+                    micro_steps += self._backward(prep, mb_rows, sums, means)
                 norm, optimizer_steps = self._optimizer_step(), optimizer_steps + 1
                 if norm is not None:
                     grad_norms.append(norm)
@@ -400,6 +465,7 @@ class Learner:
             micro_steps = totals[-1]
         elapsed = time.perf_counter() - t0
 
+        metrics = prep["metrics"]
         validf = mask.float()
         response_len = prep["response_mask"].sum(1).float()
         metrics.update({k: v / optimizer_steps for k, v in sums.items()})
@@ -422,6 +488,7 @@ class Learner:
             "kv_budget": float(np.mean([g.kv_budget for g in groups])),
             "num_sequences": S,
             "learner_ranks": self.world_size,
+            "logp_old_fused": float(fused),
             "learner_step_s": elapsed,
             "learner_tokens_per_s": prep["seq_len"].sum().item() / elapsed,
         })
@@ -451,7 +518,7 @@ class Learner:
         For tests of split invariance and for debugging."""
         from deepspeed.utils import safe_get_full_grad  # deepspeed after DS_ACCELERATOR (init_distributed)
 
-        prep = self._prepare(groups)
+        prep = self._prepare(groups, self.collate(groups))
         self.engine.train()
         self._backward(prep, torch.arange(prep["input_ids"].shape[0]),
                        {"pg_loss": 0.0, "kl_loss": 0.0}, {"clip_fraction": 0.0, "ppo_kl": 0.0, "ratio_mean": 0.0})

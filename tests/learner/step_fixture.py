@@ -4,7 +4,8 @@ The groups were generated once by the torch engine (tiny-char, R-KV, budget 24) 
 the outputs recorded by the learner step of the code before issue 20 (`LearnerWorker.train_step` at commit
 24f6eac, in-process, one rank; re-recorded at 5644f15, the main this refactor landed on: the same outputs but
 the timings; at issue 22's finish the three budget-log `reason` strings were edited by hand to the controller's
-new wording: its decisions on these steps, hold / raise / raise, are unchanged); `python -m tests.learner.step_fixture` regenerates the groups and re-records the
+new wording: its decisions on these steps, hold / raise / raise, are unchanged; the `logp_old_fused` key, 0 on every
+step since kl_coef 0.05 keeps the separate recompute, was added by hand with `learner.fuse_logp_old`); `python -m tests.learner.step_fixture` regenerates the groups and re-records the
 outputs with the current step protocol (only on purpose: the test compares the current code with the recording).
 
 Scenario (3 steps, train.groups_per_step 2, filter_groups zero_variance, budget_control mismatch, kl_coef 0.05,

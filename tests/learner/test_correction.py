@@ -109,3 +109,14 @@ def test_ratio_tail_quantiles_by_hand():
                 "xi_sym_p50": 0.5, "xi_sym_p5": 0.2875, "xi_sym_p1": 0.2575}
     for name, value in expected.items():
         assert m[name] == pytest.approx(value, abs=1e-6), name
+
+
+def test_unnormalised_weights_are_the_truncated_ratios():
+    logp_old = torch.log(torch.tensor([[0.5, 0.2, 0.9]]))
+    logp_sparse = torch.log(torch.tensor([[0.25, 0.8, 0.9]]))      # xi = 2, 0.25, 1 -> min(xi, 1.5) = 1.5, 0.25, 1
+    mask = torch.tensor([[True, True, False]])                       # the third token is padding
+    raw, _, m = sparse_correction(logp_old, logp_sparse, mask, token_mask=False, normalize=False)
+    torch.testing.assert_close(raw, torch.tensor([[1.5, 0.25, 0.0]]))
+    weights, _, _ = sparse_correction(logp_old, logp_sparse, mask, token_mask=False)
+    assert m["tis_weight_mean"] == pytest.approx(0.875)              # (1.5 + 0.25) / 2
+    torch.testing.assert_close(weights, torch.tensor([[1.5, 0.25, 0.0]]) / 0.875)

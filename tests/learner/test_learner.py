@@ -154,3 +154,41 @@ def test_step_acceptance_rate_against_the_exact_full_vocabulary_value(k):
         assert m["accept_mean"] < exact.mean().item() - 1e-3 < m["accept_upper_mean"]
         assert m["accept_topk_mass_outside"] > 0.01
     assert "accept_p5" not in Learner(tiny_llama(), LearnerConfig(kl_coef=0.0)).step(make_groups(2), [0, 0])
+
+
+@pytest.mark.parametrize("correction,rejection", [("on", "veto"), ("on", "geometric"), ("metrics_only", "veto")])
+def test_fused_step_is_the_two_pass_update(correction, rejection):
+    """logp_old from the training forward (learner.fuse_logp_old) gives the two-pass step's gradient, metrics and
+    weights. Sparse log-probs far from the model's (min(xi, 1.5) averaging well below 1, a vetoed and a masked
+    token) make the TIS normalisation a factor of several: a fused step that skipped it, or normalised per
+    micro-batch, would differ."""
+    groups = make_groups(num_groups=2, G=4)
+    for g in groups:
+        for i, s in enumerate(g.samples):
+            s.logp_sparse = s.logp_sparse + 0.3 * (i % 3)   # xi = pi_old / pi_sparse shrinks by e^-0.3, e^-0.6
+    groups[0].samples[2].logp_sparse[0] = 12.0               # xi < 1e-4: vetoed
+    groups[1].samples[1].logp_sparse[0] = 0.0                # a token far outside [0.5, 1.5]: masked
+    runs = {}
+    for fuse in (True, False):
+        torch.manual_seed(0)
+        cfg = LearnerConfig(lr=1e-3, kl_coef=0.0, micro_batch_size=3, correction=correction, rejection=rejection,
+                            fuse_logp_old=fuse)
+        learner = Learner(tiny_llama(), cfg)
+        metrics = learner.step(groups, staleness=[0, 0])
+        runs[fuse] = metrics, {n: p.detach().clone() for n, p in learner.engine.module.named_parameters()}
+    (fused, fused_params), (two_pass, two_pass_params) = runs[True], runs[False]
+    assert fused["logp_old_fused"] == 1.0 and two_pass["logp_old_fused"] == 0.0
+    if correction == "on":
+        assert fused["tis_weight_mean"] < 0.8 and (fused["rejection_rate"] > 0 or rejection == "geometric")
+    for key in ("grad_norm", "pg_loss", "rejection_rate", "token_mask_fraction", "mismatch_kl", "entropy",
+                "xi_sym_p5", "tis_weight_mean", "clip_fraction", "ratio_mean"):
+        assert fused.get(key) == pytest.approx(two_pass.get(key), rel=1e-4, abs=1e-7), key
+    for name, p in fused_params.items():
+        torch.testing.assert_close(p, two_pass_params[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_steps_that_are_not_on_policy_recompute_logp_old():
+    groups = make_groups(num_groups=2, G=4)
+    for cfg in (LearnerConfig(kl_coef=0.0, ppo_epochs=2), LearnerConfig(kl_coef=0.0, minibatch_size=4),
+                LearnerConfig(kl_coef=0.05), LearnerConfig(kl_coef=0.0, zero_stage=1)):
+        assert Learner(tiny_llama(), cfg).step(groups, staleness=[0, 0])["logp_old_fused"] == 0.0
