@@ -55,7 +55,8 @@ class ActorPool:
         self.replaced = 0
         self.redis = connect(cfg.broker)
         self.counted = rs.actor_counts(self.redis, run_id)  # the run's actor counters at the last metrics()
-        self._sync_address = learner.sync_address.remote()  # answered once the learner has started
+        address = learner.sync_address.remote()  # (host, port) of the learner's TCPStore
+        self.sync_address = learners.get(address, "the actors were starting") if learners else ray.get(address)
 
     def _start(self):
         from actors.rollout_actor import RolloutWorker
@@ -69,15 +70,6 @@ class ActorPool:
         ).remote(to_dict(rollout_config(self.cfg)), self.run_id, f"actor-{index}")
         self.actors[index] = handle  # its generate -> score -> publish loop starts with the process
         self.starting[index] = (time.monotonic(), handle.ping.remote())  # answered once its model is loaded
-
-    def sync_address(self) -> tuple[str, int]:
-        """(host, port) of the learner's TCPStore, the weight-sync group's rendezvous (waits for the learner to
-        have started, failing the run if a rank died meanwhile)."""
-        if not isinstance(self._sync_address, tuple):
-            ref = self._sync_address
-            self._sync_address = tuple(self.learners.get(ref, "the actors were starting") if self.learners
-                                       else ray.get(ref))
-        return self._sync_address
 
     def ready(self) -> list[int]:
         """Indices of the actors that have started (the others are loading their model)."""
@@ -225,7 +217,7 @@ class ActorPool:
             self.members = [(i, self.incarnations.get(i)) for i in members]
         world = len(members) + 1
         sends = self.learner.send_weights.remote(self.generation, world)
-        recvs = {i: self.actors[i].receive_weights.remote(self.sync_address(), self.generation, rank, world)
+        recvs = {i: self.actors[i].receive_weights.remote(self.sync_address, self.generation, rank, world)
                  for rank, i in enumerate(members, start=1)}
         failed = 0
         try:

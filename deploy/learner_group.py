@@ -51,10 +51,7 @@ class LearnerGroup:
     Raises TimeoutError when the cluster cannot offer the bundles within PLACEMENT_TIMEOUT_S (naming them);
     RunFailed when a rank dies while starting (its constructor's error)."""
 
-    def __init__(self, cfg: RunConfig, run_id: str, hint=None, wait: bool = True):
-        """Reserve the placement group and launch the ranks; with `wait` (default) return once every rank has
-        started (`wait_started`). wait=False returns at once: the driver starts the rollout actors meanwhile
-        (their start and the ranks' overlap) and calls `wait_started` before it needs the learner."""
+    def __init__(self, cfg: RunConfig, run_id: str, hint=None):
         n = cfg.learner.ranks
         bundle = {"CPU": cfg.train.learner_num_cpus}
         if cfg.train.learner_num_gpus:
@@ -86,27 +83,16 @@ class LearnerGroup:
             for rank in range(n)]
         self.rank0 = self.ranks[0]
         self.watch = {r.watch.options(concurrency_group="watch").remote(): rank for rank, r in enumerate(self.ranks)}
-        self.hint = hint  # () -> how to go on, appended to a death's line
-        self.pending = [r.pid.remote() for r in self.ranks]  # answered once a rank has started (joined the group)
-        self.started = False
-        if wait:
-            self.wait_started()
-
-    def wait_started(self) -> None:
-        """Return once every rank has started and rank 0 knows its peers (at once when it already has). A rank
-        that fails to start fails the group at once: RunFailed naming it ("... died while starting"), every
-        rank killed."""
-        if self.started:
-            return
+        self.hint = hint  # () -> how to go on, appappended to a death's line
+        pending = [r.pid.remote() for r in self.ranks]  # answered once a rank has started (joined the group)
         try:
-            while self.pending:  # a rank that fails to start fails the group at once
-                done, self.pending = ray.wait(self.pending, num_returns=1)
+            while pending:  # a rank that fails to start fails the group at once
+                done, pending = ray.wait(pending, num_returns=1)
                 self.get(done[0], "starting")
             self.get(self.rank0.set_peers.remote(self.ranks[1:]), "starting")
         except BaseException:
             self.shutdown()
             raise
-        self.started = True
 
     def check(self, phase: str) -> None:
         """Raise RunFailed ("learner rank R died while <phase>: <cause>") if a rank has died."""
