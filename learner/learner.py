@@ -335,16 +335,22 @@ class Learner:
         return (cfg.fuse_logp_old and cfg.ppo_epochs == 1 and one_minibatch and self.world_size == 1
                 and cfg.zero_stage == 0 and cfg.dtype == "fp32" and self.ref_model is None and "topk_ids" not in batch)
 
+    def _num_tokens(self, prep: dict, mb_rows: torch.Tensor) -> float | None:
+        """T_N of token-mean, every response token of minibatch `mb_rows` on all ranks (SPEC §3); None for
+        seq-mean-token-mean."""
+        if self.cfg.loss_agg_mode != "token-mean":
+            return None
+        return max(float(prep["mask"][mb_rows].sum()), 1.0)
+
     def _backward(self, prep: dict, mb_rows: torch.Tensor, sums: dict, means: dict) -> int:
         """Forward/backward of this rank's token-balanced share of minibatch `mb_rows`, in micro-batches. Each
         micro loss is normalised by the sequences of the whole minibatch (token-mean: by its response tokens, T_N)
         and multiplied by the number of ranks (DeepSpeed averages gradients over ranks), so the summed gradient
-        is the one-rank gradient. Adds the loss metrics to `sums`/`means`; returns the number of real (non-padding) micro-batches."""
+        is the one-rank gradient. Adds the loss metrics to `sums`/`means`; returns the number of real
+        (non-padding) micro-batches."""
         cfg = self.cfg
         shares = token_balanced_split(mb_rows, prep["seq_len"], self.world_size)
-        num_tokens = None   # token-mean: every response token of the minibatch, on all ranks (SPEC §3)
-        if cfg.loss_agg_mode == "token-mean":
-            num_tokens = max(float(prep["mask"][mb_rows].sum()), 1.0)
+        num_tokens = self._num_tokens(prep, mb_rows)
         count = 0
         for rows in micro_batches(shares, cfg.micro_batch_size, self.rank):
             if rows is None:  # nothing left on this rank: a zero loss keeps the gradient reductions in step
@@ -378,8 +384,9 @@ class Learner:
         mask = prep["mask"]
         logp_old = torch.zeros(mask.shape, device=self.device)
         entropy = torch.zeros(mask.shape, device=self.device)
-        num_tokens = max(float(mask[mb_rows].sum()), 1.0) if cfg.loss_agg_mode == "token-mean" else None
-        for rows in mb_rows.split(cfg.micro_batch_size):
+        num_tokens = self._num_tokens(prep, mb_rows)
+        micro = mb_rows.split(cfg.micro_batch_size)
+        for rows in micro:
             logp, entropy[rows] = self.response_logprobs(self.engine, prep, rows, with_entropy=True)
             logp_old[rows] = logp.detach()
             truncated, keep, _ = sparse_correction(logp_old[rows], prep["logp_sparse"][rows].to(self.device),
@@ -400,7 +407,7 @@ class Learner:
                 if p.grad is not None:
                     p.grad.div_(mean_weight)
             sums["pg_loss"] /= mean_weight
-        return len(mb_rows.split(cfg.micro_batch_size))
+        return len(micro)
 
     def _optimizer_step(self) -> float | None:
         """engine.step() over the micro-batches backpropagated since the last one (one optimizer step); returns
