@@ -10,7 +10,7 @@ import ray
 from broker import run_state as rs
 from broker.streams import connect
 from deploy.config import RunConfig, rollout_config, to_dict
-from deploy.rank_calls import LearnerRankError
+from deploy.rank_calls import RANK_FAILURE_WAIT_S, LearnerRankError
 
 WAIT_POLL_S = 2.0
 """While the learner waits for groups, the driver checks the actors (replacing the dead) this often, seconds."""
@@ -120,7 +120,12 @@ class ActorPool:
         message ends with hint(): how to go on, the resume command or, without a checkpoint, the start again)."""
         waited = reported = time.monotonic()
         while not ray.wait([done], timeout=WAIT_POLL_S)[0]:
-            self.check_learner(f"it trained step {step}")
+            dead = self.learners.dead_rank() if self.learners is not None else None
+            if dead:  # rank 0's own error names the step and every dead rank: wait for it as rank 0 waits for Ray
+                if ray.wait([done], timeout=RANK_FAILURE_WAIT_S + WAIT_POLL_S)[0]:
+                    break
+                raise RunFailed(f"learner step {step} failed: learner rank {dead[0]} died ({dead[1]}); nothing of "
+                                f"this step was acknowledged; {hint()}")
             self.scale(target())
             if self.membership_changed():  # an actor became ready: weights now (it cannot sample without)
                 self.sync_weights()
@@ -257,11 +262,18 @@ class ActorPool:
 
     def stop_generation(self) -> None:
         """Every actor finishes and publishes its current batch, then stops generating; actors still starting
-        (which have produced nothing) are stopped."""
+        (which have produced nothing) are stopped. An actor lost meanwhile (killed, or being restarted by Ray)
+        is ended and forgotten, as alive() does: its unpublished batch is left to its claim's expiry."""
         for index in list(self.starting):
             del self.starting[index]
             ray.kill(self.actors.pop(index), no_restart=True)
-        ray.get([h.stop_generation.remote() for h in self.actors.values()])
+        calls = {i: h.stop_generation.remote() for i, h in self.actors.items()}
+        for i, ref in calls.items():
+            try:
+                ray.get(ref, timeout=self.cfg.learner.weight_sync_timeout_s * 5)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                print(f"rollout actor {i} is gone ({type(e).__name__}: {e}); its last batch is not counted")
+                ray.kill(self.actors.pop(i), no_restart=True)
 
     def versions(self) -> dict[str, int]:
         """Weight version each live actor samples with (after its staged weights are swapped in)."""

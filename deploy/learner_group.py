@@ -96,14 +96,21 @@ class LearnerGroup:
 
     def check(self, phase: str) -> None:
         """Raise RunFailed ("learner rank R died while <phase>: <cause>") if a rank has died."""
+        dead = self.dead_rank()
+        if dead:
+            rank, cause = dead
+            self.died(rank, phase, cause)
+
+    def dead_rank(self) -> tuple[int, str] | None:
+        """(rank, cause) of a rank that has died, or None while every rank lives."""
         done, _ = ray.wait(list(self.watch), num_returns=1, timeout=0)
-        if done:
-            try:
-                ray.get(done[0])
-                cause = "its watch returned"
-            except ray.exceptions.RayError as e:
-                cause = root_cause(e)
-            self.died(self.watch[done[0]], phase, cause)
+        if not done:
+            return None
+        try:
+            ray.get(done[0])
+            return self.watch[done[0]], "its watch returned"
+        except ray.exceptions.RayError as e:
+            return self.watch[done[0]], root_cause(e)
 
     def died(self, rank: int, phase: str, cause: str):
         """Raise RunFailed: the one line of a rank's death, with how to go on."""

@@ -21,7 +21,7 @@ import ray  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from broker.config import BrokerConfig  # noqa: E402
-from broker.run_state import read_learner_version  # noqa: E402
+from broker.run_state import read_learner_version, set_paused  # noqa: E402
 from broker.streams import connect  # noqa: E402
 from deploy.config import ConfigError, load_config  # noqa: E402
 from deploy.driver import train  # noqa: E402
@@ -97,13 +97,21 @@ def test_actors_scaled_and_killed_while_learner_steps(tmp_path, redis_server):
         version = at_version(run_id, 1)
         request_scale(run_id, 3, run_dir=tmp_path)  # finds the broker in the run directory
         events.append(f"scale@{version}")
+        paused = False
         for index in (1, 2):  # the new actors have started (a ping is answered once the model is loaded)
             while True:
-                try:
-                    ray.get(ray.get_actor(f"{run_id}-actor-{index}").ping.remote())
+                try:  # (a ping waits for the actor's constructor: bounded, so the check below runs meanwhile)
+                    ray.get(ray.get_actor(f"{run_id}-actor-{index}").ping.remote(), timeout=2)
                     break
-                except (ValueError, ray.exceptions.RayActorError):  # not created yet, or being restarted (a
-                    time.sleep(0.5)                                  # slow start replaced on a loaded machine)
+                except (ValueError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):  # not created
+                    time.sleep(0.5)      # yet, loading, or being restarted (a slow start replaced on a loaded machine)
+                # new Ray workers take 20-40 s here (27 s measured: ~4 steps of slack at 30 steps): if they are
+                # still loading near the end, hold generation so the run cannot end before kill and scale-down
+                if not paused and read_learner_version(redis, run_id) >= steps - 10:
+                    set_paused(redis, run_id, True)
+                    paused = True
+        if paused:
+            set_paused(redis, run_id, False)
         # a step whose weight sync had all three: the learner writes version v during its step, before the
         # driver's sync of step v, so v + 2 is the first version whose arrival proves that sync is done
         version = at_version(run_id, read_learner_version(redis, run_id) + 2)

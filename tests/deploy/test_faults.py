@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from broker.run_state import ADMISSION_CLAIMS, key
+
 ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "deploy.cli"]
 ENV = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
@@ -105,6 +107,19 @@ class Run:
         root = psutil.Process(self.proc.pid)
         return [root, *root.children(recursive=True)]
 
+    def workers(self, name: str) -> list:
+        """The processes of the run's tree whose name or command line holds `name` (a Ray actor class), skipping
+        any that ends while it is read."""
+        import psutil
+        found = []
+        for p in self.processes():
+            try:
+                if name in " ".join([p.name(), *p.cmdline()]):
+                    found.append(p)
+            except psutil.Error:
+                pass
+        return found
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -114,11 +129,20 @@ def redis_port(text: str) -> int:
     return int(re.search(r"^redis: redis://127\.0\.0\.1:(\d+)/0$", text, re.M).group(1))
 
 
+def running(p) -> bool:
+    """The process runs (not ended, not a zombie); False when it ends while it is read."""
+    import psutil
+    try:
+        return p.is_running() and p.status() != "zombie"
+    except psutil.Error:
+        return False
+
+
 def assert_all_gone(processes: list, port: int, within_s: float = 30.0) -> None:
     """Every process of the run's tree has ended and the embedded Redis port is closed, within `within_s`."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        alive = [p for p in processes if p.is_running() and p.status() != "zombie"]
+        alive = [p for p in processes if running(p)]
         if not alive:
             break
         time.sleep(0.5)
@@ -126,6 +150,19 @@ def assert_all_gone(processes: list, port: int, within_s: float = 30.0) -> None:
         pytest.fail(f"still running {within_s:g} s later: {[(p.pid, p.name()) for p in alive]}")
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+def wait_for_claims(run: Run, runs: Path, n: int, within_s: float = 120.0) -> None:
+    """Until the run's broker holds `n` admission claims (a fixed sleep races the actors' batch boundaries)."""
+    import redis
+
+    (run_dir,) = runs.iterdir()
+    r = redis.Redis(port=redis_port(run.text))
+    deadline = time.monotonic() + within_s
+    while r.hlen(key(run_dir.name, ADMISSION_CLAIMS)) < n:
+        if time.monotonic() > deadline:
+            pytest.fail(f"{n} admission claims not held within {within_s:g} s:\n{run.text}")
+        time.sleep(0.05)
 
 
 def mlflow_status(run_dir: Path) -> str:
@@ -240,7 +277,7 @@ def test_ctrl_c_after_training_points_at_eval_and_a_changed_resume_is_refused_un
 
 def learner_processes(run: Run) -> list:
     """The run's learner rank processes (Ray names them after LearnerWorker)."""
-    return [p for p in run.processes() if "LearnerWorker" in " ".join([p.name(), *p.cmdline()])]
+    return run.workers("LearnerWorker")
 
 
 @pytest.mark.timeout(1200)
@@ -341,9 +378,9 @@ def test_a_killed_actors_claimed_prompts_are_trained_later_in_the_same_run(tmp_p
               env=env)
     try:
         run.until(r"^step 1/5")
-        time.sleep(2)  # both actors are in their next batch, each holding a claim of 2 prompts
-        rollout = [p for p in run.processes() if "RolloutWorker" in " ".join([p.name(), *p.cmdline()])]
-        assert len(rollout) == 2, [p.name() for p in run.processes()]
+        wait_for_claims(run, runs, 2)  # both actors are in their next batch, each holding a claim of 2 prompts
+        rollout = run.workers("RolloutWorker")
+        assert len(rollout) == 2, run.processes()
         rollout[0].kill()
         rc = run.finish(timeout=600)
     finally:
