@@ -78,6 +78,7 @@ class RolloutWorker:
         self.engine_generate = faults.wrap(self.engine.generate, "actor.generate", actor_id,
                                            when=lambda: self.engine.weight_version)
         self.published = faults.wrap(lambda: None, "actor.published", actor_id, when=lambda: self.engine.weight_version)
+        self.stopping_fault = faults.wrap(lambda: None, "actor.stop", actor_id)   # in stop_generation
         self.tokenizer = self.engine.tokenizer
         self.prompts = load_train_prompts(a.data, self.tokenizer, seed=self.cfg.seed)
         self.reward = RewardScorer(a.reward)
@@ -319,6 +320,7 @@ class RolloutWorker:
 
     def stop_generation(self) -> None:
         """Finish the current batch (its groups are published), then leave the loop."""
+        self.stopping_fault()
         self.stopping.set()
         self.loop.join()
         self._swap()  # weights received during the last batch

@@ -272,7 +272,8 @@ class ActorPool:
             try:
                 ray.get(ref, timeout=self.cfg.learner.weight_sync_timeout_s * 5)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-                print(f"rollout actor {i} is gone ({type(e).__name__}: {e}); its last batch is not counted")
+                print(f"rollout actor {i} is gone ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]}); its "
+                      "last batch is not counted", flush=True)
                 ray.kill(self.actors.pop(i), no_restart=True)
 
     def versions(self) -> dict[str, int]:

@@ -371,9 +371,10 @@ def test_workers_import_the_installed_code_from_any_directory_and_counts_add_up(
 def test_a_killed_actors_claimed_prompts_are_trained_later_in_the_same_run(tmp_path):
     """SIGKILL a rollout actor while it holds an admission claim (both actors sleep 10 s inside every batch,
     after the claim): once the claim expires, its prompt indices are handed out again, so the run trains every
-    prompt index below its last exactly once (redone ones after later ones) and ends with exit 0."""
+    prompt index below its last exactly once (redone ones after later ones) and ends with exit 0. Every actor's
+    process also dies when the driver stops generation at the end: the run still ends with exit 0, saying so."""
     runs = tmp_path / "runs"
-    env = {**ENV, "SPARSE_RL_FAULTS": "actor.generate:*=sleep:10"}  # the fault seam, broker/faults.py
+    env = {**ENV, "SPARSE_RL_FAULTS": "actor.generate:*=sleep:10,actor.stop:*=exit"}  # the seam, broker/faults.py
     run = Run("--config", "tiny", f"run_dir={runs}", "train.steps=5", "eval.enabled=false", "broker.claim_ttl_s=3",
               env=env)
     try:
@@ -386,6 +387,8 @@ def test_a_killed_actors_claimed_prompts_are_trained_later_in_the_same_run(tmp_p
     finally:
         run.kill()
     assert rc == 0, run.text
+    assert re.search(r"^rollout actor \d+ is gone \(\w+Error: .*; its last batch is not counted$", run.text, re.M)
+    assert "Traceback" not in run.text, run.text
     (run_dir,) = runs.iterdir()
     steps = [json.loads(line) for line in (run_dir / "trained_prompts.jsonl").read_text().splitlines()]
     trained = [int(pid.rsplit("-", 1)[1]) for s in steps for pid in s["prompt_ids"]]  # basic_arithmetic-s0-<index>
