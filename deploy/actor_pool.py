@@ -186,7 +186,7 @@ class ActorPool:
                 self.incarnations[i] = state["incarnation"]
                 ok.append(i)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, RuntimeError) as e:
-                print(f"rollout actor {i} is gone ({type(e).__name__}: {e}); replacing it")
+                print(f"rollout actor {i} is gone ({root_cause(e)}); replacing it", flush=True)
                 ray.kill(self.actors.pop(i), no_restart=True)
                 self.replaced += 1
         return ok
@@ -272,8 +272,7 @@ class ActorPool:
             try:
                 ray.get(ref, timeout=self.cfg.learner.weight_sync_timeout_s * 5)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-                print(f"rollout actor {i} is gone ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]}); its "
-                      "last batch is not counted", flush=True)
+                print(f"rollout actor {i} is gone ({root_cause(e)}); its last batch is not counted", flush=True)
                 ray.kill(self.actors.pop(i), no_restart=True)
 
     def versions(self) -> dict[str, int]:
