@@ -9,9 +9,9 @@ worker inherits; or Ray's `runtime_env={"env_vars": {...}}`), a comma-separated 
           the start of the step), `actor.start` (a rollout actor's start, before its model loads; who = actor
           id), `actor.generate` (inside every batch of an actor, after its claim, before the engine runs; who =
           actor id, when = the actor's weight version), `actor.published` (after a batch was published or
-          refused, before the next one; who = actor id, when = the actor's weight version), `actor.stop` (when the driver
-          stops an actor's generation at the end of the run; who = actor id). Other points: whatever a caller
-          passes to `wrap`.
+          refused, before the next one; who = actor id, when = the actor's weight version), `actor.stop` (when
+          the driver stops an actor's generation at the end of the run; who = actor id). Other points: whatever a
+          caller passes to `wrap`.
   who     the rank or actor id, or `*` for every one
   when    optional: fire only when the point's `when` value equals it (e.g. the learner version)
   action  `sleep:<seconds>` (a stall, then go on) | `fail` (raise FaultInjectedError) | `exit` (the process dies at
