@@ -17,6 +17,9 @@ WAIT_POLL_S = 2.0
 MAX_START_FAILURES = 3
 """Rollout actors in a row that die while starting (each after Ray's own restarts) before the run fails:
 no actor can ever produce."""
+BATCH_TIMEOUT_SYNCS = 5
+"""An actor told to stop (scale-down, end of training) may take this many weight-sync timeouts to finish its
+batch before it is killed."""
 
 
 PROCESS_LOST = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.OutOfMemoryError,
@@ -92,13 +95,23 @@ class ActorPool:
                 del self.starting[i]
                 reason = f"did not start within actors.start_timeout_s={self.cfg.actors.start_timeout_s:g} s"
             if reason:
-                print(f"rollout actor {i} {reason}; replacing it")
-                ray.kill(self.actors.pop(i), no_restart=True)
+                self._drop(i, reason, "replacing it")
                 self.replaced += 1
                 self.start_failures += 1
                 if self.start_failures >= MAX_START_FAILURES:
                     raise RunFailed(f"no rollout actor can start: {self.start_failures} in a row failed, "
                                        f"the last one {reason}")
+
+    def _drop(self, i: int, why: str, then: str) -> None:
+        """Kill actor `i` (no Ray restart) and forget it, saying so in one console line:
+        "rollout actor <i> <why>; <then>"."""
+        print(f"rollout actor {i} {why}; {then}", flush=True)
+        ray.kill(self.actors.pop(i), no_restart=True)
+
+    def _batch_timeout_s(self) -> float:
+        """How long an actor told to stop may take to finish and publish its current batch, seconds:
+        BATCH_TIMEOUT_SYNCS x learner.weight_sync_timeout_s."""
+        return BATCH_TIMEOUT_SYNCS * self.cfg.learner.weight_sync_timeout_s
 
     def wait_ready(self, console) -> None:
         """Wait until every actor started so far is ready (or replaced), saying what it waits for."""
@@ -186,8 +199,7 @@ class ActorPool:
                 self.incarnations[i] = state["incarnation"]
                 ok.append(i)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, RuntimeError) as e:
-                print(f"rollout actor {i} is gone ({root_cause(e)}); replacing it", flush=True)
-                ray.kill(self.actors.pop(i), no_restart=True)
+                self._drop(i, f"is gone ({root_cause(e)})", "replacing it")
                 self.replaced += 1
         return ok
 
@@ -204,7 +216,7 @@ class ActorPool:
                 ray.kill(handle, no_restart=True)
                 continue
             try:
-                ray.get(handle.stop.remote(), timeout=self.cfg.learner.weight_sync_timeout_s * 5)
+                ray.get(handle.stop.remote(), timeout=self._batch_timeout_s())
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 pass  # it exited (stop() ends the process) or hangs: make sure it is gone
             ray.kill(handle, no_restart=True)
@@ -270,10 +282,9 @@ class ActorPool:
         calls = {i: h.stop_generation.remote() for i, h in self.actors.items()}
         for i, ref in calls.items():
             try:
-                ray.get(ref, timeout=self.cfg.learner.weight_sync_timeout_s * 5)
+                ray.get(ref, timeout=self._batch_timeout_s())
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-                print(f"rollout actor {i} is gone ({root_cause(e)}); its last batch is not counted", flush=True)
-                ray.kill(self.actors.pop(i), no_restart=True)
+                self._drop(i, f"is gone ({root_cause(e)})", "its last batch is not counted")
 
     def versions(self) -> dict[str, int]:
         """Weight version each live actor samples with (after its staged weights are swapped in)."""
