@@ -27,7 +27,8 @@ The command is resumable: a finished run (its summary.json) is kept and skipped 
     python bench/replication.py --config qwen2.5-math --budgets 512 ray.address=auto   # a GPU cluster
 
 Writes <out>/replication.png (per budget: reward, grad_norm, mismatch KL, rejection rate, response length,
-entropy, token-mask fraction, xi_sym_p5 per step; mean and min-max over seeds) and prints, as its last line, one
+entropy, token-mask fraction, xi_sym_p5 per step; mean and min-max over seeds), <out>/replication.md (every run's
+figures, a row per run and budget) and prints, as its last line, one
 JSON object: regime (decode | prefill: is the longest prompt shorter than the smallest budget?),
 prompt_tokens_max, kv_budget(s), kv_retained_ratio, per-arm and per-budget reward gains (mean of the last 3 steps
 minus the first 3) and final rewards, evaluation rewards, grad-norm spikes, and the pre-registered verdicts h1, h2,
@@ -389,7 +390,37 @@ def report(args) -> dict:
     result["wall_s"] = round(sum(v.get("wall_s", 0.0) for v in records.values()), 1)
     plot(args, hist, args.out / "replication.png")
     result["plot"] = str(args.out / "replication.png")
+    dense_sparse = {(seed, b): records[("dense", None, seed)]["evals"].get(str(b), {}).get("sparse/reward")
+                    for seed in dense for b in args.budgets}
+    (args.out / "replication.md").write_text(runs_table(stats, dense_sparse, args.budgets))
+    result["table"] = str(args.out / "replication.md")
     return result
+
+
+def runs_table(stats: dict[tuple, dict], dense_sparse: dict[tuple[int, int], float | None], budgets) -> str:
+    """Every finished run's figures as one markdown table, a row per (arm, budget, seed); a dense run has a row per
+    budget, its model scored under that budget's cache. stats: {(arm, budget or None, seed): run_stats};
+    dense_sparse: {(seed, budget): the dense model's held-out reward under that budget's cache}."""
+    def f(x, digits=3):
+        return "" if x is None else x if isinstance(x, str) else f"{x:.{digits}f}"
+
+    head = ["arm", "budget", "seed", "final reward", "peak", "cut", "kv kept", "mismatch KL", "rejection",
+            "grad-norm max/median (with gradient; steps without)", "held-out dense before -> after",
+            "held-out sparse before -> after"]
+    rows = []
+    for (arm, b, seed), st in sorted(stats.items(), key=lambda kv: (kv[0][2], list(ARMS).index(kv[0][0]), kv[0][1] or 0)):
+        for budget in budgets if b is None else [b]:
+            sparse_after = dense_sparse.get((seed, budget)) if b is None else st.get("eval/sparse/reward")
+            sparse_before = st.get("eval_before/sparse/reward") if b is not None or budget == budgets[0] else None
+            rows.append([arm, str(budget), str(seed), f(st["final_reward"]), f(st["peak_reward"]),
+                         f(st["response_truncated_fraction"], 2), "" if b is None else f(st["kv_retained_ratio"], 2),
+                         "" if b is None else f(st["mismatch_kl"], 4), "" if b is None else f(st["rejection_rate"], 3),
+                         f"{f(st['grad_norm_spike'], 1)} ({f(st['grad_norm_spike_with_gradient'], 1)}; "
+                         f"{st['steps_without_gradient']})",
+                         f"{f(st.get('eval_before/dense/reward'))} -> {f(st.get('eval/dense/reward'))}".lstrip(" ->"),
+                         f"{f(sparse_before)} -> {f(sparse_after)}".lstrip(" ->")])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
 
 
 def summarize(per_seed: dict[int, dict]) -> dict:
@@ -448,6 +479,7 @@ def main(argv=None) -> None:
     if args.records is not None:  # the committed copies: the JSON and the plot beside the records
         args.records.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
         shutil.copy(result["plot"], args.records.parent.parent / f"{args.records.name}.png")
+        shutil.copy(result["table"], args.records.with_suffix(".md"))
     print(json.dumps(result, default=str))
 
 

@@ -93,3 +93,21 @@ def test_missing_budgets_of_a_dense_record():
     assert replication.missing_budgets("dense-s0", record, [48, 64]) == [64]      # the grid's budgets changed
     assert replication.missing_budgets("dense-s0", record, [48, 96]) == []
     assert replication.missing_budgets("naive_sparse-b48-s0", {"evals": {}}, [48, 64]) == []
+
+
+def test_runs_table_has_a_row_per_run_and_budget_with_the_dense_model_under_each_cache():
+    dense = {"final_reward": 0.9, "peak_reward": 1.0, "response_truncated_fraction": 0.1, "kv_retained_ratio": 1.0,
+             "mismatch_kl": 0.0, "rejection_rate": 0.0, "grad_norm_spike": 14.0, "grad_norm_spike_with_gradient": 6.5,
+             "steps_without_gradient": 7, "eval_before/dense/reward": 0.88, "eval/dense/reward": 0.96,
+             "eval_before/sparse/reward": 0.62, "eval/sparse/reward": 0.90}
+    srl = {**dense, "final_reward": 0.5, "kv_retained_ratio": 0.26, "mismatch_kl": 0.0105, "grad_norm_spike": "inf",
+           "eval/sparse/reward": 0.64, "eval_before/dense/reward": None, "eval_before/sparse/reward": 0.7}
+    table = replication.runs_table({("sparse_rl", 72, 0): srl, ("dense", None, 0): dense},
+                                   {(0, 48): 0.90, (0, 72): 0.94}, [48, 72])
+    lines = table.splitlines()
+    assert len(lines) == 2 + 3                                   # header, rule, dense at 48 and 72, sparse_rl at 72
+    assert lines[2] == ("| dense | 48 | 0 | 0.900 | 1.000 | 0.10 |  |  |  | 14.0 (6.5; 7) | 0.880 -> 0.960 "
+                        "| 0.620 -> 0.900 |")
+    assert lines[3].startswith("| dense | 72 | 0 |") and lines[3].endswith("| 0.880 -> 0.960 | 0.940 |")
+    assert lines[4] == ("| sparse_rl | 72 | 0 | 0.500 | 1.000 | 0.10 | 0.26 | 0.0105 | 0.000 | inf (6.5; 7) | 0.960 "
+                        "| 0.700 -> 0.640 |")                 # its own run's before, under its own cache (72)
