@@ -28,7 +28,7 @@ The command is resumable: a finished run (its summary.json) is kept and skipped 
 
 Writes <out>/replication.png (per budget: reward, grad_norm, mismatch KL, rejection rate, response length,
 entropy, token-mask fraction, xi_sym_p5 per step; mean and min-max over seeds), <out>/replication.md (every run's
-figures, a row per run and budget) and prints, as its last line, one
+figures, a row per run and budget, then the verdicts with every seed's numbers) and prints, as its last line, one
 JSON object: regime (decode | prefill: is the longest prompt shorter than the smallest budget?),
 prompt_tokens_max, kv_budget(s), kv_retained_ratio, per-arm and per-budget reward gains (mean of the last 3 steps
 minus the first 3) and final rewards, evaluation rewards, grad-norm spikes, and the pre-registered verdicts h1, h2,
@@ -392,7 +392,8 @@ def report(args) -> dict:
     result["plot"] = str(args.out / "replication.png")
     dense_sparse = {(seed, b): records[("dense", None, seed)]["evals"].get(str(b), {}).get("sparse/reward")
                     for seed in dense for b in args.budgets}
-    (args.out / "replication.md").write_text(runs_table(stats, dense_sparse, args.budgets))
+    (args.out / "replication.md").write_text(runs_table(stats, dense_sparse, args.budgets) + "\n"
+                                             + verdicts_text(result, args.budgets))
     result["table"] = str(args.out / "replication.md")
     return result
 
@@ -421,6 +422,46 @@ def runs_table(stats: dict[tuple, dict], dense_sparse: dict[tuple[int, int], flo
                          f"{f(sparse_before)} -> {f(sparse_after)}".lstrip(" ->")])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+
+
+def verdicts_text(result: dict, budgets) -> str:
+    """The verdicts H1-H3 of every budget in markdown, each with its rule's numbers and every seed's."""
+    def f(x):
+        return "n/a" if x is None else x if isinstance(x, str) else f"{x:.3f}"
+
+    def seeds(per_seed: dict, fields: dict[str, str]) -> str:
+        return "; ".join(f"seed {s}: " + ", ".join(f"{label} {f(v.get(k))}" for k, label in fields.items())
+                         for s, v in per_seed.items())
+
+    lines = []
+    for b in budgets:
+        block = result.get(f"budget_{b}", {})
+        for name in ("h1", "h2", "h3"):
+            v = block.get(name)
+            if v is None:
+                lines.append(f"- budget {b}, {name.upper()}: not decided (runs missing)")
+                continue
+            verdict = "confirmed" if v["confirmed"] else "refuted"
+            if name == "h1":
+                why = (f"Sparse-RL final {f(v['sparse_rl_final_reward'])} vs 0.95 x dense {f(v['dense_final_reward'])}"
+                       f"; held-out (dense inference) {f(v['sparse_rl_eval_dense_reward'])} vs 0.95 x "
+                       f"{f(v['dense_eval_dense_reward'])}. " + seeds(v["per_seed"], {
+                           "sparse_rl_final": "Sparse-RL final", "dense_final": "dense final",
+                           "sparse_rl_eval": "Sparse-RL held-out", "dense_eval": "dense held-out"}))
+            elif name == "h2":
+                why = (f"(a) naive final {f(v['naive_final_reward'])} vs Sparse-RL {f(v['sparse_rl_final_reward'])}, "
+                       f"seed spread {f(v['seed_spread'])}: lower by more than the spread "
+                       f"{'yes' if v['final_reward_lower_by_more_than_spread'] else 'no'}; (b) seeds with a naive-only "
+                       f"grad-norm spike {v['seeds_with_naive_only_grad_spike']}; (c) seeds with a naive-only collapse "
+                       f"{v['seeds_with_naive_only_collapse']}. " + seeds(v["per_seed"], {
+                           "naive_final": "naive final", "sparse_rl_final": "Sparse-RL final",
+                           "naive_grad_norm_spike": "naive spike", "sparse_rl_grad_norm_spike": "Sparse-RL spike"}))
+            else:
+                why = (f"held-out under the budget-{b} cache: Sparse-RL {f(v['sparse_rl_eval_sparse_reward'])} vs the "
+                       f"dense-trained model {f(v['dense_model_eval_sparse_reward'])}. " + seeds(v["per_seed"], {
+                           "sparse_rl": "Sparse-RL", "dense_model": "dense-trained"}))
+            lines.append(f"- budget {b}, {name.upper()}: **{verdict}**: {why}")
+    return "\n".join(lines) + "\n"
 
 
 def summarize(per_seed: dict[int, dict]) -> dict:

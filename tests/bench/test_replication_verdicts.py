@@ -111,3 +111,19 @@ def test_runs_table_has_a_row_per_run_and_budget_with_the_dense_model_under_each
     assert lines[3].startswith("| dense | 72 | 0 |") and lines[3].endswith("| 0.880 -> 0.960 | 0.940 |")
     assert lines[4] == ("| sparse_rl | 72 | 0 | 0.500 | 1.000 | 0.10 | 0.26 | 0.0105 | 0.000 | inf (6.5; 7) | 0.960 "
                         "| 0.700 -> 0.640 |")                 # its own run's before, under its own cache (72)
+
+
+def test_verdicts_text_names_each_verdict_with_every_seeds_numbers():
+    dense = {0: run(0.60, eval_dense=0.80), 1: run(0.40, eval_dense=0.60)}
+    arms = {"sparse_rl": {0: run(0.50, eval_dense=0.70, eval_sparse=0.55), 1: run(0.46, eval_dense=0.64)},
+            "naive_sparse": {0: run(0.49), 1: run(0.45, spike="inf")}}
+    block = replication.verdicts(arms, dense, {0: {"sparse/reward": 0.5}, 1: {"sparse/reward": 0.3}})
+    lines = replication.verdicts_text({"budget_48": block}, [48, 72]).splitlines()
+    assert lines[0].startswith("- budget 48, H1: **confirmed**: Sparse-RL final 0.480 vs 0.95 x dense 0.500")
+    assert "seed 1: Sparse-RL final 0.460, dense final 0.400, Sparse-RL held-out 0.640, dense held-out 0.600" in lines[0]
+    assert lines[1].startswith("- budget 48, H2: **refuted**: (a) naive final 0.470 vs Sparse-RL 0.480")
+    assert "seeds with a naive-only grad-norm spike [1]" in lines[1] and "naive spike inf" in lines[1]
+    assert lines[2] == ("- budget 48, H3: **confirmed**: held-out under the budget-48 cache: Sparse-RL 0.475 vs the "
+                        "dense-trained model 0.400. seed 0: Sparse-RL 0.550, dense-trained 0.500; seed 1: Sparse-RL "
+                        "0.400, dense-trained 0.300")
+    assert lines[3:] == [f"- budget 72, H{i}: not decided (runs missing)" for i in (1, 2, 3)]
