@@ -1,10 +1,10 @@
 """`sparse-rl` command line: train, eval, scale, preflight.
 
-    sparse-rl train [--config smollm2-count] [dotted.key=value ...]
+    sparse-rl train [--config smollm2-count-warm] [dotted.key=value ...]
     sparse-rl train --resume runs/<run id> [dotted.key=value ...]   (the same record; e.g. train.steps=N to go further)
     sparse-rl eval --model runs/<run id>/final [--mode dense|sparse] [--config ...] [dotted.key=value ...]
     sparse-rl scale --run <run id> --actors N [--run-dir runs] [--redis redis://127.0.0.1:6379/0]
-    sparse-rl preflight [--config smollm2-count] [dotted.key=value ...]   # will the KV cache fit? (also run by train)
+    sparse-rl preflight [--config smollm2-count-warm] [dotted.key=value ...]   # will the KV cache fit? (also run by train)
 """
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--model", required=True, help="Hugging Face directory (e.g. runs/<run id>/final) or preset model")
     ev.add_argument("--mode", choices=["dense", "sparse"], action="append",
                     help="KV cache mode; repeat for both (default: the config's eval.modes)")
-    ev.add_argument("--config", default=MAIN_JOB, help="preset or YAML giving the compressor and eval settings")
+    ev.add_argument("--config", default=MAIN_JOB, help="preset or YAML giving the compressor and eval settings "
+                                                       f"(default {MAIN_JOB})")
     ev.add_argument("overrides", nargs="*")
 
     scale = sub.add_parser("scale", help="change the number of rollout actors of a running job")
@@ -59,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     scale.add_argument("--run-dir", default="runs", help="parent of the run directories (the config's run_dir)")
 
     pre = sub.add_parser("preflight", help="predict the run's KV memory per sequence and batch, check that it fits")
-    pre.add_argument("--config", default=MAIN_JOB, help="preset name in deploy/configs/ or a YAML path")
+    pre.add_argument("--config", default=MAIN_JOB, help=f"preset name in deploy/configs/ or a YAML path (default {MAIN_JOB})")
     pre.add_argument("overrides", nargs="*")
     return parser
 
@@ -74,7 +75,7 @@ def _main(argv: list[str] | None = None) -> int:
             print(f"sparse-rl scale: {e}", file=sys.stderr)
             return 2
         return 0
-    from deploy.config import ConfigError, check_eval_data, check_model, load_config  # (not for `scale`: torch)
+    from deploy.config import ConfigError, check_eval_data, check_eval_items, check_model, load_config  # (torch)
 
     try:
         if args.command == "preflight":
@@ -106,6 +107,7 @@ def _main(argv: list[str] | None = None) -> int:
             cfg.model = os.path.expanduser(args.model)
             check_model(cfg.model)
             check_eval_data(cfg)
+            check_eval_items(cfg)
             evaluate_model(cfg, cfg.model, args.mode or list(cfg.eval.modes))
     except ConfigError as e:
         bad = "" if str(e).startswith("preflight:") else "bad config: "  # a PreflightError says what it is

@@ -151,6 +151,8 @@ def preset_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") and path.exists():
         return path
+    if path.is_file():
+        raise ConfigError(f"config {name_or_path!r}: expected a .yaml or .yml file, or a preset name")
     preset = CONFIG_DIR / f"{name_or_path}.yaml"
     if preset.exists():
         return preset
@@ -173,6 +175,11 @@ def load_config(name_or_path: str, overrides: list[str] = (), *, check_files: bo
         run = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
+        section = re.search(r"is not a subclass of (\w+)\. value: (.*)", str(e))  # `learner=5`: no key in the error
+        if not key and section and section.group(1) in _FIELD_OWNERS:
+            path = _FIELD_OWNERS[section.group(1)]
+            raise ConfigError(f"{path}={section.group(2)}: {path} is a section (set its fields: "
+                              f"{path}.<field>=<value>)") from None
         raise ConfigError(f"config field {key}: {str(getattr(e, 'msg', e)).splitlines()[0]}" if key else f"config: {e}") from None
     except ValueError as e:  # a component's __post_init__ check
         raise ConfigError(dotted_names(str(e))) from None
@@ -226,6 +233,9 @@ def load_yaml(path: Path):
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         problem = " ".join(str(getattr(e, "problem", None) or e).split())
+        start, context = getattr(e, "context_mark", None), getattr(e, "context", None)
+        if start and context and mark and start.line != mark.line:  # e.g. an unclosed [ found at the file's end
+            problem += f" ({context} at line {start.line + 1}, column {start.column + 1})"
         raise ConfigError(f"config file {where}: YAML syntax error: {problem}") from None
 
 
@@ -293,6 +303,14 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
     check(run.train.sigterm_checkpoint_s >= 0, f"train.sigterm_checkpoint_s={run.train.sigterm_checkpoint_s}: expected >= 0")
     check(run.train.wait_report_s > 0, f"train.wait_report_s={run.train.wait_report_s}: expected > 0")
     check(run.train.groups_per_step >= 1, f"train.groups_per_step={run.train.groups_per_step}: expected >= 1")
+    check(run.train.group_wait_s > 0, f"train.group_wait_s={run.train.group_wait_s}: expected > 0")
+    for name, value in (("train.learner_num_cpus", run.train.learner_num_cpus),
+                        ("train.learner_num_gpus", run.train.learner_num_gpus), ("actors.num_cpus", run.actors.num_cpus),
+                        ("actors.num_gpus", run.actors.num_gpus), ("ray.num_cpus", run.ray.num_cpus)):
+        check(value >= 0, f"{name}={value}: expected >= 0 (Ray resources)")
+    check(run.actors.sampling.samples_per_prompt >= 2,
+          f"actors.sampling.samples_per_prompt={run.actors.sampling.samples_per_prompt}: expected >= 2 (GRPO's "
+          "advantage is relative to the prompt's group: a group of one has advantage 0)")
     compressor = run.actors.engine.compressor
     check(run.preflight.kv_memory_gb >= 0, f"preflight.kv_memory_gb={run.preflight.kv_memory_gb}: expected >= 0")
     check(run.preflight.max_prompt_tokens >= 0,
@@ -345,7 +363,7 @@ def check_data(run: RunConfig) -> None:
     """Read the training prompts and the evaluation items the way the run will (actors/data.py), so that a
     malformed file, an empty one, rows without string `question`/`answer` or a generator that yields nothing
     fail here, naming the field, the file and the line: `actors.data.path=F: line N: <reason>`."""
-    from actors.data import DataFileError, load_eval_items, train_problems
+    from actors.data import DataFileError, train_problems
 
     data = run.actors.data
     try:
@@ -354,10 +372,17 @@ def check_data(run: RunConfig) -> None:
         raise ConfigError(f"actors.data.path={e.path}: {e.where}") from None
     except Exception as e:  # a generator's own error (reasoning-gym or the user's task function)
         raise ConfigError(f"actors.data ({data.source}): {type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
-    if not run.eval.enabled:
-        return
+    if run.eval.enabled:
+        check_eval_items(run)
+
+
+def check_eval_items(run: RunConfig) -> None:
+    """Read the evaluation items the way the run (or `sparse-rl eval`) will: a malformed or empty eval.data file,
+    or a generator that yields nothing, fails naming eval.data, the file and the line."""
+    from actors.data import DataFileError, load_eval_items
+
     try:
-        load_eval_items(run.eval.data, run.eval.limit, train=data, seed=run.seed)
+        load_eval_items(run.eval.data, run.eval.limit, train=run.actors.data, seed=run.seed)
     except DataFileError as e:
         raise ConfigError(f"eval.data={e.path}: {e.where}") from None
     except Exception as e:

@@ -92,7 +92,8 @@ class PreflightReport:
 
         lines = [f"preflight: {s.layers} layers x {s.kv_heads} KV heads x head_dim {s.head_dim} x {s.dtype_bytes} B "
                  f"({s.bytes_per_token:,} B of K/V per token); engine {self.engine}, {self.method}, "
-                 f"budget {self.kv_budget} (largest the run uses) + interval {self.interval}",
+                 + (f"budget {self.kv_budget} (largest the run uses) + interval {self.interval}"
+                    if self.method != "full" else "no KV compression"),
                  f"  prompt {self.prompt_tokens} + response {self.max_new_tokens} tokens; one actor batch = "
                  f"{self.batch_rows} sequences; KV memory per actor: "
                  + ("unknown" if self.memory_bytes is None else f"{self.memory_bytes:,} B") + f" ({self.memory_source})",
@@ -185,8 +186,11 @@ def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: i
             f"actors.sampling.max_new_tokens={new} x (8 + 6 x actors.sampling.topk_logprobs={topk}) B)): raise "
             "broker.max_message_bytes or lower topk_logprobs / max_new_tokens")
     if compress and prompt > low:
+        budget = f"kv_budget={low}" if low == c.kv_budget else (
+            f"the smallest budget the run uses, {low} tokens (kv_budget={c.kv_budget} with its tiers, schedule or "
+            "controller)")
         report.warnings.append(
-            f"prompts of up to {prompt} tokens exceed kv_budget={low}: the prompt itself is compressed at prefill "
+            f"prompts of up to {prompt} tokens exceed {budget}: the prompt itself is compressed at prefill "
             "(the long-context regime; the Sparse-RL paper compresses only the generated trace, prompt < budget)")
     if compress and low >= prompt + new:
         report.warnings.append(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import redis
@@ -31,34 +32,49 @@ def write_run_info(run_dir: Path, run_id: str, broker: BrokerConfig, **more) -> 
     (Path(run_dir) / RUN_INFO).write_text(json.dumps(info, indent=1) + "\n")
 
 
+def without_password(url: str) -> str:
+    """`url` with the password of its user-info part (redis://user:PASSWORD@host) replaced by ***."""
+    return re.sub(r"(://[^:/@\s]*:)[^@/\s]+@", r"\1***@", url)
+
+
 def request_scale(run_id: str, actors: int, redis_url: str = "", run_dir: str | Path = "runs") -> str:
     """Set the target actor count of `run_id`; returns (and prints) what will happen.
 
     The broker is `redis_url`, or, when empty, the one recorded in `<run_dir>/<run_id>/run.json`; the password
     comes from the environment variable named there (default SPARSE_RL_REDIS_PASSWORD).
-    Raises ScaleError for a count < 1, a run without run.json (and no redis_url), an unreachable broker, or a
-    run id the broker has no record of."""
+    Raises ScaleError for a count < 1, a run without a readable run.json (and no redis_url), a URL that is not
+    redis://, an unreachable broker, or a run id the broker has no record of; a password in the URL is never
+    printed."""
     if actors < 1:
         raise ScaleError(f"--actors {actors}: expected >= 1")
-    broker = BrokerConfig(url=redis_url)
+    broker, source = BrokerConfig(url=redis_url), "--redis"
     if not redis_url:
         info_path = Path(run_dir) / run_id / RUN_INFO
         if not info_path.is_file():
             raise ScaleError(f"run {run_id!r}: no {info_path} (no such run under --run-dir {run_dir}); "
                              "give --run-dir, or the run's broker with --redis")
-        info = json.loads(info_path.read_text())
-        broker = BrokerConfig(url=info["redis_url"], password_env=info.get("password_env", broker.password_env))
-    client = redis.Redis.from_url(broker.url, password=os.environ.get(broker.password_env) or None,
-                                  socket_connect_timeout=TIMEOUT_S, socket_timeout=TIMEOUT_S)
+        try:
+            info = json.loads(info_path.read_text())
+            broker = BrokerConfig(url=info["redis_url"], password_env=info.get("password_env", broker.password_env))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ScaleError(f"{info_path}: not the run record `sparse-rl train` writes ({type(e).__name__}: "
+                             f"{e}); give the run's broker with --redis") from None
+        source = str(info_path)
+    shown = without_password(broker.url)
+    try:
+        client = redis.Redis.from_url(broker.url, password=os.environ.get(broker.password_env) or None,
+                                      socket_connect_timeout=TIMEOUT_S, socket_timeout=TIMEOUT_S)
+    except ValueError as e:
+        raise ScaleError(f"{source}: {shown!r} is not a redis:// URL ({without_password(str(e))})") from None
     try:
         current = rs.read_actors_target(client, run_id)
         if current is None and not rs.run_known(client, run_id):
-            raise ScaleError(f"run {run_id!r}: unknown to the broker at {broker.url} (no "
+            raise ScaleError(f"run {run_id!r}: unknown to the broker at {shown} (no "
                              f"{rs.key(run_id, rs.ACTORS_TARGET)}); "
                              "check the run id printed by `sparse-rl train`")
         rs.set_actors_target(client, run_id, actors)
     except redis.RedisError as e:
-        raise ScaleError(f"run {run_id!r}: the broker at {broker.url} does not answer ({type(e).__name__}: "
+        raise ScaleError(f"run {run_id!r}: the broker at {shown} does not answer ({type(e).__name__}: "
                          f"{' '.join(str(e).split())}); has the run ended?") from None
     before = int(current or 0)
     if actors > before:

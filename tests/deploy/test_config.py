@@ -81,6 +81,14 @@ def test_bad_config_names_the_field(override, field):
      "actors.engine.compressor.kv_budget=8 must be > actors.engine.compressor.window=8"),
     ("eval.sparse_compressor.kv_budget=8", "eval.sparse_compressor.kv_budget=8 must be > eval.sparse_compressor.window=8"),
     ("train.wait_report_s=0", "train.wait_report_s=0.0: expected > 0"),
+    ("train.group_wait_s=0", "train.group_wait_s=0.0: expected > 0"),
+    ("learner.checkpoint_interval=0", "learner.checkpoint_interval=0: expected >= 1"),
+    ("train.learner_num_cpus=-1", "train.learner_num_cpus=-1.0: expected >= 0"),
+    ("actors.num_gpus=-1", "actors.num_gpus=-1.0: expected >= 0"),
+    ("actors.sampling.samples_per_prompt=1", "actors.sampling.samples_per_prompt=1: expected >= 2"),
+    ("learner=5", "learner=5: learner is a section (set its fields: learner.<field>=<value>)"),
+    ("actors.sampling=3", "actors.sampling=3: actors.sampling is a section"),
+    ("learner.ranks=0", "learner.ranks=0: expected >= 1"),
 ])
 def test_component_errors_name_the_dotted_field(override, message):
     """Components name their own fields (LearnerConfig.eps, compressor.kv_budget); the run config reports
@@ -89,6 +97,7 @@ def test_component_errors_name_the_dotted_field(override, message):
         load_config("tiny", [override])
     assert str(err.value).startswith(message)
     assert "Config" not in str(err.value) and "SamplingParams" not in str(err.value)
+    assert ";" not in str(err.value), str(err.value)  # one fault, one clause (ranks=0 is not also a zero_stage error)
 
 
 def test_filter_groups_values_load():
@@ -222,7 +231,12 @@ def test_yaml_syntax_error_is_one_line_with_file_line_column(tmp_path):
     bad.write_text("name: x\nmodel: tiny-llama\nactors: {count: 2\n")
     with pytest.raises(ConfigError) as err:
         load_config(str(bad))
-    assert re.fullmatch(rf"config file {re.escape(str(bad))}:4:1: YAML syntax error: .+", str(err.value))
+    assert re.fullmatch(rf"config file {re.escape(str(bad))}:4:1: YAML syntax error: .+ \(while parsing a flow "
+                        rf"mapping at line 3, column 9\)", str(err.value))  # where the unclosed {{ opened
+    text = tmp_path / "config.txt"
+    text.write_text("name: x\n")
+    with pytest.raises(ConfigError, match=r"config '.*config.txt': expected a .yaml or .yml file, or a preset name"):
+        load_config(str(text))
 
 
 @pytest.mark.parametrize("override, message", [
@@ -284,3 +298,17 @@ def test_length_schedule_needs_the_torch_engine():
     assert load_config("tiny", length).actors.engine.compressor.budget_schedule == "length"
     with pytest.raises(ConfigError, match="budget_schedule='length'.*actors.engine.backend=torch"):
         load_config("tiny", length + ["actors.engine.backend=sglang"], check_files=False)
+
+
+@pytest.mark.parametrize("rows, reason", [('{"question": "1+1", "answer": "#### 2"}\n{"question": "x" "answer"}\n',
+                                           "line 2: not JSON"),
+                                          ("", "empty file")])
+def test_eval_cli_reads_the_eval_data_before_it_scores(rows, reason, tmp_path):
+    """`sparse-rl eval` checks the eval.data file's rows as `train` does: one line, exit 2, no model loaded."""
+    data = tmp_path / "items.jsonl"
+    data.write_text(rows)
+    proc = subprocess.run([sys.executable, "-m", "deploy.cli", "eval", "--model", "tiny-llama", "--config", "tiny",
+                           f"eval.data={data}"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+    assert proc.stderr.startswith(f"sparse-rl: bad config: eval.data={data}: {reason}"), proc.stderr

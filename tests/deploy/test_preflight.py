@@ -100,6 +100,17 @@ def test_fits_sparse_not_dense_passes_and_a_large_budget_warns():
                                "generated trace, prompt < budget)"]
     table = report.table()
     assert "warning: prompts of up to 101 tokens exceed kv_budget=48" in table
+    # with tiers the smallest budget is not kv_budget: the warning says which budget and where it comes from
+    tiers = preflight(load_config("tiny", base + ["actors.engine.compressor.budget_tiers=confidence"]),
+                      model_path=resolve_model(TINY_LLAMA))
+    low = tiers_low = load_config("tiny", base + ["actors.engine.compressor.budget_tiers=confidence"]
+                                  ).actors.engine.compressor.budget_range()[0]
+    assert low < 48 and tiers.warnings[0].startswith(
+        f"prompts of up to 101 tokens exceed the smallest budget the run uses, {tiers_low} tokens (kv_budget=48 with "
+        "its tiers, schedule or controller): ")
+    dense = preflight(load_config("tiny", base + ["actors.engine.compressor.method=full"]),
+                      model_path=resolve_model(TINY_LLAMA))
+    assert "engine torch, full, no KV compression" in dense.table() and not dense.warnings
     assert "234,496" in table and "375,808" in table and "seqs that fit" in table
     params = report.params()
     assert params["preflight_result.kv_bytes_per_seq_sparse"] == "58624"

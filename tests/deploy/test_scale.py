@@ -70,3 +70,23 @@ def test_scale_uses_the_password_named_by_the_run(tmp_path, monkeypatch):
         assert proc.returncode == 0, proc.stderr
         assert "rollout actors 2 -> 1" in proc.stdout and "publish their current batch and stop" in proc.stdout
         assert server.client().get(key("locked", ACTORS_TARGET)) == b"1"
+
+
+def test_scale_bad_urls_and_run_records_get_one_line_and_a_password_is_never_printed(tmp_path):
+    cases = {("--redis", "notaurl"): "sparse-rl scale: --redis: 'notaurl' is not a redis:// URL (",
+             ("--redis", "redis://127.0.0.1:abc/0"): "sparse-rl scale: --redis: 'redis://127.0.0.1:abc/0' is not a "
+                                                     "redis:// URL (",
+             ("--redis", "redis://:hunter2@127.0.0.1:1/0"): "sparse-rl scale: run 'x': the broker at "
+                                                            "redis://:***@127.0.0.1:1/0 does not answer"}
+    for args, expected in cases.items():
+        proc = scale_cli("--run", "x", "--actors", "2", *args)
+        assert proc.returncode == 2 and proc.stderr.startswith(expected), (args, proc.stderr)
+        assert len(proc.stderr.splitlines()) == 1 and "hunter2" not in proc.stderr, proc.stderr
+    (tmp_path / "x").mkdir()
+    for record, error in (("{bad", "JSONDecodeError"), ('{"run_id": "x"}', "KeyError: 'redis_url'"), ("[1]", "TypeError")):
+        (tmp_path / "x" / "run.json").write_text(record)
+        proc = scale_cli("--run", "x", "--actors", "2", "--run-dir", str(tmp_path))
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith(f"sparse-rl scale: {tmp_path / 'x' / 'run.json'}: not the run record "
+                                      f"`sparse-rl train` writes ({error}"), proc.stderr
+        assert len(proc.stderr.splitlines()) == 1, proc.stderr
