@@ -517,10 +517,13 @@ def main(argv=None) -> None:
     result = report(args)
     for key in ("dense", *[f"budget_{b}" for b in args.budgets]):
         print(f"{key}: {json.dumps({k: v for k, v in result.get(key, {}).items() if k != 'per_seed'}, default=str)[:600]}")
-    if args.records is not None:  # the committed copies: the JSON and the plot beside the records
-        args.records.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-        shutil.copy(result["plot"], args.records.parent.parent / f"{args.records.name}.png")
-        shutil.copy(result["table"], args.records.with_suffix(".md"))
+    if args.records is not None:  # the committed copies: the JSON, plot and table beside the records
+        copies = {"plot": args.records.parent.parent / f"{args.records.name}.png",
+                  "table": args.records.with_suffix(".md")}
+        for key, path in copies.items():
+            shutil.copy(result[key], path)
+        committed = {**result, **{key: str(path) for key, path in copies.items()}}
+        args.records.with_suffix(".json").write_text(json.dumps(committed, indent=1, default=str) + "\n")
     print(json.dumps(result, default=str))
 
 

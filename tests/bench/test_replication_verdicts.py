@@ -127,3 +127,18 @@ def test_verdicts_text_names_each_verdict_with_every_seeds_numbers():
                         "dense-trained model 0.400. seed 0: Sparse-RL 0.550, dense-trained 0.500; seed 1: Sparse-RL "
                         "0.400, dense-trained 0.300")
     assert lines[3:] == [f"- budget 72, H{i}: not decided (runs missing)" for i in (1, 2, 3)]
+
+
+def test_committed_report_names_its_committed_plot_and_table(tmp_path):
+    """--only-report on the committed records: the JSON written beside them names the copies beside it (a path
+    under the results folder, which is not committed, would point nowhere in a clone)."""
+    import json
+    import shutil
+    records = tmp_path / "docs" / "results" / "replication-decode"
+    shutil.copytree(Path(__file__).parents[2] / "docs" / "results" / "replication-decode", records)
+    replication.main(["--only-report", "--records", str(records), "--out", str(tmp_path / "out")])
+    result = json.loads(records.with_suffix(".json").read_text())
+    assert result["plot"] == str(tmp_path / "docs" / "replication-decode.png")
+    assert result["table"] == str(records.with_suffix(".md"))
+    assert Path(result["plot"]).stat().st_size > 0 and "| arm | budget |" in Path(result["table"]).read_text()
+    assert result["complete"] is True and result["seeds"] == 3
