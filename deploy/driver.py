@@ -72,8 +72,7 @@ def train(cfg: RunConfig, command: tuple[str, ...] = ("sparse-rl", "train"), res
     try:
         if cfg.preflight.enabled:  # KV capacity (issue 13): a config that cannot fit fails here, nothing started yet
             from deploy.preflight import preflight
-            report = preflight(cfg)
-            print(report.table(), flush=True)
+            report = preflight(cfg)  # printed once the record opened: a refused --resume prints one line only
         return _train(cfg, progress, resume, report, command)
     except KeyboardInterrupt as e:
         term = isinstance(e, Terminated) or received["SIGTERM"]
@@ -159,6 +158,8 @@ def checkpoint_on_sigterm(cfg: RunConfig, learner) -> None:
 
 def _train(cfg: RunConfig, progress: dict, resume: str, report=None, command=("sparse-rl", "train")) -> dict:
     record = open_record(cfg, resume)  # new (directory created atomically), resumed, or forked from a checkpoint
+    if report is not None:
+        print(report.table(), flush=True)
     run_id, run_dir = record.run_id, record.run_dir
     progress["run_dir"] = run_dir
     cfg.model = resolve_model(cfg.model)  # build/convert preset model files once, before any worker starts

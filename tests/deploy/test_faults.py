@@ -262,6 +262,7 @@ def test_ctrl_c_after_training_points_at_eval_and_a_changed_resume_is_refused_un
     assert refused.returncode == 2, refused.stdout
     line = one_line(refused.stdout)
     assert line.startswith(f"sparse-rl: bad config: --resume {run_dir}: "), line
+    assert "preflight:" not in refused.stdout, refused.stdout  # the refusal alone, not the KV table before it
     for field in ("seed=7 (the checkpoint's: 0)", "actors.data.size=32 (the checkpoint's: 64)",
                   "learner.ranks=2 (the checkpoint's: 1)", "learner.zero_stage=1 (the checkpoint's: 0)",
                   "model='tiny-char'"):
