@@ -13,6 +13,13 @@ config, prompts, seeds and settings, differing only in what the arm names:
                           importance weights (cap 1.5, normalised by the batch mean) (SPEC section 2)
     sparse_rl_geometric   the same with the length-normalised (geometric-mean) rejection (--geometric-budgets)
 
+and, by --arms only, two ablations of sparse_rl (docs/results.md 6.11): sparse_rl_no_token_mask
+(learner.token_mask=false) and sparse_rl_flat_tis (learner.tis_cap=1e-6: every importance weight 1 after the
+normalisation, veto and token mask kept). --only-seeds runs a subset of the seeds, e.g.
+
+    python bench/replication.py --arms dense,naive_sparse,sparse_rl,sparse_rl_no_token_mask,sparse_rl_flat_tis \
+        --budgets 48 --only-seeds 0,2 --records docs/results/replication-decode-ablations
+
 Sparse arms run at each of --budgets (KV tokens per sequence, layer and head). Each run evaluates its model after
 training (and dense / sparse_rl runs also before) on --eval-limit held-out items of the training task, sampled
 as the config's `eval` says (smollm2-count-warm: temperature 1.0, top_p 1.0; greedy where it sets temperature 0), with
@@ -57,7 +64,13 @@ ARMS = {
                   "learner.token_mask_bounds=[0.5,1.5]", "learner.tis_cap=1.5"],
     "sparse_rl_geometric": ["learner.correction=on", "learner.rejection=geometric", "learner.token_mask=true"],
 }
-SPARSE_ARMS = ("naive_sparse", "sparse_rl", "sparse_rl_geometric")
+MAIN_ARMS = tuple(ARMS)
+"""The comparison's arms (the default of --arms)."""
+ARMS.update({  # ablations of sparse_rl, one part of the correction off each (docs/results.md 6.11); by --arms only
+    "sparse_rl_no_token_mask": [*ARMS["sparse_rl"], "learner.token_mask=false"],
+    "sparse_rl_flat_tis": [*ARMS["sparse_rl"], "learner.tis_cap=1e-6"],
+})
+SPARSE_ARMS = tuple(a for a in ARMS if a != "dense")
 PLOTTED = ("reward_mean", "grad_norm", "mismatch_kl", "rejection_rate", "response_length_mean", "entropy",
            "token_mask_fraction", "xi_sym_p5")
 RECORDED = (*PLOTTED, "kv_retained_ratio", "response_truncated_fraction")
@@ -92,7 +105,9 @@ def parse_args(argv=None):
                    help="budgets at which sparse_rl_geometric runs (default: the first of --budgets)")
     p.add_argument("--eval-limit", type=int, default=None, help="held-out items per evaluation (default 64; 16 "
                                                                 "with --quick)")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated subset of {', '.join(ARMS)}")
+    p.add_argument("--arms", default=",".join(MAIN_ARMS), help=f"comma-separated subset of {', '.join(ARMS)} "
+                                                                 f"(default {', '.join(MAIN_ARMS)})")
+    p.add_argument("--only-seeds", default=None, help="comma-separated seeds of 0..N-1 to run and report (default all)")
     p.add_argument("--max-staleness", type=int, default=0,
                    help="broker.max_staleness of every run (default 0: the paper's synchronous setting, so the "
                         "measured mismatch is compression alone)")
@@ -118,6 +133,9 @@ def parse_args(argv=None):
     geo = args.geometric_budgets
     args.geometric_budgets = [int(b) for b in geo.split(",") if b] if geo else args.budgets[:1]
     args.arms = [a for a in args.arms.split(",") if a]
+    args.only_seeds = [int(x) for x in args.only_seeds.split(",") if x] if args.only_seeds else list(range(args.seeds))
+    if not set(args.only_seeds) <= set(range(args.seeds)):
+        p.error(f"--only-seeds: {args.only_seeds} not all in 0..{args.seeds - 1} (--seeds {args.seeds})")
     unknown = [a for a in args.arms if a not in ARMS]
     if unknown:
         p.error(f"--arms: unknown {unknown}; expected a subset of {list(ARMS)}")
@@ -133,7 +151,7 @@ def grid(args) -> list[tuple[str, int | None, int]]:
     """(arm, budget or None for dense, seed) of every run, seed-major (an interrupted bench has every arm of the
     first seeds)."""
     runs = []
-    for seed in range(args.seeds):
+    for seed in args.only_seeds:
         for arm in args.arms:
             budgets = [None] if arm == "dense" else args.geometric_budgets if arm == "sparse_rl_geometric" \
                 else args.budgets
@@ -365,7 +383,8 @@ def report(args) -> dict:
     hist = {k: {m: np.array(v["history"][m], dtype=float) for m in RECORDED} for k, v in records.items()}
     stats = {k: run_stats(hist[k], v["summary"]) for k, v in records.items() if len(hist[k]["reward_mean"])}
     done = records
-    result: dict = {"config": args.config, "overrides": args.overrides, "steps": args.steps, "seeds": args.seeds,
+    result: dict = {"config": args.config, "overrides": args.overrides, "steps": args.steps, "seeds": len(args.only_seeds),
+                    "seed_list": args.only_seeds,
                     "regime": "decode" if prompt_max < min(args.budgets) else "prefill",
                     "prompt_tokens_max": prompt_max, "kv_budget": args.budgets[0], "kv_budgets": args.budgets,
                     "eval_limit": args.eval_limit, "max_staleness": args.max_staleness,
