@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -131,7 +132,8 @@ def _warm_smollm2_count(out: Path) -> None:
 
 def resolve_model(name_or_path: str) -> str:
     """Return a local Hugging Face directory for a preset model name, building and caching it once;
-    any other value is returned unchanged (a path or a hub id the user provides).
+    any other value is returned unchanged (a path or a hub id the user provides). Processes that resolve the same
+    preset at once build it once: the others wait on `<cache>/<name>.lock` (a `filelock` lock), then read it.
 
     Raises FileNotFoundError when the files a preset needs are not installed.
     """
@@ -141,6 +143,10 @@ def resolve_model(name_or_path: str) -> str:
         return name_or_path
     out = cache_dir() / name_or_path
     if not (out / "config.json").exists():
+        from filelock import FileLock
         out.parent.mkdir(parents=True, exist_ok=True)
-        builders[name_or_path](out)
+        with FileLock(f"{out}.lock"):  # one builder at a time: the others wait, then find it built
+            if not (out / "config.json").exists():
+                shutil.rmtree(out.with_name(out.name + ".tmp"), ignore_errors=True)  # a build cut short
+                builders[name_or_path](out)
     return str(out)
