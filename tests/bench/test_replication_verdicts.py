@@ -88,6 +88,27 @@ def test_default_grid_runs_the_pre_registered_config(argv, tmp_path):
     assert args.records is not None and args.records.name == "replication-decode"
 
 
+
+def test_ablation_arms_differ_from_sparse_rl_in_one_setting_each(tmp_path):
+    """6.11's ablations: the sparse_rl arm with the token mask off, or with every TIS weight flat (cap 1e-6); not in
+    the default grid; --only-seeds keeps the grid's order and refuses a seed outside 0..N-1."""
+    from deploy.config import load_config
+
+    args = replication.parse_args(["--arms", "sparse_rl,sparse_rl_no_token_mask,sparse_rl_flat_tis", "--budgets", "48",
+                                   "--only-seeds", "2,0", "--out", str(tmp_path)])
+    assert replication.grid(args) == [(arm, 48, seed) for seed in (2, 0)
+                                      for arm in ("sparse_rl", "sparse_rl_no_token_mask", "sparse_rl_flat_tis")]
+    learner = {arm: load_config(args.config, [*args.overrides, *replication.ARMS[arm]], check_files=False).learner
+               for arm in args.arms}
+    assert learner["sparse_rl"].token_mask and learner["sparse_rl"].tis_cap == 1.5
+    assert not learner["sparse_rl_no_token_mask"].token_mask and learner["sparse_rl_no_token_mask"].tis_cap == 1.5
+    assert learner["sparse_rl_flat_tis"].token_mask and learner["sparse_rl_flat_tis"].tis_cap == 1e-6
+    assert {learner[a].rejection for a in learner} == {"veto"} and {learner[a].eps for a in learner} == {1e-4}
+    default = replication.parse_args(["--out", str(tmp_path)])
+    assert not {arm for arm, _, _ in replication.grid(default)} & {"sparse_rl_no_token_mask", "sparse_rl_flat_tis"}
+    with pytest.raises(SystemExit):
+        replication.parse_args(["--only-seeds", "3", "--out", str(tmp_path)])
+
 def test_missing_budgets_of_a_dense_record():
     record = {"evals": {"48": {"sparse/reward": 0.9}, "96": {"sparse/reward": 0.95}}}
     assert replication.missing_budgets("dense-s0", record, [48, 64]) == [64]      # the grid's budgets changed
