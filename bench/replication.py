@@ -34,7 +34,8 @@ The command is resumable: a finished run (its summary.json) is kept and skipped 
     python bench/replication.py --config qwen2.5-math --budgets 512 ray.address=auto   # a GPU cluster
 
 Writes <out>/replication.png (per budget: reward, grad_norm, mismatch KL, rejection rate, response length,
-entropy, token-mask fraction, xi_sym_p5 per step; mean and min-max over seeds), <out>/replication.md (every run's
+entropy, token-mask fraction, xi_sym_p5, share of responses cut at the length limit per step; mean and
+min-max over seeds), <out>/replication.md (every run's
 figures, a row per run and budget, then the verdicts with every seed's numbers) and prints, as its last line, one
 JSON object: regime (decode | prefill: is the longest prompt shorter than the smallest budget?),
 prompt_tokens_max, kv_budget(s), kv_retained_ratio, per-arm and per-budget reward gains (mean of the last 3 steps
@@ -72,8 +73,8 @@ ARMS.update({  # ablations of sparse_rl, one part of the correction off each (do
 })
 SPARSE_ARMS = tuple(a for a in ARMS if a != "dense")
 PLOTTED = ("reward_mean", "grad_norm", "mismatch_kl", "rejection_rate", "response_length_mean", "entropy",
-           "token_mask_fraction", "xi_sym_p5")
-RECORDED = (*PLOTTED, "kv_retained_ratio", "response_truncated_fraction")
+           "token_mask_fraction", "xi_sym_p5", "response_truncated_fraction")
+RECORDED = (*PLOTTED, "kv_retained_ratio")
 EDGE = 3
 """Steps averaged at each end of training for the reward gain and the final reward."""
 SPIKE = 10.0
@@ -497,10 +498,12 @@ def plot(args, hist, path: Path) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    rows = len(args.budgets)
-    fig, axes = plt.subplots(2 * rows, 4, figsize=(18, 6.5 * rows), squeeze=False)
+    per_budget = -(-len(PLOTTED) // 4)  # rows of 4 panels
+    fig, axes = plt.subplots(per_budget * len(args.budgets), 4, figsize=(18, 3.25 * per_budget * len(args.budgets)),
+                             squeeze=False)
     for row, b in enumerate(args.budgets):
-        for ax, name in zip(axes[2 * row:2 * row + 2].flat, PLOTTED):
+        panels = list(axes[per_budget * row:per_budget * (row + 1)].flat)
+        for ax, name in zip(panels, PLOTTED):
             for arm in args.arms:
                 series = [h[name] for (a, bb, _), h in sorted(hist.items(), key=lambda kv: kv[0][2])
                           if a == arm and bb in (None, b) and len(h[name])]
@@ -515,10 +518,12 @@ def plot(args, hist, path: Path) -> None:
             ax.set_title(f"budget {b}: {name}", fontsize=10)
             ax.set_xlabel("learner step")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        axes[2 * row][0].legend(fontsize=8)
+        for ax in panels[len(PLOTTED):]:
+            ax.set_visible(False)
+        axes[per_budget * row][0].legend(fontsize=8)
     fig.suptitle(f"bench/replication.py --config {args.config}: {args.steps} steps; mean and min-max over seeds; "
                  "dense (budget-free) drawn in every row")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))  # room for the title
     fig.savefig(path, dpi=80)
     plt.close(fig)
 
@@ -541,7 +546,8 @@ def main(argv=None) -> None:
                   "table": args.records.with_suffix(".md")}
         for key, path in copies.items():
             shutil.copy(result[key], path)
-        committed = {**result, **{key: str(path) for key, path in copies.items()}}
+        committed = {**result, **{key: str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+                                  for key, path in copies.items()}}
         args.records.with_suffix(".json").write_text(json.dumps(committed, indent=1, default=str) + "\n")
     print(json.dumps(result, default=str))
 
