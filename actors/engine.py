@@ -71,6 +71,11 @@ class Sample:
     topk_logprobs: np.ndarray | None = None
     """float32 [T, K]: their log-probs, the same distribution as logp_sparse (log_softmax(logits / temperature);
     temperature 0: log_softmax(logits)); None without topk_logprobs."""
+    eviction_steps: np.ndarray | None = None
+    """With the engine's record_evictions: uint16 [layers, heads, P + T], per key of this sample's own tokens
+    (prompt, then response) the number of response tokens generated when it was evicted (65535 = never);
+    heads = the model's KV heads, or 1 when every head kept the same keys. What the learner replays
+    (learner/replay.py, learner.policy_target=sparse); None otherwise."""
 
 
 class RolloutEngine(Protocol):

@@ -39,8 +39,10 @@ from compressors import CompressorConfig
 from compressors.budget import scheduled_budget, tier_budget, tier_of
 
 
-def build_engine(engine_cfg, model_path: str, compressor: CompressorConfig, torch_threads: int):
-    """The engine named by `engine_cfg.backend` (torch | sglang) on `model_path`, with `compressor`."""
+def build_engine(engine_cfg, model_path: str, compressor: CompressorConfig, torch_threads: int,
+                 record_evictions: bool = False):
+    """The engine named by `engine_cfg.backend` (torch | sglang) on `model_path`, with `compressor`;
+    `record_evictions`: every sample carries its eviction record (torch engine; the config check refuses sglang)."""
     torch.set_num_threads(torch_threads)
     if engine_cfg.backend == "sglang":
         from actors.sglang_engine import SGLangEngine  # optional: SGLang is installed on GPU machines only
@@ -48,7 +50,8 @@ def build_engine(engine_cfg, model_path: str, compressor: CompressorConfig, torc
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[engine_cfg.dtype]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
-    return TorchEngine(model, AutoTokenizer.from_pretrained(model_path), compressor, device=device)
+    return TorchEngine(model, AutoTokenizer.from_pretrained(model_path), compressor, device=device,
+                       record_evictions=record_evictions)
 
 
 @dataclass
@@ -74,7 +77,7 @@ class RolloutWorker:
         a = self.cfg.actors
         # a test's SPARSE_RL_FAULTS may make this actor slow to start, fail, or slow in every batch (broker/faults.py)
         self.engine = faults.wrap(build_engine, "actor.start", actor_id)(a.engine, self.cfg.model, a.engine.compressor,
-                                                                        a.torch_threads)
+                                                                        a.torch_threads, self.cfg.record_evictions)
         self.engine_generate = faults.wrap(self.engine.generate, "actor.generate", actor_id,
                                            when=lambda: self.engine.weight_version)
         self.published = faults.wrap(lambda: None, "actor.published", actor_id, when=lambda: self.engine.weight_version)
@@ -280,7 +283,8 @@ class RolloutWorker:
         return SampleRecord(prompt_ids=s.prompt_ids, response_ids=s.response_ids, logp_sparse=s.logp_sparse,
                             finish_reason=s.finish_reason, reward=reward.reward,
                             kv_retained_tokens=s.kv_retained_tokens, kv_peak_bytes=s.kv_peak_bytes,
-                            topk_ids=s.topk_ids, topk_logprobs=s.topk_logprobs), reward.status
+                            topk_ids=s.topk_ids, topk_logprobs=s.topk_logprobs,
+                            eviction_steps=getattr(s, "eviction_steps", None)), reward.status
 
     def _publish(self, batch: "Batch", groups: list[TrajectoryGroup]) -> None:
         """Publish the batch's groups in one transaction under its claim (refused when the claim expired), with

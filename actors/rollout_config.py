@@ -84,3 +84,6 @@ class RolloutConfig:
     """learner.weight_sync_timeout_s of the run, seconds."""
     weight_sync_verify: bool = False
     """learner.weight_sync_verify of the run: check per-tensor checksums after each swap."""
+    record_evictions: bool = False
+    """Attach each sample's eviction record (learner.policy_target=sparse on a compressing run: the learner
+    replays it). Torch engine only."""

@@ -45,7 +45,9 @@ class TorchEngine:
     tokenizer: HF tokenizer of the model (EOS ids, stop-string decoding).
     compressor_cfg: `CompressorConfig` (method rkv|snapkv|h2o|streamingllm|full, kv_budget, window, interval,
         selection per_head|shared); validated by `build_compressor`.
-    record_evictions: keep, after each `generate`, `last_eviction_record` (for tests of exactness): dict with
+    record_evictions: attach to every Sample its own eviction record (`Sample.eviction_steps`, see
+        `sample_eviction_steps`: what the learner replays), and keep, after each `generate`,
+        `last_eviction_record` (for tests of exactness): dict with
         `prompt_width` P (columns are the left-padded layout: prompt in [P - len, P), response token t at
         P + t) and `evicted_at`: one int64 tensor [rows, kv_heads, P + max_new_tokens] per layer giving the
         column of the first query that no longer sees that key column (int64 max if never evicted). With
@@ -280,6 +282,9 @@ class TorchEngine:
 
         if self.record_evictions:
             self.last_eviction_record = {"prompt_width": P, "evicted_at": evicted_at}
+            by_row = torch.stack(evicted_at, 1).cpu()                          # [R, layers, Hkv, P + max_new]
+            for r, s in enumerate(results):
+                s.eviction_steps = sample_eviction_steps(by_row[r], P, len(s.prompt_ids), len(s.response_ids))
         return [results[i * G:(i + 1) * G] for i in range(len(prompts))]
 
     def _forward(self, tokens, positions, cache, qwin, evicted_at, n, col, prefill, compress_now, row_ids, compressor):
@@ -353,6 +358,23 @@ class TorchEngine:
 
         h = m.norm(h[:, -1])
         return self.model.lm_head(h).float(), transient
+
+
+def sample_eviction_steps(evicted_at: torch.Tensor, prompt_width: int, prompt_len: int, response_len: int) -> np.ndarray:
+    """One row's eviction record cut to its own tokens and re-based: `evicted_at` int64 [layers, Hkv, P + max_new]
+    (column of the first query that no longer sees each key column, int64 max = never) -> uint16 [layers, heads,
+    prompt_len + response_len], the response tokens generated when each key was evicted (a prompt compressed at
+    prefill: 0), 65535 = never; heads 1 when every KV head of every layer holds the same values (shared selection).
+    Raises ValueError when a value does not fit uint16 (max_new_tokens >= 65535)."""
+    cut = evicted_at[:, :, prompt_width - prompt_len:prompt_width + response_len]
+    never = cut == torch.iinfo(torch.long).max
+    steps = torch.where(never, 0, cut - prompt_width)
+    if bool((steps[~never] >= 65535).any()) or bool((steps < 0).any()):
+        raise ValueError("eviction record: steps outside [0, 65535) (max_new_tokens must be < 65535 to replay)")
+    steps = torch.where(never, 65535, steps).to(torch.int32).numpy().astype(np.uint16)
+    if (steps == steps[:, :1]).all():
+        steps = steps[:, :1]
+    return np.ascontiguousarray(steps)
 
 
 def _attend(q, k, v, visible, scale, want_probs):

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import io
 import math
+import zlib
 from dataclasses import dataclass, field
 
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 2
-"""2: optional top-k log-probs per response token (header `topk`, arrays topk_ids / topk_logprobs)."""
+SCHEMA_VERSION = 3
+"""2: optional top-k log-probs per response token (header `topk`, arrays topk_ids / topk_logprobs).
+3: optional eviction record per sample (header `eviction`, zlib blobs after the arrays; issue 34)."""
 
 
 @dataclass
@@ -31,6 +33,10 @@ class SampleRecord:
     samples of a group send the same K or none)."""
     topk_logprobs: np.ndarray | None = None
     """[T, K] their log-probs (<= 0), float16 on the wire (decoded as a float16 view; the learner widens it)."""
+    eviction_steps: np.ndarray | None = None
+    """uint16 [layers, heads, P + T]: the rollout's eviction record over the sample's own tokens (actors.engine.Sample;
+    what learner.policy_target=sparse replays); zlib-compressed on the wire. None: not sent (all samples of a
+    group send one or none)."""
 
 
 @dataclass
@@ -60,7 +66,7 @@ class SchemaError(ValueError):
     the dead letter (schema_version, not_msgpack, missing_field, bad_field, bad_dtype, bad_shape,
     length_mismatch, too_many_tokens, bad_token_id, message_too_large, logp_not_finite, logp_positive (both
     also for topk_logprobs),
-    reward_not_finite, no_samples; the consumer adds run_id_mismatch); the message names field and sample."""
+    reward_not_finite, no_samples; the consumer adds run_id_mismatch and no_eviction_record); the message names field and sample."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
@@ -78,6 +84,8 @@ class SchemaError(ValueError):
 #   finish_reason, reward, kv_retained_tokens, kv_peak_bytes   lists of G values (_SAMPLE_FIELDS)
 #   topk                                      K (0 = no top-k arrays); with K > 0 also
 #   topk_ids, topk_logprobs                   [dtype str, [n * K]]: row-major [T, K] per sample, concatenated
+#   eviction                                  0 (no records) or [layers, heads [G], blob bytes [G]]: after the
+#                                             arrays, per sample zlib(uint16 [layers, heads, P + T] row-major)
 # Bytes per response token: 4 (id) + 4 (logp_sparse), plus 6 K with top-k (int32 id + float16 log-prob per
 # entry: 120 at K = 20), so a top-20 message is about 16x larger per token (TOPK_BYTES_PER_ENTRY).
 _ARRAYS = {"prompt_ids": np.dtype("<i4"), "response_ids": np.dtype("<i4"), "logp_sparse": np.dtype("<f4")}
@@ -193,11 +201,77 @@ def encode_group(group: TrajectoryGroup, max_response_tokens: int = 32768, max_p
     msg.update({name: kind(getattr(group, name)) for name, (kind, _) in _OPTIONAL_GROUP_FIELDS.items()})
     msg.update(schema_version=SCHEMA_VERSION, topk=topk, **lens, **columns)
     msg.update({name: [dtype.str, [counts[name]]] for name, dtype in wire.items()})
+    eviction, blobs = _eviction_blobs(group.samples, lens)
+    msg["eviction"] = eviction
     header = msgpack.packb(msg, use_bin_type=True)
-    data = b"".join([header, *(a for parts in arrays.values() for a in parts)])
+    data = b"".join([header, *(a for parts in arrays.values() for a in parts), *blobs])
     _validate(lens, _views(data, len(header), counts), columns["reward"], max_response_tokens, max_prompt_tokens,
               topk)
     return data
+
+
+EVICTION_ZLIB_LEVEL = 6
+"""zlib level of the eviction blobs (bench/replay.py measures the bytes per group)."""
+
+
+def _eviction_blobs(samples: list[SampleRecord], lens: dict[str, list[int]]) -> tuple:
+    """The header entry `eviction` and the samples' compressed records (layout above). Raises SchemaError
+    (bad_shape, bad_dtype) when some samples carry a record and others not, or a record's shape is not
+    [layers, heads, P + T] with one layer count per group."""
+    have = [s.eviction_steps is not None for s in samples]
+    if not any(have):
+        return 0, []
+    if not all(have):
+        raise SchemaError("bad_shape", f"samples[{have.index(False)}] has no eviction_steps: all samples of a group "
+                                       "send one or none")
+    layers = {np.shape(s.eviction_steps)[0] if np.ndim(s.eviction_steps) == 3 else -1 for s in samples}
+    heads, blobs = [], []
+    for i, s in enumerate(samples):
+        a = np.asarray(s.eviction_steps)
+        if a.dtype != np.uint16:
+            raise SchemaError("bad_dtype", f"samples[{i}].eviction_steps: expected uint16, got {a.dtype}")
+        if a.ndim != 3 or len(layers) != 1 or a.shape[2] != lens["prompt_lens"][i] + lens["response_lens"][i]:
+            raise SchemaError("bad_shape", f"samples[{i}].eviction_steps has shape {a.shape}, expected [layers, heads, "
+                                           f"P + T = {lens['prompt_lens'][i] + lens['response_lens'][i]}], one layer "
+                                           "count per group")
+        heads.append(int(a.shape[1]))
+        blobs.append(zlib.compress(np.ascontiguousarray(a, dtype="<u2").tobytes(), EVICTION_ZLIB_LEVEL))
+    return [layers.pop(), heads, [len(b) for b in blobs]], blobs
+
+
+def _decode_eviction(msg: dict, data: bytes, offset: int, lens: dict[str, list[int]]) -> list:
+    """The samples' eviction records (uint16 [layers, heads, P + T] each) from the blobs at data[offset:], or Nones
+    when the group sends none. Raises SchemaError (bad_shape) on a header that does not match the blobs."""
+    entry = msg.get("eviction", 0)
+    n = len(lens["prompt_lens"])
+    if entry == 0:
+        if offset != len(data):
+            raise SchemaError("bad_shape", f"the message holds {len(data)} bytes, the header accounts for {offset}")
+        return [None] * n
+    if not (isinstance(entry, list) and len(entry) == 3 and type(entry[0]) is int and entry[0] > 0
+            and all(isinstance(x, list) and len(x) == n for x in entry[1:])):
+        raise SchemaError("bad_shape", f"eviction: expected [layers, heads [{n}], bytes [{n}]], got {entry!r}")
+    layers, heads, sizes = entry
+    if offset + sum(sizes) != len(data):
+        raise SchemaError("bad_shape", f"the message holds {len(data)} bytes, the header accounts for "
+                                       f"{offset + sum(sizes)}")
+    out = []
+    for i, (h, size) in enumerate(zip(heads, sizes)):
+        width = lens["prompt_lens"][i] + lens["response_lens"][i]
+        try:
+            raw = zlib.decompress(data[offset:offset + size])
+        except zlib.error as e:
+            raise SchemaError("bad_shape", f"samples[{i}].eviction_steps: {e}") from None
+        if len(raw) != 2 * layers * h * width:
+            raise SchemaError("bad_shape", f"samples[{i}].eviction_steps: {len(raw)} bytes for [{layers}, {h}, {width}]")
+        steps = np.frombuffer(raw, dtype="<u2").reshape(layers, h, width)
+        late = (steps != 65535) & (steps > lens["response_lens"][i])
+        if late.any():
+            raise SchemaError("bad_field", f"samples[{i}].eviction_steps: a key evicted after the response ended "
+                                           f"({int(steps[late].max())} > {lens['response_lens'][i]} tokens)")
+        out.append(steps)
+        offset += size
+    return out
 
 
 def _topk_width(samples: list[SampleRecord]) -> int:
@@ -213,11 +287,15 @@ def _topk_width(samples: list[SampleRecord]) -> int:
     return widths.pop()
 
 
-def group_wire_bytes(samples: int, prompt_tokens: int, response_tokens: int, topk: int = 0) -> int:
+def group_wire_bytes(samples: int, prompt_tokens: int, response_tokens: int, topk: int = 0,
+                     record_rows: int = 0) -> int:
     """Bytes of the arrays of one encoded group of `samples` samples, each of `prompt_tokens` + `response_tokens`
     tokens, with top-k width `topk` (the msgpack header, ~100 bytes + ~30 per sample, is not counted):
-    4 bytes per prompt token, TOKEN_BYTES + TOPK_BYTES_PER_ENTRY x topk per response token."""
-    return samples * (4 * prompt_tokens + response_tokens * (TOKEN_BYTES + TOPK_BYTES_PER_ENTRY * topk))
+    4 bytes per prompt token, TOKEN_BYTES + TOPK_BYTES_PER_ENTRY x topk per response token, and with eviction
+    records of `record_rows` = layers x KV heads rows, at most 2 bytes per row and token (uint16 before zlib,
+    which the bound does not count on: bench/replay.py measures what it saves)."""
+    per_sample = 4 * prompt_tokens + response_tokens * (TOKEN_BYTES + TOPK_BYTES_PER_ENTRY * topk)
+    return samples * (per_sample + 2 * record_rows * (prompt_tokens + response_tokens))
 
 
 def _field(msg: dict, name: str, kind: type):
@@ -245,9 +323,10 @@ def _column(msg: dict, name: str, kind: type, n: int) -> list:
     return values
 
 
-def _array_counts(msg: dict, offset: int, size: int) -> dict[str, int]:
+def _array_counts(msg: dict, offset: int, size: int) -> tuple[dict[str, int], int]:
     """Element counts of the arrays described in the header msg, checked against the message: dtypes, and
-    offset (where the arrays start) + their bytes == size (the message's length)."""
+    offset (where the arrays start) + their bytes <= size (the message's length); and where the arrays end (the
+    eviction blobs follow: `_decode_eviction` checks the rest)."""
     counts = {}
     topk = _field(msg, "topk", int)
     if topk < 0:
@@ -263,9 +342,7 @@ def _array_counts(msg: dict, offset: int, size: int) -> dict[str, int]:
         offset += counts[name] * dtype.itemsize
         if offset > size:
             raise SchemaError("bad_shape", f"{name}: shape [{counts[name]}] runs past the {size} bytes of the message")
-    if offset != size:
-        raise SchemaError("bad_shape", f"the message holds {size} bytes, the header accounts for {offset}")
-    return counts
+    return counts, offset
 
 
 def decode_group(data: bytes, max_message_bytes: int = 64 * 1024 * 1024, max_response_tokens: int = 32768,
@@ -273,7 +350,7 @@ def decode_group(data: bytes, max_message_bytes: int = 64 * 1024 * 1024, max_res
     """Message bytes (layout above) -> TrajectoryGroup, validated: size <= max_message_bytes, schema version, every field
     and its type, dtypes, shapes and len(logp_sparse) == len(response_ids) per sample, then the content
     rules (token limits, ids >= 0, logp_sparse and topk_logprobs finite and <= 0, finite rewards); top-k arrays
-    come back as [T, K] views (topk_logprobs float16). The arrays are read-only
+    come back as [T, K] views (topk_logprobs float16), eviction records as uint16 [layers, heads, P + T]. The arrays are read-only
     numpy views on the message (copy before writing in place). Raises SchemaError; never unpickles."""
     if len(data) > max_message_bytes:
         raise SchemaError("message_too_large", f"{len(data)} bytes > max_message_bytes = {max_message_bytes}")
@@ -296,7 +373,8 @@ def decode_group(data: bytes, max_message_bytes: int = 64 * 1024 * 1024, max_res
     lens = {name: _column(msg, name, int, n) for name in ("prompt_lens", "response_lens")}
     if min(lens["prompt_lens"] + lens["response_lens"]) < 0:
         raise SchemaError("bad_shape", "prompt_lens / response_lens hold a negative length")
-    counts = _array_counts(msg, unpacker.tell(), len(data))
+    counts, end = _array_counts(msg, unpacker.tell(), len(data))
+    evictions = _decode_eviction(msg, data, end, lens)
     topk = msg["topk"]
     for name, count in counts.items():
         expected = sum(lens[_LENS[name]]) * (topk if name in _TOPK_ARRAYS else 1)
@@ -307,12 +385,12 @@ def decode_group(data: bytes, max_message_bytes: int = 64 * 1024 * 1024, max_res
     _validate(lens, arrays, columns["reward"], max_response_tokens, max_prompt_tokens, topk)
     prompt_ids, response_ids, logp_sparse = arrays["prompt_ids"], arrays["response_ids"], arrays["logp_sparse"]
     samples, p0, r0 = [], 0, 0
-    for p, r, finish_reason, reward, kv_retained_tokens, kv_peak_bytes in zip(
-            lens["prompt_lens"], lens["response_lens"], *(columns[name] for name in _SAMPLE_FIELDS)):
+    for p, r, eviction_steps, finish_reason, reward, kv_retained_tokens, kv_peak_bytes in zip(
+            lens["prompt_lens"], lens["response_lens"], evictions, *(columns[name] for name in _SAMPLE_FIELDS)):
         top = {name: arrays[name][r0 * topk:(r0 + r) * topk].reshape(r, topk) for name in _TOPK_ARRAYS} if topk else {}
         samples.append(SampleRecord(
             prompt_ids=prompt_ids[p0:p0 + p], response_ids=response_ids[r0:r0 + r], logp_sparse=logp_sparse[r0:r0 + r],
             finish_reason=finish_reason, reward=reward, kv_retained_tokens=kv_retained_tokens,
-            kv_peak_bytes=kv_peak_bytes, **top))
+            kv_peak_bytes=kv_peak_bytes, eviction_steps=eviction_steps, **top))
         p0, r0 = p0 + p, r0 + r
     return TrajectoryGroup(**fields, samples=samples)

@@ -163,10 +163,14 @@ class GroupConsumer:
     learner step that used the deliveries is committed (checkpointed): it marks the group ids consumed and
     acks them. A consumer restarted under the same name first gets back its own uncommitted messages;
     messages of a dead consumer are taken over after cfg.claim_min_idle_ms (XAUTOCLAIM).
-    `counters`: this consumer's consumed, dropped_stale, dead_lettered, duplicates, reclaimed."""
+    `counters`: this consumer's consumed, dropped_stale, dead_lettered, duplicates, reclaimed.
+    `require_eviction_record`: a group without eviction records is dead-lettered (reason no_eviction_record): the
+    learner replays them (learner.policy_target=sparse) and never trains such a group dense in silence."""
 
-    def __init__(self, client: redis.Redis, cfg: BrokerConfig, run_id: str, consumer_name: str):
+    def __init__(self, client: redis.Redis, cfg: BrokerConfig, run_id: str, consumer_name: str,
+                 require_eviction_record: bool = False):
         self.client, self.cfg, self.run_id, self.name = client, cfg, run_id, consumer_name
+        self.require_eviction_record = require_eviction_record
         self.stream = rs.key(run_id, cfg.stream)
         self.counters = {name: 0 for name in COUNTERS}
         self._in_flight: dict[bytes, str] = {}  # msg_id -> group_id, read and not yet committed
@@ -226,6 +230,9 @@ class GroupConsumer:
                 if group.run_id != self.run_id:
                     raise SchemaError("run_id_mismatch", f"group.run_id {group.run_id!r} on the stream of "
                                                          f"run {self.run_id!r}")
+                if self.require_eviction_record and group.samples[0].eviction_steps is None:
+                    raise SchemaError("no_eviction_record", f"group {group.group_id!r} carries no eviction record "
+                                                            "(learner.policy_target=sparse replays one)")
                 groups.append((msg_id, group))
             except SchemaError as e:
                 dead.append((msg_id, e, payload))

@@ -117,7 +117,8 @@ def rollout_config(run: RunConfig) -> RolloutConfig:
     l = run.learner
     return RolloutConfig(model=run.model, seed=run.seed, train_steps=run.train.steps, actors=run.actors,
                          broker=run.broker, eval=run.eval, weight_sync_backend=l.weight_sync_backend,
-                         weight_sync_timeout_s=l.weight_sync_timeout_s, weight_sync_verify=l.weight_sync_verify)
+                         weight_sync_timeout_s=l.weight_sync_timeout_s, weight_sync_verify=l.weight_sync_verify,
+                         record_evictions=l.replays(run.actors.engine.compressor.method))
 
 
 def _mount_points(cls: type = RunConfig, prefix: str = "") -> dict[type, str]:
@@ -322,6 +323,9 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
     check(compressor.budget_schedule != "length" or run.actors.engine.backend == "torch",
           "actors.engine.compressor.budget_schedule='length' grows the budget within a trajectory: the torch engine "
           "only (actors.engine.backend=torch); the SGLang engine's budget is fixed per request")
+    check(not (run.learner.policy_target == "sparse" and run.actors.engine.backend == "sglang"),
+          "learner.policy_target=sparse replays eviction records that actors.engine.backend=sglang does not record: "
+          "use the torch engine or policy_target=dense")
     for mode in run.eval.modes:
         check(mode in ("dense", "sparse"), f"eval.modes: {mode!r} is not one of dense, sparse")
     if run.actors.engine.backend == "sglang" and run.eval.enabled:

@@ -57,6 +57,8 @@ class PreflightReport:
     queue_bytes: int = 0
     """group_bytes x (broker.high_watermark + one actor batch of groups): the stream's largest size, bytes."""
     warnings: list[str] = field(default_factory=list)
+    record_rows: int = 0
+    """layers x KV heads of the eviction records each sample carries (0: none; learner.policy_target=sparse)."""
 
     @property
     def dense_per_batch(self) -> int:
@@ -101,7 +103,10 @@ class PreflightReport:
                  row("dense", self.dense_per_seq)]
         if self.method != "full":
             lines.append(row("sparse", self.sparse_per_seq))
-        lines.append(f"  broker: {self.group_bytes:,} B per group on the wire, {self.queue_bytes:,} B at the high watermark")
+        records = (f" (eviction records included, {self.record_rows} rows of 2 B per token before zlib)"
+                   if self.record_rows else "")
+        lines.append(f"  broker: {self.group_bytes:,} B per group on the wire{records}, {self.queue_bytes:,} B at the "
+                     "high watermark")
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
@@ -177,7 +182,12 @@ def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: i
                              a.prompts_per_batch * a.sampling.samples_per_prompt, dense, sparse, memory, source,
                              weight_bytes)
     G, topk = a.sampling.samples_per_prompt, a.sampling.topk_logprobs
-    report.group_bytes = group_wire_bytes(G, prompt, new, topk)
+    record_rows = shape.layers * shape.kv_heads if cfg.learner.replays(c.method) else 0   # eviction replay
+    report.group_bytes = group_wire_bytes(G, prompt, new, topk, record_rows)
+    report.record_rows = record_rows
+    if cfg.learner.policy_target == "sparse" and not compress:
+        report.warnings.append("learner.policy_target=sparse with actors.engine.compressor.method=full: nothing is "
+                               "evicted, so there is nothing to replay; the run trains the dense policy")
     report.queue_bytes = report.group_bytes * (cfg.broker.high_watermark + a.prompts_per_batch)
     if report.group_bytes > cfg.broker.max_message_bytes:
         raise PreflightError(

@@ -11,6 +11,7 @@ DTYPES = ("fp32", "bf16")
 BACKENDS = ("auto", "gloo", "nccl")
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean")
+POLICY_TARGETS = ("dense", "sparse")
 
 
 @dataclass
@@ -103,6 +104,22 @@ class LearnerConfig:
     tis_cap: float = 1.5
     """C of truncated importance sampling: w = min(xi, C), then divided by its batch mean."""
 
+    # --- eviction replay (SPEC §2.4, learner/replay.py) -----------------------------------------------------
+    policy_target: str = "dense"
+    """Which policy the step trains. dense (the paper's): logp_old and the trained log-probs come from the full
+    context, and the correction above corrects pi_sparse -> pi_old. sparse: eviction replay: both forwards hide,
+    per layer and KV head, exactly the keys the rollout's compressor evicted (each sample's record, which the
+    actors then send), so they are the compressed sampler's own log-probs, the ratio is on-policy and xi
+    measures staleness only; the correction is applied to that xi (a no-op at staleness 0). The mismatch
+    metrics (mismatch_kl, rejection_rate, xi_*, accept_*: what the budget controller reads) still compare the
+    sampler with the dense policy, from one more no-grad dense forward per micro-batch; `replay_*` metrics say
+    what the replayed correction did and how exact the replay was. A group without records is dead-lettered
+    (no_eviction_record). With compressor method full there is nothing to replay: the run trains dense."""
+    distill_coef: float = 0.0
+    """With policy_target sparse: coefficient of the dense-teacher term, KL(pi_dense || pi_replayed) over the
+    response tokens (aggregated like the policy loss), added to the GRPO loss (Shadow Mask Distillation,
+    arXiv 2605.06850); 0 = replay alone. Metric `distill_kl`."""
+
     # --- checkpoints ---------------------------------------------------------------------------------------
     checkpoint_dir: str = ""
     """Directory of DeepSpeed checkpoints (one tag per version); empty = no checkpoints."""
@@ -156,7 +173,15 @@ class LearnerConfig:
             (self.tis_cap > 0, "tis_cap", "expected > 0"),
             (self.token_mask_bounds[0] < self.token_mask_bounds[1], "token_mask_bounds", "expected low < high"),
             (self.geo_bounds[0] < self.geo_bounds[1], "geo_bounds", "expected low < high"),
+            (self.policy_target in POLICY_TARGETS, "policy_target", f"expected one of {POLICY_TARGETS}"),
+            (self.distill_coef >= 0, "distill_coef", "expected >= 0"),
+            (self.distill_coef == 0 or self.policy_target == "sparse", "distill_coef",
+             "the dense-teacher term needs policy_target=sparse (the student is the replayed forward)"),
         ]
         errors = [f"LearnerConfig.{name}={getattr(self, name)!r}: {rule}" for ok, name, rule in checks if not ok]
         if errors:
             raise ValueError("; ".join(errors))
+
+    def replays(self, compressor_method: str) -> bool:
+        """Whether steps replay the rollouts' evictions: policy_target sparse on a compressing run."""
+        return self.policy_target == "sparse" and compressor_method != "full"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import math
 import os
 import socket
 import time
@@ -28,6 +29,7 @@ from learner.acceptance import acceptance_metrics
 from learner.config import LearnerConfig
 from learner.correction import sparse_correction
 from learner.loss import grpo_advantages, grpo_loss
+from learner.replay import ATTN_IMPLEMENTATION, collate_record, exact_acceptance, logp_gap, replay_metrics, teacher_kl
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -135,6 +137,12 @@ def deepspeed_config(cfg: LearnerConfig) -> dict:
     }
 
 
+def _entropy(log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token entropy of log_probs [n, T, V] (no grad): float32 [n, T], 0 where mask is False."""
+    with torch.no_grad():
+        return -(log_probs.exp() * log_probs).sum(-1) * mask
+
+
 class Learner:
     """A DeepSpeed engine around a Hugging Face causal LM, trained with Sparse-RL GRPO.
 
@@ -155,6 +163,8 @@ class Learner:
         if not isinstance(model, nn.Module):
             model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
         self.dtype = TORCH_DTYPES[cfg.dtype]
+        if cfg.policy_target == "sparse":  # SDPA, plus the eviction-record masks when a forward passes one
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.ref_model = None
         if cfg.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).to(self.dtype).eval().requires_grad_(False)
@@ -166,6 +176,7 @@ class Learner:
         self.version = 0
         self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.checkpoint_state: dict = {}  # the client state of the checkpoint loaded last (learner.checkpoint)
+        self._train_gap: float | None = None  # replay: the trained forward's exactness, during a step's first update
 
     # ------------------------------------------------------------------------------------------------------
     def collate(self, groups: list[TrajectoryGroup]) -> dict[str, torch.Tensor]:
@@ -175,7 +186,8 @@ class Learner:
         logit position predicting each response token (prompt_len - 1 + t); response_mask bool [S, T];
         logp_sparse float32 [S, T]; reward float32 [S]; group_index int64 [S]; temperature float32 [S];
         seq_len int64 [S]; and when every sample carries top-k log-probs of one width K (issue 22) topk_ids int64
-        [S, T, K] and topk_logprobs float32 [S, T, K] (padding: id 0, log-prob -inf).
+        [S, T, K] and topk_logprobs float32 [S, T, K] (padding: id 0, log-prob -inf); with policy_target sparse
+        and records on the samples, replay_evicted_at int32 [S, layers, heads, L] (learner/replay.py).
 
         Raises:
             ValueError: naming the group and sample whose logp_sparse length differs from its response, whose
@@ -226,6 +238,11 @@ class Learner:
             b["response_mask"][i, :R] = True
             b["logp_sparse"][i, :R] = torch.from_numpy(np.array(s.logp_sparse, dtype=np.float32))
             b["seq_len"][i] = P + R
+        records = [s.eviction_steps for _, _, s in rows]
+        if self.cfg.policy_target == "sparse" and any(r is not None for r in records):
+            present = [r for r in records if r is not None]
+            b["replay_evicted_at"] = collate_record(records, [len(s.prompt_ids) for _, _, s in rows], L,
+                                                    present[0].shape[0], max(r.shape[1] for r in present))
         return b
 
     def response_logprobs(self, model: nn.Module, batch: dict, rows: torch.Tensor,
@@ -237,30 +254,63 @@ class Learner:
         `topk_ids` (int64 [len(rows), T, K], the sampler's top-k tokens) a third element, log pi at those ids
         float32 [len(rows), T, K] (no grad; for learner/acceptance.py).
         """
+        log_probs = self.log_probs(model, batch, rows)
+        logp = self._at_response(log_probs, batch, rows)
+        entropy = _entropy(log_probs, batch["response_mask"][rows].to(self.device)) if with_entropy else None
+        if topk_ids is not None:
+            return logp, entropy, log_probs.detach().gather(2, topk_ids.to(self.device))
+        return logp, entropy
+
+    def log_probs(self, model: nn.Module, batch: dict, rows: torch.Tensor, replay: bool = False) -> torch.Tensor:
+        """float32 [len(rows), T, V]: log_softmax(logits / temperature) at the positions predicting each response
+        token (padding slots: any valid position), from one teacher-forced forward of `model`; with `replay`, the
+        forward hides the keys each sample's eviction record says its sampler no longer saw (learner/replay.py)."""
         L = int(batch["seq_len"][rows].max())
         index = batch["response_index"][rows].to(self.device)
         # the lm_head runs only over the window of positions that predict response tokens (HF
         # `logits_to_keep` with explicit indices): no logits for the prompts, far less memory and time
         start = int(index[:, 0].min())
         window = torch.arange(start, max(L - 1, start + 1), device=self.device)
+        extra = {"replay_evicted_at": batch["replay_evicted_at"][rows, :, :, :L].to(self.device)} if replay else {}
         logits = model(input_ids=batch["input_ids"][rows, :L].to(self.device),
                        attention_mask=batch["attention_mask"][rows, :L].to(self.device),
-                       logits_to_keep=window).logits
+                       logits_to_keep=window, **extra).logits
         index = (index - start).clamp(0, logits.shape[1] - 1)   # padding slots point anywhere valid
         logits = logits.gather(1, index[:, :, None].expand(-1, -1, logits.shape[-1])).float()
         temperature = batch["temperature"][rows]
         if not bool((temperature == 1).all()):
             logits = logits / temperature.to(self.device)[:, None, None]
-        log_probs = torch.log_softmax(logits, dim=-1)
+        return torch.log_softmax(logits, dim=-1)
+
+    def _at_response(self, log_probs: torch.Tensor, batch: dict, rows: torch.Tensor) -> torch.Tensor:
+        """log_probs [n, T, V] at the response tokens of `rows`: float32 [n, T], 0 on padding."""
         mask = batch["response_mask"][rows].to(self.device)
-        logp = log_probs.gather(2, batch["response_ids"][rows].to(self.device)[:, :, None]).squeeze(2) * mask
-        entropy = None
-        if with_entropy:
-            with torch.no_grad():
-                entropy = -(log_probs.exp() * log_probs).sum(-1) * mask
-        if topk_ids is not None:
-            return logp, entropy, log_probs.detach().gather(2, topk_ids.to(self.device))
-        return logp, entropy
+        return log_probs.gather(2, batch["response_ids"][rows].to(self.device)[:, :, None]).squeeze(2) * mask
+
+    def replays(self, batch: dict) -> bool:
+        """Whether steps on `batch` replay the rollouts' evictions (policy_target sparse, records present)."""
+        return self.cfg.policy_target == "sparse" and "replay_evicted_at" in batch
+
+    def _replay_forward(self, batch: dict, rows: torch.Tensor, grad: bool, dense: bool = True) -> dict:
+        """Eviction replay's forwards of micro-batch `rows`: the replayed one (differentiated when `grad`) and,
+        with `dense`, one no-grad dense forward. Returns logp (replayed, [n, T]), entropy (replayed, no grad) and,
+        with `dense`, logp_dense [n, T], accept_exact [n, T] (Sparrow's sum_v min(p, q) from both whole
+        distributions), dense_topk [n, T, K] when the batch has top-k ids, and with grad and distill_coef > 0
+        distill [n, T] = KL(pi_dense || pi_replayed) per token (differentiable); all 0 on padding."""
+        mask = batch["response_mask"][rows].to(self.device)
+        with contextlib.nullcontext() if grad else torch.no_grad():
+            replayed = self.log_probs(self.engine, batch, rows, replay=True)
+        out = {"logp": self._at_response(replayed, batch, rows), "entropy": _entropy(replayed, mask)}
+        if not dense:
+            return out
+        with torch.no_grad():
+            full = self.log_probs(self.engine, batch, rows)
+        out.update(logp_dense=self._at_response(full, batch, rows), accept_exact=exact_acceptance(full, replayed) * mask)
+        if "topk_ids" in batch:
+            out["dense_topk"] = full.gather(2, batch["topk_ids"][rows].to(self.device))
+        if grad and self.cfg.distill_coef > 0:
+            out["distill"] = teacher_kl(full, replayed) * mask
+        return out
 
     # ------------------------------------------------------------------------------------------------------
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -280,7 +330,8 @@ class Learner:
         S = batch["input_ids"].shape[0]
         mask = batch["response_mask"].to(self.device)
         advantages = grpo_advantages(batch["reward"], batch["group_index"], cfg.norm_adv_by_std).to(self.device)
-        prep = {**batch, "mask": mask, "advantages": advantages}
+        fresh = batch.get("fresh", torch.ones(S, dtype=torch.bool)).to(self.device)   # rows of staleness 0
+        prep = {**batch, "mask": mask, "advantages": advantages, "fresh": fresh}
         if not recompute:
             return prep
 
@@ -289,23 +340,36 @@ class Learner:
         entropy = torch.zeros(mask.shape, device=self.device)
         logp_ref = torch.zeros(mask.shape, device=self.device) if self.ref_model is not None else None
         dense_topk = torch.zeros(batch["topk_ids"].shape, device=self.device) if "topk_ids" in batch else None
+        replay = {"logp_dense": torch.zeros(mask.shape, device=self.device),
+                  "accept_exact": torch.zeros(mask.shape, device=self.device)} if self.replays(batch) else None
         shares = token_balanced_split(torch.arange(S), batch["seq_len"], self.world_size)
         with torch.no_grad():
             for rows in micro_batches(shares, cfg.micro_batch_size, self.rank):
                 if rows is None:  # keeps ZeRO-3's parameter gathers in step with the other ranks
-                    self.response_logprobs(self.engine, batch, torch.zeros(1, dtype=torch.long))
+                    if replay is not None:
+                        self._replay_forward(batch, torch.zeros(1, dtype=torch.long), grad=False)
+                    else:
+                        self.response_logprobs(self.engine, batch, torch.zeros(1, dtype=torch.long))
+                    if logp_ref is not None:
+                        self.response_logprobs(self.ref_model, batch, torch.zeros(1, dtype=torch.long))
                     continue
-                if dense_topk is not None:   # dense log-probs at the sampler's top-k tokens (acceptance rate)
+                if replay is not None:   # logp_old replayed; the dense forward for the mismatch metrics
+                    r = self._replay_forward(batch, rows, grad=False)
+                    logp_old[rows], entropy[rows] = r["logp"], r["entropy"]
+                    replay["logp_dense"][rows], replay["accept_exact"][rows] = r["logp_dense"], r["accept_exact"]
+                    if dense_topk is not None:
+                        dense_topk[rows] = r["dense_topk"]
+                elif dense_topk is not None:   # dense log-probs at the sampler's top-k tokens (acceptance rate)
                     logp_old[rows], entropy[rows], dense_topk[rows] = self.response_logprobs(
                         self.engine, batch, rows, with_entropy=True, topk_ids=batch["topk_ids"][rows])
                 else:
                     logp_old[rows], entropy[rows] = self.response_logprobs(self.engine, batch, rows, with_entropy=True)
                 if logp_ref is not None:
                     logp_ref[rows], _ = self.response_logprobs(self.ref_model, batch, rows)
-        for t in (logp_old, entropy, logp_ref, dense_topk):  # each row is non-zero on one rank: the sum is exact
-            if t is not None:
+        for t in (logp_old, entropy, logp_ref, dense_topk, *(replay or {}).values()):
+            if t is not None:   # each row is non-zero on one rank: the sum is exact
                 self._all_reduce(t)
-        prep.update(logp_old=logp_old, entropy=entropy, logp_ref=logp_ref)
+        prep.update(logp_old=logp_old, entropy=entropy, logp_ref=logp_ref, **(replay or {}))
         prep.update(self._correct(groups, prep, dense_topk))
         return prep
 
@@ -321,7 +385,13 @@ class Learner:
         logp_sparse = prep["logp_sparse"].to(self.device)
         weights, loss_mask, metrics = sparse_correction(prep["logp_old"], logp_sparse, prep["mask"],
                                                         **self._correction_options())
-        metrics.update(self._tier_metrics(groups, prep["logp_old"], logp_sparse, prep["mask"]))
+        dense = prep.get("logp_dense", prep["logp_old"])   # the mismatch metrics compare the sampler with pi_dense
+        if "logp_dense" in prep:
+            applied = metrics
+            _, _, metrics = sparse_correction(dense, logp_sparse, prep["mask"], **self._correction_options())
+            metrics.update(replay_metrics(prep["logp_old"], dense, logp_sparse, prep["mask"], prep["fresh"],
+                                          prep["accept_exact"], applied))
+        metrics.update(self._tier_metrics(groups, dense, logp_sparse, prep["mask"]))
         if dense_topk is not None:   # Sparrow's per-token acceptance rate (issue 22): accept_*
             metrics.update(acceptance_metrics(prep["topk_logprobs"].to(self.device), dense_topk, prep["mask"]))
         return {"weights": weights, "loss_mask": loss_mask, "metrics": metrics}
@@ -354,23 +424,50 @@ class Learner:
         count = 0
         for rows in micro_batches(shares, cfg.micro_batch_size, self.rank):
             if rows is None:  # nothing left on this rank: a zero loss keeps the gradient reductions in step
-                logp, _ = self.response_logprobs(self.engine, prep, torch.zeros(1, dtype=torch.long))
+                logp, _ = self._trained_logp(prep, torch.zeros(1, dtype=torch.long), len(mb_rows), num_tokens, {})
                 self.engine.backward(logp.sum() * 0.0, scale_wrt_gas=False)
                 continue
-            logp, _ = self.response_logprobs(self.engine, prep, rows)
+            logp, distill = self._trained_logp(prep, rows, len(mb_rows), num_tokens, sums)
             logp_ref = prep["logp_ref"]
             loss, m = grpo_loss(
                 logp, prep["logp_old"][rows], prep["advantages"][rows], prep["loss_mask"][rows],
                 prep["weights"][rows], num_seqs=len(mb_rows), num_tokens=num_tokens,
                 logp_ref=None if logp_ref is None else logp_ref[rows],
                 kl_coef=cfg.kl_coef, clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high)
+            loss = loss + distill
             self.engine.backward(loss * self.world_size if self.world_size > 1 else loss, scale_wrt_gas=False)
             for k in sums:
-                sums[k] += m[k]
+                sums[k] += m.get(k, 0.0)   # distill_kl: added by the replay branch itself
             for k in means:
                 means[k] += m[k]
             count += 1
         return count
+
+    def _trained_logp(self, prep: dict, rows: torch.Tensor, num_seqs: int, num_tokens: float | None,
+                      sums: dict) -> tuple[torch.Tensor, torch.Tensor | float]:
+        """The differentiated log-probs of micro-batch `rows` ([n, T]) and the dense-teacher loss term (0 without
+        it). Replaying, the first optimizer step's forwards also give the exactness check of the trained forward
+        (`self._train_gap`: max |logp - logp_sparse| over staleness-0 tokens) and sums["distill_kl"]."""
+        if not self.replays(prep):
+            return self.response_logprobs(self.engine, prep, rows)[0], 0.0
+        r = self._replay_forward(prep, rows, grad=True, dense=self.cfg.distill_coef > 0)
+        if self._train_gap is not None:   # the first optimizer step's forwards: the weights of logp_sparse
+            fresh = prep["mask"][rows] & prep["fresh"][rows, None]
+            self._train_gap = max(self._train_gap, logp_gap(r["logp"], prep["logp_sparse"][rows].to(self.device), fresh))
+        if "distill" not in r:
+            return r["logp"], 0.0
+        term = self._aggregate(r["distill"], prep["mask"][rows], num_seqs, num_tokens)
+        sums["distill_kl"] = sums.get("distill_kl", 0.0) + float(term)
+        return r["logp"], self.cfg.distill_coef * term
+
+    @staticmethod
+    def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, num_seqs: int, num_tokens: float | None):
+        """A per-token loss [n, T] reduced as the policy loss is (SPEC §3): each sequence's token mean over the
+        minibatch's num_seqs sequences, or, token-mean, the sum over its num_tokens response tokens."""
+        maskf = mask.float()
+        if num_tokens is not None:
+            return (per_token * maskf).sum() / num_tokens
+        return ((per_token * maskf).sum(1) / maskf.sum(1).clamp(min=1)).sum() / num_seqs
 
     def _backward_fused(self, groups: list[TrajectoryGroup], prep: dict, mb_rows: torch.Tensor, sums: dict,
                         means: dict) -> int:
@@ -386,22 +483,35 @@ class Learner:
         entropy = torch.zeros(mask.shape, device=self.device)
         num_tokens = self._num_tokens(prep, mb_rows)
         micro = mb_rows.split(cfg.micro_batch_size)
+        replay = {"logp_dense": torch.zeros(mask.shape, device=self.device),
+                  "accept_exact": torch.zeros(mask.shape, device=self.device)} if self.replays(prep) else None
         for rows in micro:
-            logp, entropy[rows] = self.response_logprobs(self.engine, prep, rows, with_entropy=True)
+            distill = 0.0
+            if replay is not None:   # the replayed training forward, and the dense one for the metrics
+                r = self._replay_forward(prep, rows, grad=True)
+                logp, entropy[rows] = r["logp"], r["entropy"]
+                replay["logp_dense"][rows], replay["accept_exact"][rows] = r["logp_dense"], r["accept_exact"]
+                if "distill" in r:
+                    distill = self._aggregate(r["distill"], mask[rows], len(mb_rows), num_tokens)
+                    sums["distill_kl"] = sums.get("distill_kl", 0.0) + float(distill)
+                    distill = cfg.distill_coef * distill
+            else:
+                logp, entropy[rows] = self.response_logprobs(self.engine, prep, rows, with_entropy=True)
             logp_old[rows] = logp.detach()
             truncated, keep, _ = sparse_correction(logp_old[rows], prep["logp_sparse"][rows].to(self.device),
                                                    mask[rows], normalize=False, **self._correction_options())
             loss, m = grpo_loss(logp, logp_old[rows], prep["advantages"][rows], keep, truncated,
                                 num_seqs=len(mb_rows), num_tokens=num_tokens, clip_eps=cfg.clip_eps,
                                 clip_eps_high=cfg.clip_eps_high)
-            self.engine.backward(loss, scale_wrt_gas=False)
+            self.engine.backward(loss + distill, scale_wrt_gas=False)
             for k in sums:
-                sums[k] += m[k]
+                sums[k] += m.get(k, 0.0)   # distill_kl: added by the replay branch itself
             for k in means:
                 means[k] += m[k]
-        prep.update(logp_old=logp_old, entropy=entropy, logp_ref=None)
+        prep.update(logp_old=logp_old, entropy=entropy, logp_ref=None, **(replay or {}))
         prep.update(self._correct(groups, prep))
-        mean_weight = prep["metrics"].get("tis_weight_mean", 0.0) if cfg.correction == "on" else 0.0
+        applied = "replay_tis_weight_mean" if replay is not None else "tis_weight_mean"   # of the weights used
+        mean_weight = prep["metrics"].get(applied, 0.0) if cfg.correction == "on" else 0.0
         if mean_weight > 0:   # the authors' normalisation by the batch mean, applied to the summed gradient
             for p in self.engine.module.parameters():
                 if p.grad is not None:
@@ -442,15 +552,19 @@ class Learner:
             raise ValueError(f"staleness has {len(staleness)} values for {len(groups)} groups")
         t0 = time.perf_counter()
         batch = self.collate(groups)
+        batch["fresh"] = torch.tensor([staleness[g] == 0 for g in batch["group_index"].tolist()])
         fused = self.fusable(batch)   # logp_old from the training forward: no separate recompute
+        self._train_gap = 0.0 if self.replays(batch) and not fused else None
         prep = self._prepare(groups, batch, recompute=not fused)
         S, mask = prep["input_ids"].shape[0], prep["mask"]
 
         minibatch = cfg.minibatch_size or S
         shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.version)
         sums = {"pg_loss": 0.0, "kl_loss": 0.0}
+        if cfg.distill_coef > 0 and self.replays(batch):
+            sums["distill_kl"] = 0.0
         means = {"clip_fraction": 0.0, "ppo_kl": 0.0, "ratio_mean": 0.0}
-        grad_norms, micro_steps, optimizer_steps = [], 0, 0
+        grad_norms, micro_steps, optimizer_steps, train_gap = [], 0, 0, None
         self.engine.train()
         for _epoch in range(cfg.ppo_epochs):
             order = torch.randperm(S, generator=shuffle)
@@ -460,6 +574,8 @@ class Learner:
                 else:
                     micro_steps += self._backward(prep, mb_rows, sums, means)
                 norm, optimizer_steps = self._optimizer_step(), optimizer_steps + 1
+                if optimizer_steps == 1:   # later updates move the weights away from the sampler's
+                    train_gap, self._train_gap = self._train_gap, None
                 if norm is not None:
                     grad_norms.append(norm)
         self.version += 1
@@ -473,6 +589,8 @@ class Learner:
         elapsed = time.perf_counter() - t0
 
         metrics = prep["metrics"]
+        if self.replays(batch):   # the trained forward's exactness (fused: the same forward as logp_old)
+            metrics.update(self._train_gap_metrics(metrics, None if fused else train_gap))
         validf = mask.float()
         response_len = prep["response_mask"].sum(1).float()
         metrics.update({k: v / optimizer_steps for k, v in sums.items()})
@@ -500,6 +618,26 @@ class Learner:
             "learner_tokens_per_s": prep["seq_len"].sum().item() / elapsed,
         })
         return metrics
+
+    def _train_gap_metrics(self, metrics: dict, train_gap: float | None) -> dict[str, float]:
+        """replay_logp_train_max_abs (max |trained forward's logp - logp_sparse| over staleness-0 tokens, first
+        optimizer step; the fused step's training forward is logp_old's) and replay_logp_max_abs, the larger of it
+        and replay_logp_old_max_abs: what must stay <= 1e-4 in fp32 at max_staleness 0 (SPEC §4)."""
+        old = metrics["replay_logp_old_max_abs"]
+        if train_gap is None:
+            train = old
+        else:
+            train = float(self._all_reduce_max(torch.tensor([train_gap], dtype=torch.float64, device=self.device)))
+            if math.isnan(old):
+                train = float("nan")
+        worst = float("nan") if math.isnan(old) or math.isnan(train) else max(old, train)
+        return {"replay_logp_train_max_abs": train, "replay_logp_max_abs": worst}
+
+    def _all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        """The maximum of `t` over the learner ranks, in place (no-op with one rank); returns it."""
+        if self.world_size > 1:
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return t
 
     def _tier_metrics(self, groups, logp_old, logp_sparse, mask) -> dict[str, float]:
         """Per difficulty tier (groups' budget_tier, issue 13): tier/<name>/rejection_rate and

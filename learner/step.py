@@ -163,7 +163,8 @@ class LearnerStep:
     def __init__(self, cfg: StepConfig, run_id: str, learner: Learner, resume: Resume):
         self.cfg, self.run_id, self.learner = cfg, run_id, learner
         self.redis = connect(cfg.broker)
-        self.consumer = GroupConsumer(self.redis, cfg.broker, run_id, "learner-0")
+        self.consumer = GroupConsumer(self.redis, cfg.broker, run_id, "learner-0",
+                                      require_eviction_record=cfg.learner.replays(cfg.compressor.method))
         self.counters = {"groups_trained": 0, **resume.counters}
         self.trained_ids = list(resume.trained_ids)  # the last step's groups: skipped as duplicates after a resume
         rs.mark_consumed(self.redis, run_id, self.trained_ids)  # (the set survives a Redis that lost its data)

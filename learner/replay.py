@@ -1,0 +1,127 @@
+"""Eviction replay (docs/SPEC.md §2.4): the learner's teacher-forced forward hides, per layer and KV head, exactly
+the keys the rollout's compressor had evicted, so its log-probs are the compressed sampler's (pi_sparse) and the
+GRPO ratio is on-policy for the policy that generated (MoE RL's routing replay, for KV eviction).
+
+The record travels with each sample (`SampleRecord.eviction_steps`, broker/schema.py): uint16 [layers, heads,
+P + T] over the sample's own tokens (prompt, then response), the number of response tokens generated when that
+key was evicted (`EVICTION_NEVER` = never; heads = the model's KV heads, or 1 when every head kept the same set).
+In the learner's right-padded layout the query at position q (0-based over prompt + response) sees key k iff
+k <= q and q < P + eviction_steps[k] (and always itself), which is the engine's "query column < eviction
+column" (actors/torch_engine.py) re-based to the sample.
+
+`replay_attention` is registered with transformers' AttentionInterface as "sparse_rl_replay": with the keyword
+`replay_evicted_at` (int32 [B, layers, heads, L], local query index of each key's eviction) it builds each
+layer's boolean mask from that O(layers x heads x L) record and runs SDPA with it (the CPU and reference path);
+without it, it is transformers' SDPA attention, so one model serves the dense and the replayed forward.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+EVICTION_NEVER = np.iinfo(np.uint16).max
+"""eviction_steps value of a key no query of the sample lost."""
+NEVER_INDEX = np.iinfo(np.int32).max
+"""replay_evicted_at value of a key never evicted."""
+ATTN_IMPLEMENTATION = "sparse_rl_replay"
+
+
+def replay_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs):
+    """transformers attention function: query [B, Hq, L, D], key/value [B, Hkv, L, D] (L = the full sequence:
+    the learner's forward has no KV cache). With `replay_evicted_at` in kwargs, attention under the eviction
+    record of layer `module.layer_idx` (GQA: query head h reads KV head h // (Hq / Hkv)); else SDPA as
+    transformers does it. Returns (attn_output [B, L, Hq, D], None)."""
+    evicted_at = kwargs.pop("replay_evicted_at", None)
+    if evicted_at is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    visible = layer_visibility(evicted_at[:, module.layer_idx], query.shape[2])      # [B, H, L, L]
+    groups = query.shape[1] // key.shape[1]
+    heads = visible.shape[1]
+    if heads == 1:                                                                   # shared selection
+        mask = visible
+    else:
+        mask = visible.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1),
+                                         attn_mask=mask, dropout_p=0.0, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, replay_attention)
+
+
+def layer_visibility(evicted_at: torch.Tensor, L: int) -> torch.Tensor:
+    """Boolean [B, H, L, L] of one layer: query q sees key k iff k <= q and q < evicted_at[b, h, k], or k == q.
+    `evicted_at`: int32 [B, H, >= L] local query index at which each key was evicted (NEVER_INDEX: never)."""
+    q = torch.arange(L, device=evicted_at.device)
+    causal = q[None, :] <= q[:, None]                                                  # [L(q), L(k)]
+    seen = q[None, None, :, None] < evicted_at[:, :, None, :L]                          # [B, H, L, L]
+    return (seen & causal) | torch.eye(L, dtype=torch.bool, device=evicted_at.device)
+
+
+def collate_record(records: list[np.ndarray | None], prompt_lens: list[int], L: int, layers: int,
+                   kv_heads: int) -> torch.Tensor:
+    """The samples' eviction_steps (uint16 [layers, heads, P + T] each, heads 1 or kv_heads) as the forward's
+    `replay_evicted_at`: int32 [S, layers, kv_heads, L], key k of sample i evicted at local query index
+    P_i + eviction_steps[..., k]; NEVER_INDEX for never and for padding.
+
+    Raises ValueError naming the sample whose record is missing or has the wrong shape."""
+    out = torch.full((len(records), layers, kv_heads, L), NEVER_INDEX, dtype=torch.int32)
+    for i, (rec, P) in enumerate(zip(records, prompt_lens)):
+        if rec is None:
+            raise ValueError(f"sample {i} has no eviction record (learner.policy_target=sparse replays one per sample)")
+        if rec.ndim != 3 or rec.shape[0] != layers or rec.shape[1] not in (1, kv_heads) or rec.shape[2] > L:
+            raise ValueError(f"sample {i}: eviction record of shape {tuple(rec.shape)}, expected "
+                             f"[{layers}, 1 or {kv_heads}, <= {L}]")
+        steps = torch.from_numpy(np.asarray(rec, dtype=np.int64))
+        local = torch.where(steps == EVICTION_NEVER, NEVER_INDEX, steps + P).to(torch.int32)
+        out[i, :, :, :rec.shape[2]] = local.expand(layers, kv_heads, rec.shape[2])
+    return out
+
+
+def exact_acceptance(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """Sparrow's per-token acceptance rate alpha = sum_v min(p_v, q_v) (arXiv 2606.08446 §3.1) from the whole
+    distributions: log_p, log_q float [..., V] (the dense and the replayed forward's log-softmax). Returns [...]
+    in [0, 1], no gradient."""
+    with torch.no_grad():
+        return torch.minimum(log_p, log_q).exp().sum(-1)
+
+
+def teacher_kl(log_p_teacher: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """KL(p_teacher || q) per position: sum_v p (log p - log q), float [...]; the gradient flows into log_q only
+    (the dense teacher is a no-grad forward). Shadow Mask Distillation's dense-teacher term (arXiv 2605.06850)."""
+    p = log_p_teacher.detach().exp()
+    return (p * (log_p_teacher.detach() - log_q)).sum(-1)
+
+
+def logp_gap(logp: torch.Tensor, logp_sparse: torch.Tensor, mask: torch.Tensor) -> float:
+    """max |logp - logp_sparse| over the tokens where `mask` (bool [n, T]) holds; 0.0 when none does."""
+    if not bool(mask.any()):
+        return 0.0
+    return float((logp.detach().float() - logp_sparse.float()).abs()[mask].max())
+
+
+def replay_metrics(logp_old: torch.Tensor, logp_dense: torch.Tensor, logp_sparse: torch.Tensor, mask: torch.Tensor,
+                   fresh: torch.Tensor, accept_exact: torch.Tensor, applied: dict[str, float]) -> dict[str, float]:
+    """A replaying step's own metrics (SPEC §4), from tensors [S, T] over the whole step (mask bool, fresh bool
+    [S]: the rows sampled with the step's weights, staleness 0):
+    replay_logp_old_max_abs, max |replayed logp_old - logp_sparse| over fresh rows (the replay's exactness: a few
+    1e-6 in fp32; NaN without fresh rows); replay_dense_gap_max, max |dense logp - logp_sparse| (what replay
+    changes: > 1e-2 when eviction mattered); accept_exact_mean / _p5 / _min, Sparrow's sum_v min(p, q) per token
+    with p dense and q replayed; and `applied`'s (the correction of the replayed xi) rejection_rate,
+    token_mask_fraction, tis_weight_mean and mismatch_kl as replay_*."""
+    valid = mask.bool()
+    old = fresh.bool()[:, None] & valid
+    alpha = accept_exact[valid].double().cpu()
+    out = {"replay_logp_old_max_abs": logp_gap(logp_old, logp_sparse, old) if bool(old.any()) else float("nan"),
+           "replay_dense_gap_max": logp_gap(logp_dense, logp_sparse, valid),
+           "accept_exact_mean": float(alpha.mean()) if alpha.numel() else float("nan"),
+           "accept_exact_p5": float(torch.quantile(alpha, 0.05)) if alpha.numel() else float("nan"),
+           "accept_exact_min": float(alpha.min()) if alpha.numel() else float("nan")}
+    out.update({f"replay_{k}": applied[k] for k in ("rejection_rate", "token_mask_fraction", "tis_weight_mean",
+                                                    "mismatch_kl") if k in applied})
+    return out
