@@ -15,7 +15,10 @@ config, prompts, seeds and settings, differing only in what the arm names:
 
 and, by --arms only, two ablations of sparse_rl (docs/results.md 6.11): sparse_rl_no_token_mask
 (learner.token_mask=false) and sparse_rl_flat_tis (learner.tis_cap=1e-6: every importance weight 1 after the
-normalisation, veto and token mask kept). --only-seeds runs a subset of the seeds, e.g.
+normalisation, veto and token mask kept); and eviction replay (issue 34, docs/results.md 6.12): sparse_replay
+(learner.policy_target=sparse: the learner replays each rollout's evictions, the sparse_rl correction kept on
+the replayed xi) and sparse_replay_distill (the same + learner.distill_coef=1.0, the dense-teacher KL).
+--only-seeds runs a subset of the seeds, e.g.
 
     python bench/replication.py --arms dense,naive_sparse,sparse_rl,sparse_rl_no_token_mask,sparse_rl_flat_tis \
         --budgets 48 --only-seeds 0,2 --records docs/results/replication-decode-ablations
@@ -71,10 +74,17 @@ ARMS.update({  # ablations of sparse_rl, one part of the correction off each (do
     "sparse_rl_no_token_mask": [*ARMS["sparse_rl"], "learner.token_mask=false"],
     "sparse_rl_flat_tis": [*ARMS["sparse_rl"], "learner.tis_cap=1e-6"],
 })
+ARMS.update({  # eviction replay (issue 34, docs/results.md 6.12): the policy that generates is trained; by --arms only
+    "sparse_replay": [*ARMS["sparse_rl"], "learner.policy_target=sparse"],
+    "sparse_replay_distill": [*ARMS["sparse_rl"], "learner.policy_target=sparse", "learner.distill_coef=1.0"],
+})
 SPARSE_ARMS = tuple(a for a in ARMS if a != "dense")
 PLOTTED = ("reward_mean", "grad_norm", "mismatch_kl", "rejection_rate", "response_length_mean", "entropy",
            "token_mask_fraction", "xi_sym_p5", "response_truncated_fraction")
-RECORDED = (*PLOTTED, "kv_retained_ratio")
+REPLAY_RECORDED = ("replay_logp_max_abs", "replay_logp_train_max_abs", "replay_dense_gap_max", "accept_exact_p5",
+                   "distill_kl")
+"""Recorded for the replay arms (empty for the others): the exactness checks of rule R4 (docs/results.md 6.12)."""
+RECORDED = (*PLOTTED, "kv_retained_ratio", *REPLAY_RECORDED)
 EDGE = 3
 """Steps averaged at each end of training for the reward gain and the final reward."""
 SPIKE = 10.0
@@ -300,6 +310,11 @@ def run_stats(h: dict[str, np.ndarray], summary: dict) -> dict:
              "kv_retained_ratio": float(h["kv_retained_ratio"].mean()),
              "response_truncated_fraction": float(h["response_truncated_fraction"].mean()),
              "mismatch_kl": float(np.nanmean(h["mismatch_kl"])), "rejection_rate": float(np.nanmean(h["rejection_rate"]))}
+    for name in ("replay_logp_max_abs", "replay_dense_gap_max"):   # rule R4 (docs/results.md 6.12): replay arms
+        values = h.get(name, np.array([]))
+        if len(values):
+            stats[f"{name}_max"] = float(np.max(values))   # NaN (no fresh rows in a step) propagates: not exact
+            stats[f"{name}_steps"] = int(len(values))
     for key, value in summary.items():
         if key.startswith(("eval/", "eval_before/")) and key.rsplit("/", 1)[-1] in ("reward", "accuracy"):
             stats[key] = value
@@ -371,6 +386,62 @@ def verdicts(arms: dict[str, dict[int, dict]], dense: dict[int, dict], dense_spa
     return out
 
 
+SPREAD = 0.046
+"""The evaluation's own spread of a held-out mean (64 items, one model, 3 seeds; docs/results.md 6.10)."""
+REPLAY_ARMS = ("sparse_replay", "sparse_replay_distill")
+
+
+def replay_verdicts(arms: dict[str, dict[int, dict]], dense: dict[int, dict], dense_sparse: dict[int, dict],
+                    steps: int) -> dict:
+    """R1-R4 of docs/results.md 6.12 for each replay arm at one budget (arguments as `verdicts`; `steps` per run).
+    {arm: {"r1": {...}, "r2": ..., "r3": ..., "r4": ..., "switch": R1 and R3 and R4 and R2 not refuted against
+    naive}}; a rule whose runs are missing is None."""
+    naive, srl = arms.get("naive_sparse", {}), arms.get("sparse_rl", {})
+    out = {}
+    for arm in REPLAY_ARMS:
+        runs = arms.get(arm, {})
+        if not runs:
+            continue
+        seeds = sorted(runs)
+        final = mean(runs[s]["final_reward"] for s in seeds)
+        r = {}
+        if dense and naive:
+            d, n = mean(dense[s]["final_reward"] for s in seeds), mean(naive[s]["final_reward"] for s in seeds)
+            per_seed = {s: {"final": runs[s]["final_reward"], "naive_final": naive[s]["final_reward"],
+                            "dense_final": dense[s]["final_reward"]} for s in seeds}
+            near = sum(runs[s]["final_reward"] >= naive[s]["final_reward"] - 0.05 for s in seeds)
+            r["r1"] = {"holds": bool(final >= 0.95 * d and final >= n - 0.05 and near >= 2), "final_reward": final,
+                       "dense_final_reward": d, "naive_final_reward": n, "seeds_within_0.05_of_naive": int(near),
+                       "per_seed": per_seed}
+        if dense_sparse and srl and naive:
+            own = mean(runs[s].get("eval/sparse/reward") for s in seeds)
+            others = {"dense_model": mean(dense_sparse[s].get("sparse/reward") for s in seeds),
+                      "sparse_rl": mean(srl[s].get("eval/sparse/reward") for s in seeds),
+                      "naive_sparse": mean(naive[s].get("eval/sparse/reward") for s in seeds)}
+            above = own - max(others["dense_model"], others["sparse_rl"]) > SPREAD
+            below_naive = others["naive_sparse"] - own > SPREAD
+            r["r2"] = {"holds": bool(above and not below_naive), "refuted_against_naive": bool(below_naive),
+                       "eval_sparse_reward": own, **{f"{k}_eval_sparse_reward": v for k, v in others.items()},
+                       "spread": SPREAD, "per_seed": {s: runs[s].get("eval/sparse/reward") for s in seeds}}
+        if dense:
+            own, ref = mean(runs[s].get("eval/dense/reward") for s in seeds), mean(dense[s].get("eval/dense/reward") for s in seeds)
+            r["r3"] = {"holds": bool(own is not None and ref is not None and own >= 0.95 * ref),
+                       "eval_dense_reward": own, "dense_eval_dense_reward": ref,
+                       "per_seed": {s: runs[s].get("eval/dense/reward") for s in seeds}}
+        worst = [runs[s].get("replay_logp_max_abs_max") for s in seeds]
+        gaps = [runs[s].get("replay_dense_gap_max_max") for s in seeds]
+        every_step = all(runs[s].get("replay_logp_max_abs_steps") == steps for s in seeds)
+        r["r4"] = {"holds": bool(every_step and all(w is not None and w <= 1e-4 for w in worst)
+                                 and all(g is not None and g > 1e-2 for g in gaps)),
+                   "replay_logp_max_abs": dict(zip(seeds, worst)), "replay_dense_gap_max": dict(zip(seeds, gaps)),
+                   "measured_on_every_step": bool(every_step)}
+        decided = all(k in r for k in ("r1", "r2", "r3", "r4"))
+        r["switch"] = bool(decided and r["r1"]["holds"] and r["r3"]["holds"] and r["r4"]["holds"]
+                           and not r["r2"]["refuted_against_naive"]) if decided else None
+        out[arm] = r
+    return out
+
+
 def report(args) -> dict:
     """Gather the finished runs; write the plot; return the JSON object."""
     from deploy.config import load_config
@@ -381,7 +452,7 @@ def report(args) -> dict:
     prompt_max = longest_prompt(cfg, resolve_model(cfg.model))
     records = {(arm, b, seed): finished(args, run_name(arm, b, seed)) for arm, b, seed in grid(args)}
     records = {k: v for k, v in records.items() if v}
-    hist = {k: {m: np.array(v["history"][m], dtype=float) for m in RECORDED} for k, v in records.items()}
+    hist = {k: {m: np.array(v["history"].get(m, []), dtype=float) for m in RECORDED} for k, v in records.items()}
     stats = {k: run_stats(hist[k], v["summary"]) for k, v in records.items() if len(hist[k]["reward_mean"])}
     done = records
     result: dict = {"config": args.config, "overrides": args.overrides, "steps": args.steps, "seeds": len(args.only_seeds),
@@ -401,6 +472,9 @@ def report(args) -> dict:
         block = {arm: summarize(v) for arm, v in arms.items()}
         block["dense_model_eval_sparse_reward"] = {s: v.get("sparse/reward") for s, v in dense_sparse.items()}
         block.update(verdicts(arms, dense, dense_sparse))
+        replay = replay_verdicts(arms, dense, dense_sparse, args.steps)
+        if replay:
+            block["replay"] = replay
         result[f"budget_{b}"] = block
     for arm, short in (("dense", "dense"), ("sparse_rl", "sparse_rl"), ("naive_sparse", "naive_sparse")):
         gains = [st["reward_gain"] for (a, bb, _), st in stats.items() if a == arm and bb in (None, args.budgets[0])]

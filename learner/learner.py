@@ -457,7 +457,7 @@ class Learner:
         if "distill" not in r:
             return r["logp"], 0.0
         term = self._aggregate(r["distill"], prep["mask"][rows], num_seqs, num_tokens)
-        sums["distill_kl"] = sums.get("distill_kl", 0.0) + float(term)
+        sums["distill_kl"] = sums.get("distill_kl", 0.0) + float(term.detach())
         return r["logp"], self.cfg.distill_coef * term
 
     @staticmethod
@@ -493,7 +493,7 @@ class Learner:
                 replay["logp_dense"][rows], replay["accept_exact"][rows] = r["logp_dense"], r["accept_exact"]
                 if "distill" in r:
                     distill = self._aggregate(r["distill"], mask[rows], len(mb_rows), num_tokens)
-                    sums["distill_kl"] = sums.get("distill_kl", 0.0) + float(distill)
+                    sums["distill_kl"] = sums.get("distill_kl", 0.0) + float(distill.detach())
                     distill = cfg.distill_coef * distill
             else:
                 logp, entropy[rows] = self.response_logprobs(self.engine, prep, rows, with_entropy=True)
