@@ -72,18 +72,34 @@ def group_of(model_dir, redis_url, tmp_path, ranks: int, **learner) -> LearnerGr
     return LearnerGroup(load_config("tiny", overrides), f"test-{uuid.uuid4().hex[:8]}")
 
 
+def with_eviction_records(groups, layers: int = 2, kv_heads: int = 2, seed: int = 0):
+    """The groups with a valid eviction record per sample (issue 34): each key evicted after 0-3 generated
+    tokens, or never (65535), drawn at random: the rank-equality of the replayed step needs no engine."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    for g in groups:
+        for s in g.samples:
+            T = len(s.response_ids)
+            steps = rng.integers(0, min(T, 3) + 1, size=(layers, kv_heads, len(s.prompt_ids) + T))
+            steps[rng.random(steps.shape) < 0.5] = 65535
+            s.eviction_steps = steps.astype(np.uint16)
+    return groups
+
+
 @pytest.mark.system
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("zero_stage", [2, 3])
-def test_two_ranks_make_the_same_update_as_one(zero_stage, local_ray, model_dir, redis_server, tmp_path):
+@pytest.mark.parametrize("zero_stage,policy_target", [(2, "dense"), (3, "dense"), (3, "sparse")])
+def test_two_ranks_make_the_same_update_as_one(zero_stage, policy_target, local_ray, model_dir, redis_server, tmp_path):
+    """... with eviction replay too (policy_target sparse: the replayed and the dense forwards per micro-batch)."""
     torch.set_num_threads(1)
-    groups = steps_groups()
-    one = Learner(str(model_dir), LearnerConfig(zero_stage=zero_stage, **COMMON))
+    groups = steps_groups() if policy_target == "dense" else with_eviction_records(steps_groups())
+    common = {**COMMON, "policy_target": policy_target}
+    one = Learner(str(model_dir), LearnerConfig(zero_stage=zero_stage, **common))
     before = {n: t.clone() for n, t in one.gather_buckets(0, keep=True).items()}
     expected = one.step(groups, staleness=[0, 1])
     after_one = {n: t.clone() for n, t in one.gather_buckets(0, keep=True).items()}
 
-    group = group_of(model_dir, redis_server.url, tmp_path, 2, zero_stage=zero_stage, **COMMON)
+    group = group_of(model_dir, redis_server.url, tmp_path, 2, zero_stage=zero_stage, **common)
     try:
         got = ray.get(group.rank0.step_groups.remote(groups, [0, 1]))
         after_two = ray.get(group.rank0.full_weights.remote())
@@ -92,7 +108,8 @@ def test_two_ranks_make_the_same_update_as_one(zero_stage, local_ray, model_dir,
 
     assert got["learner_ranks"] == 2 and expected["learner_ranks"] == 1
     assert expected["rejection_rate"] == pytest.approx(1 / 8) and expected["token_mask_fraction"] > 0
-    for name in METRICS:
+    replayed = ("replay_logp_max_abs", "replay_dense_gap_max", "accept_exact_mean", "replay_tis_weight_mean")
+    for name in METRICS + (replayed if policy_target == "sparse" else ()):
         assert got[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-7), name
     assert set(after_two) == set(after_one)
     moved = max((after_one[n] - before[n]).abs().max().item() for n in after_one)

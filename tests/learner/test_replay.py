@@ -128,15 +128,16 @@ def test_replayed_gradient_equals_the_masked_reference_and_a_wrong_record_is_see
     assert broken(dropped) > 1e-4
 
 
-@pytest.mark.parametrize("fuse,distill", [(True, 0.0), (False, 0.0), (True, 0.5)])
-def test_replaying_step_reports_exactness_and_dense_mismatch(fuse, distill):
+@pytest.mark.parametrize("fuse,distill,zero_stage", [(True, 0.0, 0), (False, 0.0, 0), (True, 0.5, 0),
+                                                     (False, 0.5, 3)])
+def test_replaying_step_reports_exactness_and_dense_mismatch(fuse, distill, zero_stage):
     """A learner step with policy_target=sparse: replay_logp_max_abs <= 1e-4 (both forwards), the dense gap
     > 1e-2, the mismatch metrics from the dense forward (mismatch_kl far above the replayed one), Sparrow's exact
     acceptance rate in (0, 1], and with distill_coef the teacher KL reported."""
     model, groups, _ = rollouts()
-    learner = learner_of(model, fuse_logp_old=fuse, distill_coef=distill)
+    learner = learner_of(model, fuse_logp_old=fuse, distill_coef=distill, zero_stage=zero_stage)
     m = learner.step(groups, [0] * len(groups))
-    assert m["logp_old_fused"] == float(fuse)
+    assert m["logp_old_fused"] == float(fuse and zero_stage == 0)
     assert m["replay_logp_max_abs"] <= 1e-4 and m["replay_logp_train_max_abs"] <= 1e-4
     assert m["replay_dense_gap_max"] > 1e-2
     assert m["mismatch_kl"] > 100 * max(m["replay_mismatch_kl"], 1e-9)
