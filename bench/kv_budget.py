@@ -36,6 +36,9 @@ Prints tables, then ONE JSON object as the last line:
   accept_exact_vs_topk_max_abs             R-KV batch: max over tokens of |exact alpha - lower bound from the top K|
                                            (K = the actors' 20); _upper_max_abs the same for the upper bound
   accept_exact_p5, _p5_lower, _p5_upper    R-KV batch: p5 of the exact alpha and of the two bounds (K = 20)
+  replay_accept_exact_p5 / _mean           R-KV batch: the learner's accept_exact (issue 34: q from a forward that replays
+                                           each sample's eviction record), and _max_abs_vs_engine, its largest
+                                           per-token gap to the engine's own whole-vocabulary alpha (exact: ~1e-6)
   accept_controller_target_met_fraction    controlled arm: steps after warm-up with the metric >= target (>= 0.8)
   accept_controller_kv_bytes_vs_fixed      controlled / fixed arm, mean KV bytes per sequence (peak given too)
   length_schedule_accept_p5_spread         max - min across position buckets of accept_p5 (lower bound), length
@@ -251,9 +254,46 @@ def exact_check(engine, model, batch, G: int, temperature: float, max_new: int, 
                              kv_budgets=None if budget is None else [budget] * len(batch))
     samples = [s for g in groups for s in g]
     logq, logp, mask = dense_topk(model, samples, temperature)
-    return {"method": engine.compressor_cfg.method, "kv_budget": budget,
-            "response_length": round(sum(len(s.response_ids) for s in samples) / len(samples), 1),
-            **exact_vs_topk(logq, logp, mask, ks)}
+    out = {"method": engine.compressor_cfg.method, "kv_budget": budget,
+           "response_length": round(sum(len(s.response_ids) for s in samples) / len(samples), 1),
+           **exact_vs_topk(logq, logp, mask, ks)}
+    if samples[0].eviction_steps is not None:   # the learner's exact alpha from the replayed forward (issue 34)
+        out.update(replayed_acceptance(model, samples, temperature, logq, mask))
+    return out
+
+
+def replayed_acceptance(model, samples, temperature: float, logq_engine: torch.Tensor, mask: torch.Tensor) -> dict:
+    """accept_exact as the learner computes it (learner/replay.py: sum_v min(p, q) with q from a forward that replays
+    each sample's eviction record, p dense), its p5 / mean, and its largest per-token gap to the same sum over the
+    engine's own whole-vocabulary q (`logq_engine` [S, T, V], in the engine's top-k order): the replay is exact when
+    that gap is a few 1e-6."""
+    from learner.replay import ATTN_IMPLEMENTATION, collate_record, exact_acceptance
+
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    alphas, gaps = [], []
+    try:
+        with torch.inference_mode():
+            for r, s in enumerate(samples):        # one row at a time, as dense_topk
+                seq = torch.tensor([s.prompt_ids + s.response_ids])
+                P, n = len(s.prompt_ids), len(s.response_ids)
+                rec = s.eviction_steps
+                evicted = collate_record([rec], [P], seq.shape[1], rec.shape[0], model.config.num_key_value_heads)
+                full = {}
+                for name, extra in (("q", {"replay_evicted_at": evicted}), ("p", {})):
+                    logits = model(input_ids=seq, **extra).logits[0, P - 1:P - 1 + n].float()
+                    full[name] = (logits / temperature).log_softmax(-1)
+                alpha = exact_acceptance(full["p"], full["q"])
+                order = torch.from_numpy(s.topk_ids).long()       # the engine's whole vocabulary, its order
+                engine_alpha = exact_acceptance(full["p"].gather(1, order), logq_engine[r, :n])
+                alphas.append(alpha.double())
+                gaps.append(float((alpha - engine_alpha).abs().max()))
+    finally:
+        model.set_attn_implementation(previous)
+    alpha = torch.cat(alphas)
+    return {"replay_accept_exact_p5": round(torch.quantile(alpha, 0.05).item(), 4),
+            "replay_accept_exact_mean": round(alpha.mean().item(), 4),
+            "replay_accept_exact_max_abs_vs_engine": max(gaps)}
 
 
 def equal_mean_budget(schedule, start: int, lengths) -> int:
