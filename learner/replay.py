@@ -11,8 +11,9 @@ column" (actors/torch_engine.py) re-based to the sample.
 
 `replay_attention` is registered with transformers' AttentionInterface as "sparse_rl_replay": with the keyword
 `replay_evicted_at` (int32 [B, layers, heads, L], local query index of each key's eviction) it builds each
-layer's boolean mask from that O(layers x heads x L) record and runs SDPA with it (the CPU and reference path);
-without it, it is transformers' SDPA attention, so one model serves the dense and the replayed forward.
+layer's mask from that O(layers x heads x L) record: on the CPU a boolean [B, H, L, L] for SDPA (the reference
+path), on CUDA a FlexAttention block mask (compiled; bench/replay_gpu_check.py checks it against SDPA); without the
+keyword it is transformers' SDPA attention, so one model serves the dense and the replayed forward.
 """
 from __future__ import annotations
 
@@ -33,13 +34,24 @@ def replay_attention(module, query, key, value, attention_mask, dropout: float =
                      **kwargs):
     """transformers attention function: query [B, Hq, L, D], key/value [B, Hkv, L, D] (L = the full sequence:
     the learner's forward has no KV cache). With `replay_evicted_at` in kwargs, attention under the eviction
-    record of layer `module.layer_idx` (GQA: query head h reads KV head h // (Hq / Hkv)); else SDPA as
-    transformers does it. Returns (attn_output [B, L, Hq, D], None)."""
+    record of layer `module.layer_idx` (GQA: query head h reads KV head h // (Hq / Hkv)): FlexAttention on CUDA,
+    SDPA with a boolean mask elsewhere (`replay_backend` sdpa | flex forces one); else SDPA as transformers does
+    it. Returns (attn_output [B, L, Hq, D], None)."""
     evicted_at = kwargs.pop("replay_evicted_at", None)
+    backend = kwargs.pop("replay_backend", "auto")   # auto | sdpa | flex (bench/replay_gpu_check.py compares them)
     if evicted_at is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    visible = layer_visibility(evicted_at[:, module.layer_idx], query.shape[2])      # [B, H, L, L]
+    flex = backend == "flex" or (backend == "auto" and query.is_cuda and _flex() is not None)
+    if flex:   # the block-sparse path: the dense mask never materialises
+        return flex_replay_attention(query, key, value, evicted_at[:, module.layer_idx], scaling), None
+    return sdpa_replay_attention(query, key, value, evicted_at[:, module.layer_idx], scaling), None
+
+
+def sdpa_replay_attention(query, key, value, evicted_at: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """The reference path (CPU): SDPA with the layer's boolean mask [B, H, L, L] from `evicted_at` int32
+    [B, heads, L] (heads 1 or Hkv). query [B, Hq, L, D], key/value [B, Hkv, L, D]; returns [B, L, Hq, D]."""
+    visible = layer_visibility(evicted_at, query.shape[2])                            # [B, H, L, L]
     groups = query.shape[1] // key.shape[1]
     heads = visible.shape[1]
     if heads == 1:                                                                   # shared selection
@@ -48,7 +60,48 @@ def replay_attention(module, query, key, value, attention_mask, dropout: float =
         mask = visible.repeat_interleave(groups, dim=1)
     out = F.scaled_dot_product_attention(query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1),
                                          attn_mask=mask, dropout_p=0.0, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous()
+
+
+def flex_replay_attention(query, key, value, evicted_at: torch.Tensor, scaling: float | None,
+                          compiled: bool | None = None) -> torch.Tensor:
+    """The same attention through torch FlexAttention: mask_mod(b, h, q, kv) = (kv <= q and q < evicted_at[b, h //
+    group, kv]) or kv == q, and a block mask from `create_block_mask`, so blocks whose keys were all evicted before
+    their queries are skipped (the saving on long sequences). Compiled on CUDA (`compiled` None = query.is_cuda);
+    eager elsewhere (a slow reference, for tests). Shapes as `sdpa_replay_attention`."""
+    flex = _flex()
+    B, Hq, L, _ = query.shape
+    heads = evicted_at.shape[1]
+    group = Hq // heads
+    table = evicted_at[..., :L]
+
+    def mask_mod(b, h, q, kv):
+        return ((kv <= q) & (q < table[b, h // group, kv])) | (q == kv)
+
+    compiled = query.is_cuda if compiled is None else compiled
+    block_mask = flex.create_block_mask(mask_mod, B, Hq, L, L, device=query.device, _compile=compiled)
+    attend = _compiled_flex() if compiled else flex.flex_attention
+    out = attend(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=key.shape[1] != Hq)
+    return out.transpose(1, 2).contiguous()
+
+
+def _flex():
+    """torch.nn.attention.flex_attention, or None where this torch has none."""
+    try:
+        from torch.nn.attention import flex_attention
+    except ImportError:
+        return None
+    return flex_attention
+
+
+_COMPILED = []
+
+
+def _compiled_flex():
+    """flex_attention under torch.compile (once per process): FlexAttention's fused kernel on CUDA."""
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(_flex().flex_attention, dynamic=True))
+    return _COMPILED[0]
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, replay_attention)

@@ -159,3 +159,27 @@ def test_dense_target_ignores_records_and_sparse_target_needs_them():
         learner_of(model).collate(bare)
     with pytest.raises(ValueError, match="distill_coef"):
         LearnerConfig(distill_coef=0.1)
+
+
+def test_flex_attention_path_equals_the_sdpa_reference():
+    """The CUDA path (FlexAttention with a block mask from the record), run eagerly on the CPU, against the SDPA
+    reference: values, GQA and shared rows; a record moved by one column changes the output. (FlexAttention has
+    no backward on the CPU: bench/replay_gpu_check.py compares gradients on a GPU.)"""
+    import warnings
+
+    from learner.replay import NEVER_INDEX, flex_replay_attention, sdpa_replay_attention
+
+    torch.manual_seed(0)
+    B, Hq, Hkv, L, D = 2, 4, 2, 24, 8
+    for heads in (Hkv, 1):
+        q, k, v = (torch.randn(B, h, L, D) for h in (Hq, Hkv, Hkv))
+        evicted = torch.randint(0, L + 8, (B, heads, L), dtype=torch.int32)
+        evicted[evicted >= L] = NEVER_INDEX
+        ref = sdpa_replay_attention(q, k, v, evicted, 0.35)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = flex_replay_attention(q, k, v, evicted, 0.35, compiled=False)
+            moved = flex_replay_attention(q, k, v, evicted.roll(1, dims=2), 0.35, compiled=False)
+        assert got.shape == ref.shape == (B, L, Hq, D)
+        assert float((got - ref).abs().max()) <= 1e-5
+        assert float((moved - ref).abs().max()) > 1e-3
