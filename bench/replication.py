@@ -555,7 +555,44 @@ def verdicts_text(result: dict, budgets) -> str:
                        f"dense-trained model {f(v['dense_model_eval_sparse_reward'])}. " + seeds(v["per_seed"], {
                            "sparse_rl": "Sparse-RL", "dense_model": "dense-trained"}))
             lines.append(f"- budget {b}, {name.upper()}: **{verdict}**: {why}")
+        lines += replay_verdicts_text(block.get("replay", {}), b)
     return "\n".join(lines) + "\n"
+
+
+def replay_verdicts_text(replay: dict, budget: int) -> list[str]:
+    """R1-R4 of docs/results.md 6.12 for each replay arm at `budget`, in markdown, with every seed's numbers."""
+    def f(x):
+        return "n/a" if x is None else f"{x:.3g}" if isinstance(x, float) and abs(x) < 1e-2 else f"{x:.3f}" \
+            if isinstance(x, float) else str(x)
+
+    lines = []
+    for arm, r in replay.items():
+        for name, why in (
+                ("r1", lambda v: f"final {f(v['final_reward'])} vs 0.95 x dense {f(v['dense_final_reward'])} and naive "
+                                 f"{f(v['naive_final_reward'])} - 0.05; seeds within 0.05 of naive "
+                                 f"{v['seeds_within_0.05_of_naive']}; " + "; ".join(
+                                     f"seed {s}: {f(x['final'])} (naive {f(x['naive_final'])}, dense "
+                                     f"{f(x['dense_final'])})" for s, x in v["per_seed"].items())),
+                ("r2", lambda v: f"held-out under the cache {f(v['eval_sparse_reward'])} vs dense-trained "
+                                 f"{f(v['dense_model_eval_sparse_reward'])}, Sparse-RL {f(v['sparse_rl_eval_sparse_reward'])}"
+                                 f", naive {f(v['naive_sparse_eval_sparse_reward'])} (spread {v['spread']}); refuted "
+                                 f"against naive: {'yes' if v['refuted_against_naive'] else 'no'}; per seed "
+                                 + ", ".join(f(x) for x in v["per_seed"].values())),
+                ("r3", lambda v: f"held-out dense {f(v['eval_dense_reward'])} vs 0.95 x {f(v['dense_eval_dense_reward'])}"
+                                 "; per seed " + ", ".join(f(x) for x in v["per_seed"].values())),
+                ("r4", lambda v: "max replay_logp_max_abs per seed " + ", ".join(
+                                     f(x) for x in v["replay_logp_max_abs"].values()) + "; max replay_dense_gap_max "
+                                 + ", ".join(f(x) for x in v["replay_dense_gap_max"].values())
+                                 + f"; measured on every step: {'yes' if v['measured_on_every_step'] else 'no'}")):
+            v = r.get(name)
+            if v is None:
+                lines.append(f"- budget {budget}, {arm}, {name.upper()}: not decided (runs missing)")
+            else:
+                lines.append(f"- budget {budget}, {arm}, {name.upper()}: **{'holds' if v['holds'] else 'fails'}**: "
+                             f"{why(v)}")
+        switch = r.get("switch")
+        lines.append(f"- budget {budget}, {arm}: preset switch rule {'not decided' if switch is None else switch}")
+    return lines
 
 
 def summarize(per_seed: dict[int, dict]) -> dict:

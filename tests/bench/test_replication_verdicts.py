@@ -163,3 +163,39 @@ def test_committed_report_names_its_committed_plot_and_table(tmp_path):
     assert result["table"] == str(records.with_suffix(".md"))
     assert Path(result["plot"]).stat().st_size > 0 and "| arm | budget |" in Path(result["table"]).read_text()
     assert result["complete"] is True and result["seeds"] == 3
+
+
+def replay_run(final, eval_dense=0.9, eval_sparse=0.9, worst=2e-5, gap=0.3, steps=20):
+    return {**run(final, eval_dense=eval_dense, eval_sparse=eval_sparse), "replay_logp_max_abs_max": worst,
+            "replay_dense_gap_max_max": gap, "replay_logp_max_abs_steps": steps}
+
+
+def test_replay_rules_r1_to_r4_and_the_preset_switch_by_hand():
+    """docs/results.md 6.12: dense finals 0.96, naive 0.96, Sparse-RL 0.77 (6.10's means); held-out under the cache
+    dense-trained 0.87, Sparse-RL 0.86, naive 0.90."""
+    dense = {s: run(0.96, eval_dense=0.96) for s in range(3)}
+    naive = {s: run(0.96, eval_sparse=0.90) for s in range(3)}
+    srl = {s: run(0.77, eval_sparse=0.86) for s in range(3)}
+    dense_sparse = {s: {"sparse/reward": 0.87} for s in range(3)}
+    good = {s: replay_run(0.95, eval_dense=0.93, eval_sparse=0.93) for s in range(3)}   # R2: 0.93 - 0.87 > 0.046
+    arms = {"naive_sparse": naive, "sparse_rl": srl, "sparse_replay": good,
+            "sparse_replay_distill": {0: replay_run(0.95), 1: replay_run(0.88), 2: replay_run(0.89, worst=2e-4)}}
+    v = replication.replay_verdicts(arms, dense, dense_sparse, steps=20)
+    r = v["sparse_replay"]
+    assert r["r1"]["holds"] and r["r2"]["holds"] and r["r3"]["holds"] and r["r4"]["holds"] and r["switch"]
+    assert r["r2"]["eval_sparse_reward"] == pytest.approx(0.93)
+    d = v["sparse_replay_distill"]
+    # finals 0.95, 0.88, 0.89: mean 0.907 < 0.95 x 0.96 = 0.912 and two seeds more than 0.05 below naive's 0.96
+    assert not d["r1"]["holds"] and d["r1"]["seeds_within_0.05_of_naive"] == 1
+    assert not d["r2"]["holds"] and not d["r2"]["refuted_against_naive"]   # 0.90 - 0.87 < 0.046; naive - 0.90 = 0
+    assert not d["r4"]["holds"]                                             # 2e-4 > 1e-4 in seed 2
+    assert d["switch"] is False
+    low = replication.replay_verdicts({**arms, "sparse_replay": {s: replay_run(0.95, eval_sparse=0.80, eval_dense=0.90)
+                                                                 for s in range(3)}}, dense, dense_sparse, steps=20)
+    assert low["sparse_replay"]["r2"]["refuted_against_naive"]            # 0.90 - 0.80 > 0.046
+    assert not low["sparse_replay"]["r3"]["holds"]                        # 0.90 < 0.95 x 0.96
+    short = replication.replay_verdicts({**arms, "sparse_replay": {s: replay_run(0.95, steps=19) for s in range(3)}},
+                                        dense, dense_sparse, steps=20)
+    assert not short["sparse_replay"]["r4"]["holds"]                      # a step without the check: not exact
+    text = "\n".join(replication.replay_verdicts_text(v, 48))
+    assert "sparse_replay, R1: **holds**" in text and "sparse_replay_distill, R4: **fails**" in text
