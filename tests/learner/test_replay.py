@@ -21,22 +21,27 @@ BUDGETS = [10, 20, 10, 14]     # three distinct budgets: three sub-batches of on
 CFG = CompressorConfig(method="rkv", kv_budget=12, window=4, interval=5)
 
 
-def rollouts(selection: str = "per_head", method: str = "rkv"):
-    """(model, groups off the wire, the engine's per-sub-batch records with their samples)."""
+def rollouts(selection: str = "per_head", method: str = "rkv", **schedule):
+    """(model, groups off the wire, the engine's per-sub-batch records with their samples); `schedule`: more
+    CompressorConfig fields (a length schedule)."""
     model = tiny_model("llama", layers=3)
-    cfg = CompressorConfig(method=method, kv_budget=12, window=4, interval=5, h2o_recent=4, selection=selection)
+    cfg = CompressorConfig(method=method, kv_budget=12, window=4, interval=5, h2o_recent=4, selection=selection,
+                           **schedule)
+    cfg.validate()
     engine = TorchEngine(model, tiny_tokenizer(), cfg, record_evictions=True)
     prompts = PROMPTS + [list(range(20, 36))]
-    out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=40, n=2, seed=7), kv_budgets=BUDGETS)
+    budgets = None if schedule else BUDGETS          # a length schedule grows one budget within each trajectory
+    out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=40, n=2, seed=7), kv_budgets=budgets)
     groups = []
     for i, samples in enumerate(out):
         records = [SampleRecord(np.asarray(s.prompt_ids, np.int32), np.asarray(s.response_ids, np.int32),
                                 s.logp_sparse, s.finish_reason, float(k), s.kv_retained_tokens, s.kv_peak_bytes,
                                 eviction_steps=s.eviction_steps) for k, s in enumerate(samples)]
         group = TrajectoryGroup(run_id="r", group_id=f"g{i}", prompt_id=f"p{i}", weight_version=0, temperature=1.0,
-                                compressor=method, kv_budget=BUDGETS[i], samples=records)
+                                compressor=method, kv_budget=(budgets or [12] * 4)[i], samples=records)
         groups.append(decode_group(encode_group(group)))
-    subs = [(rec, [s for i in rec["prompt_indices"] for s in out[i]]) for rec in engine.last_eviction_records]
+    recs = engine.last_eviction_records if budgets else [{**engine.last_eviction_record, "prompt_indices": [0, 1, 2, 3]}]
+    subs = [(rec, [s for i in rec["prompt_indices"] for s in out[i]]) for rec in recs]
     return model, groups, subs
 
 
@@ -62,6 +67,15 @@ def max_gap(a, b, mask):
                                               ("per_head", "h2o"), ("per_head", "streamingllm")])
 def test_replayed_logp_equals_logp_sparse(selection, method):
     model, groups, _ = rollouts(selection, method)
+    check_replay(model, groups, selection)
+
+
+def test_replayed_logp_equals_logp_sparse_under_a_length_schedule():
+    model, groups, _ = rollouts(budget_schedule="length", budget_growth=0.5, kv_budget_final=26)
+    check_replay(model, groups)
+
+
+def check_replay(model, groups, selection="per_head"):
     if selection == "shared":
         assert all(s.eviction_steps.shape[1] == 1 for g in groups for s in g.samples)   # one row per layer
     logp, dense, sparse, mask = replayed_logp(learner_of(model), groups)
