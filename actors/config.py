@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass, field
 
 from actors.engine import check_sampling
@@ -106,6 +107,10 @@ class DataConfig:
     actors.tasks:digits (see actors/tasks.py)."""
     function_options: dict = field(default_factory=dict)
     """Keyword arguments of `function` (e.g. {count: 12})."""
+    timeout_s: float = 300.0
+    """For source function: longest one call of `function` may take, seconds. It runs in a worker process
+    (actors/user_code.py), so a generator that never returns is stopped: the start fails with one line naming
+    the function and this timeout (at the config check: exit 2). 0 = no limit (called in the process itself)."""
     path: str = ""
     """GSM8K-shape JSONL (`question`, `answer` ending in '#### N') for source gsm8k_jsonl."""
     size: int = 512
@@ -124,3 +129,5 @@ class DataConfig:
             raise ValueError("DataConfig.tasks must name at least one reasoning-gym dataset")
         if self.size < 0:
             raise ValueError(f"DataConfig.size={self.size}: expected >= 0")
+        if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s >= 0):
+            raise ValueError(f"DataConfig.timeout_s={self.timeout_s}: expected seconds >= 0 (0 = no limit)")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from actors.config import DEFAULT_INSTRUCTION, DataConfig, load_callable
 from actors.reward import gold_answer
+from actors.user_code import UserCodeError, call_with_timeout
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 EVAL_SETS = {"gsm8k_test": DATA_DIR / "gsm8k_test.jsonl"}
@@ -112,14 +113,23 @@ def load_task_function(spec: str):
     return load_callable(spec, "data.function")
 
 
-def task_problems(spec: str, size: int, seed: int, options: dict | None = None) -> list[Prompt]:
+def task_problems(spec: str, size: int, seed: int, options: dict | None = None,
+                  timeout_s: float = DataConfig.timeout_s) -> list[Prompt]:
     """`size` problems from a task generator `fn(size: int, seed: int, **options) -> list[dict]`, each dict with
-    `question` (str), `answer` (str) and optionally `metadata` (dict) and `id` (str).
+    `question` (str), `answer` (str) and optionally `metadata` (dict) and `id` (str), called in a worker process
+    with a time limit of `timeout_s` seconds (actors/user_code.py; 0 = no limit, called in this process).
 
-    Raises ValueError naming the function and item for an item without a string question and answer."""
-    fn = load_task_function(spec)
+    Raises ValueError naming the function and item for an item without a string question and answer, ValueError
+    `data.function=<spec>: <type>: <message>` when the generator raised, and UserCodeTimeout ("task generator
+    <spec> did not return within <timeout_s> s (actors.data.timeout_s)") when it did not return in time."""
+    load_task_function(spec)  # a bad spec fails here, naming the field
+    try:
+        items = call_with_timeout(spec, timeout_s, name=f"task generator {spec}", setting="actors.data.timeout_s",
+                                  size=size, seed=seed, **dict(options or {}))
+    except UserCodeError as e:
+        raise ValueError(f"data.function={spec!r}: {e}") from None
     out = []
-    for i, item in enumerate(fn(size=size, seed=seed, **dict(options or {}))):
+    for i, item in enumerate(items):
         if not isinstance(item.get("question"), str) or not isinstance(item.get("answer"), str):
             raise ValueError(f"data.function={spec!r}: item {i} needs string fields 'question' and 'answer'")
         pid = item.get("id") or f"{spec.rpartition(':')[2]}-s{seed}-{i:04d}"
@@ -131,7 +141,7 @@ def _problems(cfg: DataConfig, size: int, seed: int) -> list[Prompt]:
     if cfg.source == "gsm8k_jsonl":
         return read_gsm8k_jsonl(cfg.path, limit=size)
     if cfg.source == "function":
-        return task_problems(cfg.function, size, seed, cfg.function_options)
+        return task_problems(cfg.function, size, seed, cfg.function_options, cfg.timeout_s)
     return reasoning_gym_problems(list(cfg.tasks), size, seed, cfg.task_options)
 
 

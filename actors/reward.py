@@ -1,5 +1,7 @@
 """Rewards: the math reward for GSM8K-style answers, verified by `math-verify` (parse + verify, Apache-2.0),
-and users' own reward functions (`RewardConfig.function`, loaded by `RewardScorer`).
+and users' own reward functions (`RewardConfig.function`, loaded by `RewardScorer`). Both run in a worker process
+with a time limit (`RewardConfig.timeout_s`, actors/user_code.py), so that a reward that never returns costs its
+sample, not the actor.
 
 Where the answer is: the text after the last `####` marker (GSM8K's format, up to the end of that line), else
 whatever math-verify extracts from the whole response (`\\boxed{}` first, then the last number/expression).
@@ -16,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 from math_verify import parse, verify
 
 from actors.config import load_callable
+from actors.user_code import UserCode, UserCodeError, UserCodeTimeout
 
 STATUSES = ("correct", "wrong", "unparseable", "error")
 _ANSWER_LINE = re.compile(r"####\s*([^\n]*)")
@@ -74,6 +77,16 @@ class RewardConfig:
     evaluation, in place of the function's value; null = score it like any other. 0 is DAPO's overlong
     punishment without the soft buffer (verl `reward_model.overlong_buffer`): running past the answer costs the
     whole reward, so no policy can earn from responses that never stop."""
+    timeout_s: float = 10.0
+    """Longest the reward may take on one sample, seconds (the math reward too). The reward runs in a worker
+    process of the actor (started once, reused for every sample); a sample that takes longer scores 0, is counted
+    in `reward_errors`, and its worker is killed and replaced, so a reward that never returns costs its samples,
+    not the actor. The actor's console says so once (which function, after how long). 0 = no limit: the
+    function is called in the actor's own process, and one that never returns stops the actor's generation."""
+
+    def __post_init__(self):
+        if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s) and self.timeout_s >= 0):
+            raise ValueError(f"RewardConfig.timeout_s={self.timeout_s}: expected seconds >= 0 (0 = no limit)")
 
 
 RewardFn = Callable[[str, Sequence[int], Any], float]
@@ -87,31 +100,73 @@ def load_reward_function(spec: str) -> RewardFn | None:
     return load_callable(spec, "reward.function") if spec else None
 
 
+MATH_REWARD = "actors.reward:math_reward"
+"""The math reward's spec, as the worker process calls it: math_reward(response, gold)."""
+
+
 class RewardScorer:
     """Scores samples with the configured reward: `scorer(text, response_ids, item) -> RewardResult`.
 
     Math reward: status correct | wrong | unparseable. Custom function: status correct (value >= 1) | wrong,
     or error when it raised or returned something that is not a finite number (reward 0; `last_error` keeps
-    the message). Raises ValueError at construction for a function that cannot be loaded (see
-    `load_reward_function`)."""
+    the message). Either one taking longer than `RewardConfig.timeout_s` on a sample: status error, reward 0,
+    `timeouts` counts it and `last_error` says which function and how long. The reward runs in one worker
+    process (actors/user_code.py), started on the first sample and reused; `close()` stops it. Raises
+    ValueError at construction for a function that cannot be loaded (see `load_reward_function`), and, for the
+    math reward, the ValueError of a gold answer that cannot be parsed (a data error)."""
 
     def __init__(self, cfg: RewardConfig):
-        self.fn = load_reward_function(cfg.function)
+        self.fn = load_reward_function(cfg.function)  # imported here too: a bad spec fails at construction
         self.truncated = cfg.truncated
         self.name = cfg.function or "math"
+        self.timeout_s = cfg.timeout_s
+        # an actors.data.Prompt argument: its module is imported when the worker starts, not in a sample's time
+        self.code = UserCode(cfg.function or MATH_REWARD, cfg.timeout_s, name=f"reward function {self.name}",
+                             setting="actors.reward.timeout_s", preload=("actors.data",) if cfg.function else ())
         self.last_error = ""
+
+    @property
+    def timeouts(self) -> int:
+        """Samples whose reward timed out so far."""
+        return self.code.timeouts
 
     def __call__(self, text: str, response_ids: Sequence[int], item, finish_reason: str = "stop") -> RewardResult:
         """`finish_reason` "length" scores `RewardConfig.truncated` (status wrong) when that is set."""
         if self.truncated is not None and finish_reason == "length":
             return RewardResult(float(self.truncated), "wrong", "")
         if self.fn is None:
-            return math_reward(text, item.answer)
+            return self._math(text, item)
         try:
-            value = float(self.fn(text, list(response_ids), item))
+            value = float(self.code(text, list(response_ids), item))
             if not math.isfinite(value):
                 raise ValueError(f"returned {value}")
+        except UserCodeTimeout as e:
+            return self._timed_out(e, item)
         except Exception as e:  # a user's function failing on one sample must not stop the actor
-            self.last_error = f"{self.name} on {getattr(item, 'prompt_id', '?')}: {type(e).__name__}: {e}"
-            return RewardResult(0.0, "error", "")
+            return self._failed(e, item)
         return RewardResult(value, "correct" if value >= 1.0 else "wrong", "")
+
+    def _math(self, text: str, item) -> RewardResult:
+        try:
+            return self.code(text, item.answer)
+        except UserCodeTimeout as e:
+            return self._timed_out(e, item)
+        except UserCodeError as e:
+            if e.kind == "ValueError":  # a gold answer math-verify cannot parse: a data error, raised as before
+                raise ValueError(e.message) from None
+            return self._failed(e, item)
+
+    def _timed_out(self, e: UserCodeTimeout, item) -> RewardResult:
+        self.last_error = (f"reward function {self.name} timed out after {e.timeout_s:g} s on "
+                           f"{getattr(item, 'prompt_id', '?')} (actors.reward.timeout_s; the sample scored 0, "
+                           "counted in reward_errors)")
+        return RewardResult(0.0, "error", "")
+
+    def _failed(self, e: Exception, item) -> RewardResult:
+        what = str(e) if isinstance(e, UserCodeError) else f"{type(e).__name__}: {e}"  # the worker's: "<type>: <text>"
+        self.last_error = f"{self.name} on {getattr(item, 'prompt_id', '?')}: {what}"
+        return RewardResult(0.0, "error", "")
+
+    def close(self) -> None:
+        """Stop the reward's worker process (a later sample starts a new one)."""
+        self.code.close()

@@ -272,9 +272,13 @@ class RolloutWorker:
     def _record(self, s, prompt) -> tuple[SampleRecord, str]:
         """One scored sample (counted in the rollout metrics) and its reward status (correct | wrong |
         unparseable | error)."""
+        timeouts = self.reward.timeouts
         reward = self.reward(self.tokenizer.decode(s.response_ids, skip_special_tokens=True), s.response_ids, prompt,
                              s.finish_reason)
-        if reward.status == "error" and not self.counters["error"]:
+        if self.reward.timeouts > timeouts:  # a timeout: said once per actor (each one is counted in reward_errors)
+            if not timeouts:
+                print(f"{self.actor_id}: {self.reward.last_error}; later timeouts are counted, not printed")
+        elif reward.status == "error" and not self.counters["error"]:
             print(f"{self.actor_id}: reward function failed (sample scored 0): {self.reward.last_error}")
         self.counters["tokens"] += len(s.response_ids)
         self.counters["samples"] += 1

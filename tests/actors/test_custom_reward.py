@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import sys
-import types
 
 import pytest
 
@@ -14,24 +13,30 @@ from actors.reward import RewardConfig, RewardResult, RewardScorer, load_reward_
 from actors.tasks import copy_numbers, copy_reward, digits, digits_reward, lcs_length
 
 
+USER_REWARDS = """
+def length_reward(response, response_ids, item):
+    return len(response_ids) / item.metadata["target"]
+
+def flaky(response, response_ids, item):
+    if "boom" in response:
+        raise RuntimeError("cannot score")
+    return 1.0
+
+def nan(*args):
+    return float("nan")
+
+not_callable = 3
+"""
+
+
 @pytest.fixture
-def user_module():
-    """A user's reward module, importable by name, as `pip install`ed code would be."""
-    mod = types.ModuleType("user_rewards")
-
-    def length_reward(response, response_ids, item):
-        return len(response_ids) / item.metadata["target"]
-
-    def flaky(response, response_ids, item):
-        if "boom" in response:
-            raise RuntimeError("cannot score")
-        return 1.0
-
-    mod.length_reward, mod.flaky, mod.nan = length_reward, flaky, lambda *a: float("nan")
-    mod.not_callable = 3
-    sys.modules["user_rewards"] = mod
-    yield mod
-    del sys.modules["user_rewards"]
+def user_module(tmp_path, monkeypatch):
+    """A user's reward module, importable by name, as `pip install`ed code would be (a file on sys.path: the
+    reward runs in a worker process, which imports it too)."""
+    (tmp_path / "user_rewards.py").write_text(USER_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    sys.modules.pop("user_rewards", None)
 
 
 def item(**metadata) -> Prompt:
