@@ -72,10 +72,15 @@ local function reap(pending, claims, expiry, counts, prompts, redo, now)
 end
 """
 
-# KEYS: pending, claims, expiry, counts, claim_prompts, prompt_redo, learner_version, step_capacity, last_version
-# ARGV: claim id, weight_version, groups wanted, max_staleness, ttl ms
-# -> {granted, deadline} or {0, reason}
+# KEYS: pending, claims, expiry, counts, claim_prompts, prompt_redo, learner_version, step_capacity, last_version,
+# reply; ARGV: claim id, weight_version, groups wanted, max_staleness, ttl ms, reply TTL s
+# -> {granted, deadline} or {0, reason}; a retry of a granting call (its reply lost) gets the same grant
 _CLAIM = _COMMON + """
+local done = redis.call('GET', KEYS[10])
+if done then
+  local granted, d = string.match(done, '^(%d+):(%-?%d+)$')
+  return {tonumber(granted), tonumber(d)}
+end
 local now = now_ms()
 reap(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], now)
 local v = tonumber(redis.call('GET', KEYS[7]) or '0')
@@ -110,6 +115,7 @@ redis.call('HINCRBY', KEYS[1], d, room)
 redis.call('HSET', KEYS[2], ARGV[1], room .. ':' .. d)
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[5]), ARGV[1])
 redis.call('HINCRBY', KEYS[4], 'admitted', room)
+redis.call('SET', KEYS[10], room .. ':' .. d, 'EX', ARGV[6])
 return {room, d}
 """
 
@@ -142,19 +148,26 @@ reap(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], now_ms())
 return redis.call('HGETALL', KEYS[1])
 """
 
-# KEYS: stream, counts, claims, expiry, claim_prompts, actor_counts; ARGV: claim id, JSON {counter: n} to add to
-# actor_counts, message bytes...
+# KEYS: stream, counts, claims, expiry, claim_prompts, actor_counts, reply; ARGV: claim id, JSON {counter: n} to
+# add to actor_counts, reply TTL s, message bytes...
 # (a claim published in full forgets its prompt indices: they are in the stream now)
-# -> {depth, msg ids...}, or -1 when the claim expired (nothing is published)
+# -> {depth, msg ids...}, or -1 when the claim expired (nothing is published); a retry of the call (its reply lost)
+# gets the ids it was given, publishing nothing again
 _PUBLISH = """
+local done = redis.call('GET', KEYS[7])
+if done then
+  local reply = {redis.call('XLEN', KEYS[1])}
+  for id in string.gmatch(done, '%S+') do reply[#reply + 1] = id end
+  return reply
+end
 local val = redis.call('HGET', KEYS[3], ARGV[1])
 if not val then return -1 end
 local remaining, d = string.match(val, '^(%d+):(%-?%d+)$')
 remaining = tonumber(remaining)
-local k = #ARGV - 2
+local k = #ARGV - 3
 if k > remaining then return redis.error_reply('publish of ' .. k .. ' groups on a claim of ' .. remaining) end
 local reply = {0}
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   reply[#reply + 1] = redis.call('XADD', KEYS[1], '*', 'group', ARGV[i], 'deadline', d, 'claim', ARGV[1])
 end
 redis.call('HINCRBY', KEYS[2], 'produced', k)
@@ -168,6 +181,7 @@ if k == remaining then
 else
   redis.call('HSET', KEYS[3], ARGV[1], (remaining - k) .. ':' .. d)
 end
+redis.call('SET', KEYS[7], table.concat(reply, ' ', 2), 'EX', ARGV[3])
 reply[1] = redis.call('XLEN', KEYS[1])
 return reply
 """
@@ -190,7 +204,8 @@ class Claim:
 class Admission:
     """The admission pool of one run (actor and learner side). All state is in Redis; every operation is one
     Lua script, so actors and the learner never race. Nothing is admitted before the learner opened the pool
-    (open_pool)."""
+    (open_pool). Every script is safe to retry (the client retries for broker.retry_s): heartbeat, release and
+    pending by nature, claim and publish by a recorded reply (run_state.reply_key)."""
 
     def __init__(self, client: redis.Redis, cfg: BrokerConfig, run_id: str):
         self.client, self.cfg, self.run_id = client, cfg, run_id
@@ -210,8 +225,9 @@ class Admission:
         claim_id = uuid.uuid4().hex
         granted, detail = self._claim(
             keys=self.keys + [rs.key(self.run_id, n) for n in (rs.LEARNER_VERSION, rs.ADMISSION_STEP_CAPACITY,
-                                                               rs.ADMISSION_LAST_VERSION)],
-            args=[claim_id, int(weight_version), int(groups), self.cfg.max_staleness, self.ttl_ms])
+                                                               rs.ADMISSION_LAST_VERSION)]
+            + [rs.reply_key(self.run_id, claim_id)],
+            args=[claim_id, int(weight_version), int(groups), self.cfg.max_staleness, self.ttl_ms, rs.REPLY_TTL_S])
         if int(granted) < 1:
             return None, detail.decode() if isinstance(detail, bytes) else str(detail)
         return Claim(claim_id, int(granted), int(detail)), ""
@@ -235,9 +251,10 @@ class Admission:
         to the run's actor_counts, atomically, only if the claim is still held. Returns (stream depth, message
         ids). Raises ClaimExpired."""
         reply = self._publish(keys=[rs.key(self.run_id, self.cfg.stream), self.keys[3], self.keys[1], self.keys[2],
-                                    self.keys[4], rs.key(self.run_id, rs.ACTOR_COUNTS)],
+                                    self.keys[4], rs.key(self.run_id, rs.ACTOR_COUNTS),
+                                    rs.reply_key(self.run_id, rs.call_id())],
                               args=[claim.claim_id, json.dumps({k: int(n) for k, n in (counts or {}).items() if n}),
-                                    *messages])
+                                    rs.REPLY_TTL_S, *messages])
         if reply == -1:
             raise ClaimExpired(f"claim {claim.claim_id} expired (no heartbeat for broker.claim_ttl_s="
                                f"{self.cfg.claim_ttl_s:g} s); its {len(messages)} group(s) were not published")

@@ -46,6 +46,13 @@ class BrokerConfig:
     """An admission claim expires this long after its last heartbeat, seconds (actors heartbeat every third
     of it while they generate): the groups of a killed actor return to the pool after at most this long, and
     the learner stops waiting for them."""
+    retry_s: float = 30.0
+    """How long every Redis client of the run (actors, learner, driver) retries a command whose connection failed
+    (refused, dropped, timed out, or Redis still loading its data after a restart), seconds, with backoff from
+    0.1 s doubling to 2 s; then the command raises and the run ends with one line naming Redis and its address.
+    A restart of Redis is survived (every write is safe to repeat: broker/run_state.py "Retries"). 0 = no retry;
+    at most 600 (a longer outage: let the run end and --resume it). An actor that waits longer than claim_ttl_s
+    loses its claim (the batch is generated again)."""
 
     def __post_init__(self):
         """Raise ValueError naming every bad field as `BrokerConfig.<field>=<value>: expected ...`."""
@@ -59,6 +66,7 @@ class BrokerConfig:
             (self.claim_min_idle_ms >= 1, "claim_min_idle_ms", "expected >= 1"),
             (self.max_staleness >= 0, "max_staleness", "expected >= 0"),
             (self.claim_ttl_s > 0, "claim_ttl_s", "expected > 0"),
+            (0 <= self.retry_s <= 600, "retry_s", "expected 0 <= retry_s <= 600 (seconds, 0 = no retry)"),
         ]
         errors = [f"BrokerConfig.{name}={getattr(self, name)!r}: {rule}" for ok, name, rule in checks if not ok]
         if errors:

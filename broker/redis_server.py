@@ -21,7 +21,12 @@ import time
 
 import redis
 
+from broker import run_state
+from broker.config import BrokerConfig
+
 PR_SET_PDEATHSIG = 1
+RETRY_S = BrokerConfig.retry_s
+"""The default retry bound of LocalRedis.client(), broker.retry_s's default."""
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
@@ -120,9 +125,11 @@ class LocalRedis:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def client(self, **kwargs) -> redis.Redis:
-        """A redis-py client for this server (bytes replies unless decode_responses=True is passed)."""
-        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, **kwargs)
+    def client(self, retry_s: float = RETRY_S, **kwargs) -> redis.Redis:
+        """A redis-py client for this server (bytes replies unless decode_responses=True is passed) that retries
+        connection errors for `retry_s` seconds (broker.run_state.retry_policy; 0: none), as broker.streams.connect."""
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
+                           **{**run_state.client_options(retry_s), **kwargs})
 
     def _start(self) -> None:
         conf = os.path.join(self.data_dir, "redis.conf")
@@ -142,7 +149,7 @@ class LocalRedis:
                                       stderr=subprocess.DEVNULL, start_new_session=True,
                                       preexec_fn=_die_with(os.getpid()))
         deadline = time.monotonic() + self.start_timeout_s
-        with self.client(socket_timeout=1.0) as c:
+        with self.client(retry_s=0, socket_timeout=1.0) as c:  # (this loop waits for the start: no retry)
             while True:
                 try:
                     self.version = c.info("server")["redis_version"]
@@ -176,10 +183,12 @@ class LocalRedis:
             proc.kill()
             proc.wait()
 
-    def restart(self, hard: bool = False) -> None:
+    def restart(self, hard: bool = False, down_s: float = 0.0) -> None:
         """Stop the server (SIGKILL when hard, else SIGTERM) and start it again on the same port and data
-        directory; with appendonly=True the data comes back from the append-only file."""
+        directory, `down_s` seconds later (connections are refused meanwhile); with appendonly=True the data comes
+        back from the append-only file."""
         self._stop_process(hard)
+        time.sleep(down_s)
         self._start()
 
     def stop(self) -> None:

@@ -25,6 +25,7 @@ light (no Ray, no torch).
 | `admission:claim_prompts` | hash    | actors (take_prompt_indices under a claim), admission scripts | admission scripts |
 | `admission:step_capacity` | int     | learner (open_pool, every commit)              | admission claim script           |
 | `admission:last_version`  | int     | learner (open_pool)                            | admission                        |
+| `reply`                   | string  | the scripts that publish, claim or take prompts: `reply:<call id>`, their reply, kept REPLY_TTL_S | the same call, retried after its reply was lost |
 
 `counts` fields: produced, consumed, groups_filtered, dropped_stale, dead_lettered, duplicates, reclaimed, and
 the admission counters admitted, claims_expired, claimed_returned, prompts_redone; each changed in the same transaction as
@@ -35,12 +36,24 @@ dropped_stale + dead_lettered + duplicates + queue depth.
 each added in the transaction that publishes the groups they count (broker/streams.py publish_many), and
 claims_lost (a publish refused because its claim expired); so a counter is never lost with an actor process and
 rollout_groups == produced for a run whose groups all come from its actors.
+
+Retries (`retry_policy`, broker.retry_s): every client retries a command whose connection failed, for up to
+broker.retry_s. A command that the server executed but whose reply was lost with the connection is then sent
+again, so every write is safe to repeat: SET/SADD/XACK by nature; the stream settlements (broker/streams.py)
+count an entry only when they delete it from the stream; the scripts that add entries or hand out capacity or
+prompt indices (publish, admission claim and publish, take_prompt_indices) record their reply under
+`reply:<call id>` (an id drawn once per call, so redis-py's retry sends the same one) and give that reply
+back when the id comes again; append_budget_log does not append the same record twice in a row.
 """
 from __future__ import annotations
 
+import inspect
 import json
+import uuid
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 CONSUMED, COUNTS, LEARNER_VERSION = "consumed", "counts", "learner_version"
 ACTOR_COUNTS = "actor_counts"
@@ -50,6 +63,7 @@ PAUSED, ACTORS_TARGET = "generation_paused", "actors_target"
 ADMISSION_PENDING, ADMISSION_CLAIMS, ADMISSION_EXPIRY = "admission:pending", "admission:claims", "admission:expiry"
 ADMISSION_STEP_CAPACITY, ADMISSION_LAST_VERSION = "admission:step_capacity", "admission:last_version"
 ADMISSION_CLAIM_PROMPTS = "admission:claim_prompts"
+REPLY = "reply"
 COUNT_NAMES = ("produced", "consumed", "groups_filtered", "dropped_stale", "dead_lettered", "duplicates")
 """The `counts` fields reported as 0 before their first increment."""
 ACTOR_COUNT_NAMES = ("rollout_groups", "reward_errors", "claims_lost")
@@ -59,6 +73,66 @@ ACTOR_COUNT_NAMES = ("rollout_groups", "reward_errors", "claims_lost")
 def key(run_id: str, name: str) -> str:
     """The Redis key of `name` (a name of the table above, or a stream name from BrokerConfig)."""
     return f"sparse-rl:{run_id}:{name}"
+
+
+# -- retries ----------------------------------------------------------------------------------------------
+RETRY_BASE_S, RETRY_CAP_S = 0.05, 2.0
+"""The backoff between two attempts of a command: 0.1 s after the first failure, doubling, at most 2 s (redis-py's
+ExponentialBackoff: min(cap, base x 2^failures)). A restart that refuses connections for 0.15 s costs one 0.1 s wait."""
+CONNECT_TIMEOUT_S = 2.0
+"""How long one connection attempt waits for the server, seconds (a host that does not answer at all)."""
+REPLY_TTL_S = 3600
+"""How long a script's recorded reply (`reply:<call id>`) is kept, seconds: far beyond any retry of that call
+(broker.retry_s is at most 600)."""
+NOT_RETRIED = (redis.AuthenticationError, redis.exceptions.AuthorizationError, redis.exceptions.MaxConnectionsError)
+"""ConnectionErrors in redis-py that waiting does not mend (a wrong or missing password, a full pool): raised at once."""
+
+
+def retry_attempts(retry_s: float) -> int:
+    """The retries after a first failure whose backoffs (RETRY_BASE_S doubling to RETRY_CAP_S) first add up to
+    `retry_s`: the count bound that makes redis-py's Retry give up after retry_s..retry_s + RETRY_CAP_S seconds of
+    waiting (plus the attempts themselves: milliseconds when connections are refused, up to CONNECT_TIMEOUT_S each
+    when the host does not answer). 0 for retry_s = 0."""
+    backoff, retries, waited = ExponentialBackoff(cap=RETRY_CAP_S, base=RETRY_BASE_S), 0, 0.0
+    while waited < retry_s:
+        retries += 1
+        waited += backoff.compute(retries)
+    return retries
+
+
+class _Retry(Retry):
+    """redis-py's Retry, except for NOT_RETRIED (subclasses of ConnectionError in redis-py), raised at once."""
+
+    def call_with_retry(self, do, fail, is_retryable=None, *args, **kwargs):
+        def retryable(error: Exception) -> bool:
+            return not isinstance(error, NOT_RETRIED) and (is_retryable is None or is_retryable(error))
+        return super().call_with_retry(do, fail, retryable, *args, **kwargs)
+
+
+def retry_policy(retry_s: float) -> Retry:
+    """The Retry every Redis client of the project is built with (broker.streams.connect, LocalRedis.client,
+    `sparse-rl scale`): connection errors and timeouts (a restarted server refusing connections, a dropped
+    connection, Redis still loading its data: BusyLoadingError is a ConnectionError) are retried with exponential
+    backoff for up to `retry_s` seconds (retry_attempts), then raised. 0: no retry."""
+    cls = _Retry if "is_retryable" in inspect.signature(Retry.call_with_retry).parameters else Retry  # redis-py < 6
+    return cls(ExponentialBackoff(cap=RETRY_CAP_S, base=RETRY_BASE_S), retry_attempts(retry_s),
+               supported_errors=(redis.ConnectionError, redis.TimeoutError))
+
+
+def client_options(retry_s: float) -> dict:
+    """The keyword arguments of redis.Redis / Redis.from_url that give a client retry_policy(retry_s)."""
+    return {"retry": retry_policy(retry_s), "retry_on_error": [redis.ConnectionError, redis.TimeoutError],
+            "socket_connect_timeout": CONNECT_TIMEOUT_S}
+
+
+def call_id() -> str:
+    """A fresh id for one call of a script that records its reply (`reply:<call id>`)."""
+    return uuid.uuid4().hex
+
+
+def reply_key(run_id: str, call: str) -> str:
+    """The key under which the script call `call` (call_id) records its reply."""
+    return key(run_id, f"{REPLY}:{call}")
 
 
 # -- learner version, counters, consumed set ------------------------------------------------------------------
@@ -139,9 +213,17 @@ def read_kv_budget(r, run_id: str, default: int) -> int:
     return int(value) if value is not None else default
 
 
+_APPEND_NEW = """
+if redis.call('LINDEX', KEYS[1], -1) == ARGV[1] then return 0 end
+return redis.call('RPUSH', KEYS[1], ARGV[1])
+"""
+
+
 def append_budget_log(r, run_id: str, record: dict) -> None:
-    """Append one controller record (a JSON-able dict) to the run's budget log."""
-    r.rpush(key(run_id, BUDGET_LOG), json.dumps(record))
+    """Append one controller record (a JSON-able dict) to the run's budget log; not again when it is the last one
+    already (a retry of this call after its reply was lost: each record names its step, so two equal ones in a row
+    are one)."""
+    r.register_script(_APPEND_NEW)(keys=[key(run_id, BUDGET_LOG)], args=[json.dumps(record)])
 
 
 def read_budget_log(r, run_id: str) -> list[str]:
@@ -163,10 +245,16 @@ def write_confidences(r, run_id: str, confidences: dict[str, float]) -> None:
 
 
 # -- prompt stream (broker/prompts.py: DataPosition) ------------------------------------------------------------
-# KEYS: prompt_redo, prompt_cursor, admission:claims, admission:claim_prompts; ARGV: n, claim id or ""
-# -> the indices (redo first, then fresh), recorded with the claim; a claim gone already gets them but puts
-# them back at once (its batch cannot be published)
+# KEYS: prompt_redo, prompt_cursor, admission:claims, admission:claim_prompts, reply; ARGV: n, claim id or "",
+# reply TTL s -> the indices (redo first, then fresh), recorded with the claim; a claim gone already gets them but
+# puts them back at once (its batch cannot be published). A retry of the call gets the indices it was given.
 _TAKE = """
+local done = redis.call('GET', KEYS[5])
+if done then
+  local out = {}
+  for i in string.gmatch(done, '%d+') do out[#out + 1] = i end
+  return out
+end
 local n = tonumber(ARGV[1])
 local out = redis.call('LPOP', KEYS[1], n) or {}
 if #out < n then
@@ -181,6 +269,7 @@ if ARGV[2] ~= '' then
     for _, i in ipairs(out) do redis.call('RPUSH', KEYS[1], i) end
   end
 end
+redis.call('SET', KEYS[5], table.concat(out, ','), 'EX', ARGV[3])
 return out
 """
 
@@ -191,7 +280,8 @@ def take_prompt_indices(r: redis.Redis, run_id: str, n: int, claim_id: str = "")
     with the claim (`admission:claim_prompts`), so that they are handed out again if the claim ends unpublished
     (the admission scripts put them back on `prompt_redo`)."""
     keys = [key(run_id, k) for k in (PROMPT_REDO, PROMPT_CURSOR, ADMISSION_CLAIMS, ADMISSION_CLAIM_PROMPTS)]
-    return [int(i) for i in r.register_script(_TAKE)(keys=keys, args=[int(n), claim_id])]
+    keys.append(reply_key(run_id, call_id()))
+    return [int(i) for i in r.register_script(_TAKE)(keys=keys, args=[int(n), claim_id, REPLY_TTL_S])]
 
 
 def restore_prompt_stream(r: redis.Redis, run_id: str, redo: list[int], cursor: int) -> None:

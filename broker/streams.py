@@ -9,14 +9,21 @@ when every message comes from GroupProducer.
 
 Delivery is at least once; a group is trained at most once because commit() adds its id to `consumed` in
 the same transaction as the XACK, and read() skips ids already there.
+
+Every operation is safe to retry (the clients retry for broker.retry_s, broker/run_state.py "Retries"): a publish
+records its reply under a call id and gives it back when the same call comes again (no second copy, no second
+count); a settlement (commit, the drops of read(), discard_queue) counts, settles and dead-letters an entry only
+when it deletes it from the stream, so a repeated one changes nothing; an entry whose delivery was lost with a
+dropped connection stays in this consumer's pending list and is read again (read()).
 """
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from urllib.parse import urlparse
 
 import redis
@@ -32,15 +39,101 @@ one MULTI/EXEC of 16 x 2 MB groups was measured 1.5x slower per group than one p
 16 x 16 KB in one transaction is ~2x faster than one per group."""
 
 
-def connect(cfg: BrokerConfig) -> redis.Redis:
+def connect(cfg: BrokerConfig, **options) -> redis.Redis:
     """A redis-py client for cfg.url (redis:// or rediss:// for TLS, passed through to redis-py), with the
-    password taken from the environment variable named by cfg.password_env. Replies are bytes.
+    password taken from the environment variable named by cfg.password_env. Replies are bytes. Connection errors
+    and timeouts are retried with backoff for up to cfg.retry_s seconds (run_state.retry_policy), then raised.
+    `options`: more redis-py keyword arguments (e.g. socket_timeout).
     Raises ValueError when cfg.url is empty or embeds a password (it would end up in logs and params)."""
     if not cfg.url:
         raise ValueError("BrokerConfig.url is empty: start broker.redis_server.LocalRedis or give a redis:// URL")
     if urlparse(cfg.url).password:
         raise ValueError(f"BrokerConfig.url embeds a password; remove it and export it as ${cfg.password_env}")
-    return redis.Redis.from_url(cfg.url, password=os.environ.get(cfg.password_env) or None)
+    return redis.Redis.from_url(cfg.url, password=os.environ.get(cfg.password_env) or None,
+                                **{**rs.client_options(cfg.retry_s), **options})
+
+
+def unreachable(cfg: BrokerConfig) -> str | None:
+    """None when Redis at cfg.url answers one PING now (no retry, CONNECT_TIMEOUT_S), else why not, in a few
+    words ("ConnectionError: Error 111 connecting to 127.0.0.1:6379. Connection refused.")."""
+    try:
+        with connect(replace(cfg, retry_s=0.0), socket_timeout=rs.CONNECT_TIMEOUT_S) as client:
+            client.ping()
+        return None
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        return f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+
+# KEYS: stream, counts, actor_counts, reply; ARGV: reply TTL s, JSON {counter: n} to add to actor_counts, messages...
+# -> {depth, msg ids...}; a retry of the same call (its first reply lost with the connection) gets the ids it
+# was given, publishing and counting nothing again
+_PUBLISH = """
+local done = redis.call('GET', KEYS[4])
+if done then
+  local reply = {redis.call('XLEN', KEYS[1])}
+  for id in string.gmatch(done, '%S+') do reply[#reply + 1] = id end
+  return reply
+end
+local reply = {0}
+for i = 3, #ARGV do
+  reply[#reply + 1] = redis.call('XADD', KEYS[1], '*', 'group', ARGV[i])
+end
+redis.call('HINCRBY', KEYS[2], 'produced', #ARGV - 2)
+for name, n in pairs(cjson.decode(ARGV[2])) do
+  redis.call('HINCRBY', KEYS[3], name, n)
+end
+redis.call('SET', KEYS[4], table.concat(reply, ' ', 2), 'EX', ARGV[1])
+reply[1] = redis.call('XLEN', KEYS[1])
+return reply
+"""
+
+# KEYS: stream, consumed, counts, admission:pending, dead-letter stream, learner_version, admission:step_capacity
+# ARGV: consumer group, learner version or '', step capacity or '', then 7 per entry: msg id, the counter it adds
+# to, its group id to mark consumed or '', its admission deadline or '', dead-letter reason or '', detail, payload
+# -> the number of entries counted. An entry is counted, settled and dead-lettered only when this call
+# deletes it from the stream: settling an entry again (a retry whose first reply was lost) changes nothing.
+_SETTLE = """
+local added, order = {}, {}
+for i = 4, #ARGV, 7 do
+  local id, counter, gid, d = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  if gid ~= '' then redis.call('SADD', KEYS[2], gid) end
+  redis.call('XACK', KEYS[1], ARGV[1], id)
+  if redis.call('XDEL', KEYS[1], id) == 1 then
+    if not added[counter] then
+      added[counter] = 0
+      order[#order + 1] = counter
+    end
+    added[counter] = added[counter] + 1
+    if d ~= '' then redis.call('HINCRBY', KEYS[4], d, -1) end
+    if ARGV[i + 4] ~= '' then
+      redis.call('XADD', KEYS[5], '*', 'reason', ARGV[i + 4], 'detail', ARGV[i + 5], 'msg_id', id, 'payload', ARGV[i + 6])
+    end
+  end
+end
+local n = 0
+for _, c in ipairs(order) do
+  redis.call('HINCRBY', KEYS[3], c, added[c])
+  n = n + added[c]
+end
+if ARGV[2] ~= '' then redis.call('SET', KEYS[6], ARGV[2]) end
+if ARGV[3] ~= '' then redis.call('SET', KEYS[7], ARGV[3]) end
+return n
+"""
+
+
+def _settle(client: redis.Redis, cfg: BrokerConfig, run_id: str, entries: list[tuple], learner_version=None,
+            step_capacity=None) -> None:
+    """Ack and delete stream entries in one script, each counted under its counter (and its group marked
+    consumed, its admission deadline settled, or the entry dead-lettered) only if this call deleted it.
+    `entries`: (msg id, counter, group id or "", deadline or None, dead letter (reason, detail, payload) or None).
+    Publishes learner_version and step_capacity when given."""
+    args = [cfg.consumer_group, "" if learner_version is None else int(learner_version),
+            "" if step_capacity is None else int(step_capacity)]
+    for msg_id, counter, group_id, deadline, dead in entries:
+        args += [msg_id, counter, group_id, "" if deadline is None else int(deadline), *(dead or ("", "", ""))]
+    keys = [rs.key(run_id, n) for n in (cfg.stream, rs.CONSUMED, rs.COUNTS, rs.ADMISSION_PENDING,
+                                         cfg.dead_letter_stream, rs.LEARNER_VERSION, rs.ADMISSION_STEP_CAPACITY)]
+    client.register_script(_SETTLE)(keys=keys, args=args)
 
 
 def queue_depth(client: redis.Redis, cfg: BrokerConfig, run_id: str) -> int:
@@ -53,15 +146,11 @@ def discard_queue(client: redis.Redis, cfg: BrokerConfig, run_id: str) -> int:
     transaction: what a resumed run does with the queue its previous life
     left (sampled for versions after the checkpoint, which are trained again); its admission pool is reset apart
     (broker.admission.reset_claims). Returns how many were removed."""
-    stream = rs.key(run_id, cfg.stream)
-    ids = [msg_id for msg_id, _ in client.xrange(stream)]
+    ids = [msg_id for msg_id, _ in client.xrange(rs.key(run_id, cfg.stream))]
     if not ids:
         return 0
-    pipe = client.pipeline(transaction=True)
-    pipe.xack(stream, cfg.consumer_group, *ids)  # (the consumer group exists: GroupConsumer made it)
-    pipe.xdel(stream, *ids)
-    rs.add_count(pipe, run_id, "dropped_stale", len(ids))
-    pipe.execute()
+    # (the consumer group exists: GroupConsumer made it)
+    _settle(client, cfg, run_id, [(m, "dropped_stale", "", None, None) for m in ids])
     return len(ids)
 
 
@@ -83,6 +172,7 @@ class GroupProducer:
         self.stream = rs.key(run_id, cfg.stream)
         self.backpressure_wait_s = 0.0
         self.backpressure_waits = 0
+        self._publish = client.register_script(_PUBLISH)
 
     def publish(self, group: TrajectoryGroup) -> str:
         """Publish one group; returns its stream message id. See publish_many."""
@@ -91,8 +181,9 @@ class GroupProducer:
     def publish_many(self, groups: list[TrajectoryGroup], claim=None, counts: list[dict[str, int]] | None = None) \
             -> list[str]:
         """Encode (validating) all `groups`, then append them to the stream; returns their stream message ids,
-        in order. Each transaction (up to TRANSACTION_BYTES of messages) XADDs its groups, adds their number to
-        the `produced` count and reads the depth. Raises SchemaError for a bad group, ValueError when a
+        in order. Each transaction (one script of up to TRANSACTION_BYTES of messages) XADDs its groups, adds their
+        number to the `produced` count and reads the depth; it is safe to retry (a call id: a second run of it
+        publishes nothing again). Raises SchemaError for a bad group, ValueError when a
         group's run_id is not this producer's run, and then publishes none of `groups` (a connection error
         between two transactions leaves the earlier ones published, each counted exactly). Waits on the high
         watermark afterwards (a batch is not split by it, so one call may take the depth from
@@ -123,15 +214,11 @@ class GroupProducer:
                 depth, chunk_ids = self.admission.publish(claim, chunk, added)
                 msg_ids += [m.encode() for m in chunk_ids]
                 continue
-            pipe = self.client.pipeline(transaction=True)
-            for data in chunk:
-                pipe.xadd(self.stream, {"group": data})
-            rs.add_count(pipe, self.run_id, "produced", len(chunk))
-            rs.add_actor_counts(pipe, self.run_id, added)
-            pipe.xlen(self.stream)
-            replies = pipe.execute()  # XADD ids, the counts' HINCRBYs, XLEN
-            msg_ids += replies[:len(chunk)]
-            depth = replies[-1]
+            reply = self._publish(keys=[self.stream, rs.key(self.run_id, rs.COUNTS),
+                                        rs.key(self.run_id, rs.ACTOR_COUNTS), rs.reply_key(self.run_id, rs.call_id())],
+                                  args=[rs.REPLY_TTL_S, json.dumps({k: int(n) for k, n in added.items() if n}), *chunk])
+            msg_ids += reply[1:]
+            depth = int(reply[0])
         if depth > self.cfg.high_watermark:
             t0 = time.monotonic()
             self.backpressure_waits += 1
@@ -191,7 +278,7 @@ class GroupConsumer:
             reply = self.client.xreadgroup(self.cfg.consumer_group, self.name, {self.stream: self._history_from},
                                            count=max_groups)
             got = reply[0][1] if reply else []
-            entries += got
+            entries += [(m, f) for m, f in got if m not in self._in_flight]
             self._history_from = got[-1][0] if len(got) == max_groups else None
         if len(entries) < max_groups and time.monotonic() >= self._next_claim:
             # 6.2 replies [cursor, entries]; 7.x adds a third field: ids deleted from the stream (dropped
@@ -209,7 +296,17 @@ class GroupConsumer:
             reply = self.client.xreadgroup(self.cfg.consumer_group, self.name, {self.stream: ">"},
                                            count=max_groups - len(entries), block=None if entries else block_ms)
             entries += reply[0][1] if reply else []
+        if not entries and self._history_from is None and self._pending_here() > len(self._in_flight):
+            # delivered to this consumer and never seen: a read whose reply was lost with its connection (redis-py
+            # sent it again). Those entries are pending here; the next read takes them from this consumer's history.
+            self._history_from = b"0"
         return entries
+
+    def _pending_here(self) -> int:
+        """Entries delivered to this consumer and not yet acked (XPENDING's summary)."""
+        summary = self.client.xpending(self.stream, self.cfg.consumer_group)
+        name = self.name.encode()
+        return sum(int(c["pending"]) for c in summary.get("consumers") or [] if c["name"] in (name, self.name))
 
     def read(self, max_groups: int = 16, block_ms: int | None = None) -> list[Delivery]:
         """Up to max_groups deliveries to train on; [] when nothing arrived within block_ms (default
@@ -261,18 +358,11 @@ class GroupConsumer:
                 deliveries.append(Delivery(msg_id.decode(), group, staleness, deadlines.get(msg_id)))
 
         if any(drops.values()):
-            pipe = self.client.pipeline(transaction=True)
-            for msg_id, e, payload in dead:
-                pipe.xadd(rs.key(self.run_id, cfg.dead_letter_stream),
-                          {"reason": e.reason, "detail": str(e)[:1000], "msg_id": msg_id, "payload": payload})
+            letters = {m: (e.reason, str(e)[:1000], payload) for m, e, payload in dead}
+            _settle(self.client, cfg, self.run_id,
+                    [(m, name, "", deadlines.get(m), letters.get(m)) for name, ids in drops.items() for m in ids])
             for name, ids in drops.items():
-                if ids:
-                    pipe.xack(self.stream, cfg.consumer_group, *ids)
-                    pipe.xdel(self.stream, *ids)
-                    rs.add_count(pipe, self.run_id, name, len(ids))
-                    self.counters[name] += len(ids)
-            rs.settle_admitted(pipe, self.run_id, [deadlines[m] for ids in drops.values() for m in ids if m in deadlines])
-            pipe.execute()
+                self.counters[name] += len(ids)
         return deliveries
 
     def commit(self, deliveries: list[Delivery], filtered: list[Delivery] = (), dropped_stale: list[Delivery] = (),
@@ -284,26 +374,16 @@ class GroupConsumer:
         too (a redelivery is a duplicate) and counted as groups_filtered; `dropped_stale` (held groups that
         went over max_staleness) are counted as dropped_stale; claimed groups leave the admission pool; the
         learner's new `learner_version` and admission `step_capacity` are published (so an actor never sees
-        the pool of the next step with the version of the previous one)."""
+        the pool of the next step with the version of the previous one). Safe to repeat: an entry is counted and
+        settled only by the call that deletes it from the stream."""
         everything = [*deliveries, *filtered, *dropped_stale]
         if not everything and learner_version is None:
             return
-        ids = [d.msg_id for d in everything]
-        pipe = self.client.pipeline(transaction=True)
-        if deliveries or filtered:
-            rs.mark_consumed(pipe, self.run_id, [d.group.group_id for d in [*deliveries, *filtered]])
-        if ids:
-            pipe.xack(self.stream, self.cfg.consumer_group, *ids)
-            pipe.xdel(self.stream, *ids)
+        entries = [(d.msg_id, name, d.group.group_id if name != "dropped_stale" else "", d.deadline, None)
+                   for name, items in (("consumed", deliveries), ("groups_filtered", filtered),
+                                       ("dropped_stale", dropped_stale)) for d in items]
+        _settle(self.client, self.cfg, self.run_id, entries, learner_version, step_capacity)
         for name, items in (("consumed", deliveries), ("groups_filtered", filtered), ("dropped_stale", dropped_stale)):
-            if items:
-                rs.add_count(pipe, self.run_id, name, len(items))
-                self.counters[name] += len(items)
-        rs.settle_admitted(pipe, self.run_id, [d.deadline for d in everything if d.deadline is not None])
-        if learner_version is not None:
-            rs.publish_learner_version(pipe, self.run_id, learner_version)
-        if step_capacity is not None:
-            rs.set_step_capacity(pipe, self.run_id, step_capacity)
-        pipe.execute()
-        for msg_id in ids:
-            self._in_flight.pop(msg_id.encode(), None)
+            self.counters[name] += len(items)
+        for d in everything:
+            self._in_flight.pop(d.msg_id.encode(), None)

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from broker import run_state as rs  # noqa: E402
 from broker.redis_server import LocalRedis, RedisInUse  # noqa: E402
-from broker.streams import connect, queue_depth  # noqa: E402
+from broker.streams import connect, queue_depth, unreachable  # noqa: E402
 from deploy.actor_pool import ActorPool, RunFailed  # noqa: E402
 from deploy.config import RunConfig, to_dict  # noqa: E402
 from deploy.console import Console  # noqa: E402
@@ -167,6 +167,7 @@ def _train(cfg: RunConfig, progress: dict, resume: str, report=None, command=("s
     console = Console()
     with ExitStack() as stack:
         tracker = _open_services(cfg, stack, record, console, report)
+        stack.push(_redis_lost(cfg, lambda: go_on_hint(cfg, run_dir, command)))  # (runs before Redis stops)
         redis = connect(cfg.broker)
         rs.set_actors_target(redis, run_id, cfg.actors.count)
         learner_group = start_learner(cfg, run_id, lambda: go_on_hint(cfg, run_dir, command))
@@ -212,6 +213,26 @@ def _train(cfg: RunConfig, progress: dict, resume: str, report=None, command=("s
         accounting = _accounting(cfg, redis, run_id, pool, metrics, actor_idle)
         console.accounting(accounting)
         return _finish(cfg, record, tracker, console, pool, metrics, scores_before, accounting)
+
+
+def _redis_lost(cfg: RunConfig, hint):
+    """An exit callback of the run's stack, run after the learner and actors are shut down and before the embedded
+    Redis stops: a run that failed because Redis stopped answering (the driver's own command gave up after
+    broker.retry_s, or a part failed while Redis does not answer a PING) ends with one line naming Redis and its
+    address (RunFailed; MLflow FAILED), whatever part noticed first."""
+    import redis
+
+    def check(kind, error, tb) -> bool:
+        own = kind is not None and issubclass(kind, (redis.ConnectionError, redis.TimeoutError))
+        if not own and not (kind is not None and issubclass(kind, RunFailed)):
+            return False
+        why = unreachable(cfg.broker)
+        if why is None and not own:
+            return False  # Redis answers: the part's own line stands
+        cause = why or f"{kind.__name__}: {' '.join(str(error).split())}"
+        raise RunFailed(f"Redis at {cfg.broker.url} did not answer for broker.retry_s={cfg.broker.retry_s:g} s "
+                        f"({cause}); {hint()}") from None
+    return check
 
 
 def _open_services(cfg: RunConfig, stack: ExitStack, record, console: Console, report=None) -> Tracker:

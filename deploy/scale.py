@@ -19,6 +19,9 @@ from broker import run_state as rs
 
 RUN_INFO = "run.json"
 TIMEOUT_S = 2.0
+RETRY_S = 5.0
+"""How long `scale` retries a broker that refuses connections (a Redis restart), at most the run's broker.retry_s:
+a command typed at a terminal, which says within seconds that a run has ended."""
 
 
 class ScaleError(Exception):
@@ -28,7 +31,8 @@ class ScaleError(Exception):
 def write_run_info(run_dir: Path, run_id: str, broker: BrokerConfig, **more) -> None:
     """What `scale` needs to find a running job: its id, broker URL (without a password) and password_env;
     `more`: what else the driver records (a resume reads the MLflow run and the checkpoint directory)."""
-    info = {"run_id": run_id, "redis_url": broker.url, "password_env": broker.password_env, **more}
+    info = {"run_id": run_id, "redis_url": broker.url, "password_env": broker.password_env,
+            "retry_s": broker.retry_s, **more}
     (Path(run_dir) / RUN_INFO).write_text(json.dumps(info, indent=1) + "\n")
 
 
@@ -55,7 +59,8 @@ def request_scale(run_id: str, actors: int, redis_url: str = "", run_dir: str | 
                              "give --run-dir, or the run's broker with --redis")
         try:
             info = json.loads(info_path.read_text())
-            broker = BrokerConfig(url=info["redis_url"], password_env=info.get("password_env", broker.password_env))
+            broker = BrokerConfig(url=info["redis_url"], password_env=info.get("password_env", broker.password_env),
+                                  retry_s=float(info.get("retry_s", broker.retry_s)))
         except (ValueError, KeyError, TypeError) as e:
             raise ScaleError(f"{info_path}: not the run record `sparse-rl train` writes ({type(e).__name__}: "
                              f"{e}); give the run's broker with --redis") from None
@@ -63,7 +68,8 @@ def request_scale(run_id: str, actors: int, redis_url: str = "", run_dir: str | 
     shown = without_password(broker.url)
     try:
         client = redis.Redis.from_url(broker.url, password=os.environ.get(broker.password_env) or None,
-                                      socket_connect_timeout=TIMEOUT_S, socket_timeout=TIMEOUT_S)
+                                      **{**rs.client_options(min(broker.retry_s, RETRY_S)),
+                                         "socket_connect_timeout": TIMEOUT_S, "socket_timeout": TIMEOUT_S})
     except ValueError as e:
         raise ScaleError(f"{source}: {shown!r} is not a redis:// URL ({without_password(str(e))})") from None
     try:

@@ -75,6 +75,7 @@ def test_bad_config_names_the_field(override, field):
     ("broker.high_watermark=0", "broker.high_watermark=0: expected >= 1"),
     ("broker.max_staleness=-1", "broker.max_staleness=-1: expected >= 0"),
     ("broker.claim_ttl_s=0", "broker.claim_ttl_s=0.0: expected > 0"),
+    ("broker.retry_s=-1", "broker.retry_s=-1.0: expected 0 <= retry_s <= 600 (seconds, 0 = no retry)"),
     ("learner.filter_groups=std", "learner.filter_groups='std': expected one of ('none', 'zero_variance')"),
     ("learner.max_extra_reads=-1", "learner.max_extra_reads=-1: expected >= 0"),
     ("actors.engine.compressor.kv_budget=8",
