@@ -15,6 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+NOT_ORDER = ("timeout_s",)
+"""actors.data fields that do not change which prompt comes when (the task generator's timeout): left out of the
+data position, so changing them neither blocks a resume nor changes a recorded position."""
+
 
 @dataclass
 class DataPosition:
@@ -26,6 +30,9 @@ class DataPosition:
     trained_ahead: list[int] = field(default_factory=list)
     seed: int = 0
     data: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.data = {k: v for k, v in self.data.items() if k not in NOT_ORDER}
 
     def add(self, indices: list[int]) -> None:
         """Record trained indices (negative ones, from groups without an index, are ignored)."""
@@ -46,6 +53,7 @@ class DataPosition:
         """What differs between the prompt order this position was saved with and `seed` / `data` (actors.data
         as a dict), one "field=value (checkpoint: value)" per difference; [] when a resume keeps the order."""
         changed = [f"seed={seed} (checkpoint: {self.seed})"] if seed != self.seed else []
+        data = {k: v for k, v in data.items() if k not in NOT_ORDER}
         return changed + [f"actors.data.{k}={data.get(k)!r} (checkpoint: {self.data.get(k)!r})"
                           for k in sorted(set(data) | set(self.data)) if data.get(k) != self.data.get(k)]
 
