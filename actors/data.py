@@ -145,21 +145,46 @@ def _problems(cfg: DataConfig, size: int, seed: int) -> list[Prompt]:
     return reasoning_gym_problems(list(cfg.tasks), size, seed, cfg.task_options)
 
 
-def held_out_problems(cfg: DataConfig, size: int, seed: int) -> list[Prompt]:
-    """`size` problems of the training task that are not among the training prompts: drawn with another seed
-    (seed + 1_000_003) and filtered against the training questions (the first `cfg.size` of `seed`).
+HELD_OUT_DRAWS = (1, 2)
+"""Versions of the held-out draw (`eval.draw`): 1 = the first draw, whose items may repeat a question (what the
+committed comparison records, docs/results/replication-decode*, were scored on); 2 = distinct questions (the
+default since issue 37)."""
 
-    Raises ValueError for a gsm8k_jsonl source (a file has no held-out part: give eval.data a file), or when
-    the generator cannot produce `size` new questions (a task space too small)."""
+
+def held_out_problems(cfg: DataConfig, size: int, seed: int, draw: int = 2) -> list[Prompt]:
+    """`size` problems of the training task that are not among the training prompts: drawn with another seed
+    (seed + 1_000_003: 2 x size + 16 of them) and filtered against the training questions (the first `cfg.size`
+    of `seed`); with `draw` 2 (the default) also against each other: `size` distinct questions, in the order
+    drawn. `draw` 1 keeps repeated questions (the items of the committed comparison records).
+
+    Raises ValueError for a gsm8k_jsonl source (a file has no held-out part: give eval.data a file), for a draw
+    that is not 1 or 2 ("eval.draw=..."), and when the draw holds fewer than `size` such questions (a task space
+    too small): draw 2 names eval.limit and the number available ("eval.limit=16: only 12 distinct held-out
+    problems ..."), draw 1 as it always did."""
+    if draw not in HELD_OUT_DRAWS:
+        raise ValueError(f"eval.draw={draw}: expected 1 (the first draw, repeated questions kept) or 2 (distinct "
+                         "questions)")
     if cfg.source == "gsm8k_jsonl":
         raise ValueError("eval.data=train_task needs a generated training task (actors.data.source reasoning_gym "
                          "or function); for a JSONL training set give eval.data a held-out JSONL file")
     seen = {p.question for p in _problems(cfg, cfg.size, seed)}
-    fresh = [p for p in _problems(cfg, 2 * size + 16, seed + 1_000_003) if p.question not in seen]
-    if len(fresh) < size:
-        raise ValueError(f"eval.data=train_task: only {len(fresh)} of {size} held-out problems are not training "
-                         "prompts; lower eval.limit or actors.data.size")
-    return fresh[:size]
+    drawn = _problems(cfg, 2 * size + 16, seed + 1_000_003)
+    fresh = [p for p in drawn if p.question not in seen]
+    if draw == 1:
+        if len(fresh) < size:
+            raise ValueError(f"eval.data=train_task: only {len(fresh)} of {size} held-out problems are not training "
+                             "prompts; lower eval.limit or actors.data.size")
+        return fresh[:size]
+    firsts: dict[str, Prompt] = {}
+    for p in fresh:  # the first item of each question, in the order drawn
+        firsts.setdefault(p.question, p)
+    distinct = list(firsts.values())
+    if len(distinct) < size:
+        fix = f"set eval.limit={len(distinct)} or lower" if distinct else "lower actors.data.size"
+        raise ValueError(f"eval.limit={size}: only {len(distinct)} distinct held-out problems are not training "
+                         f"prompts (eval.data=train_task: {len(drawn)} drawn with another seed, repeated and training "
+                         f"questions removed); {fix}")
+    return distinct[:size]
 
 
 def tokenize_prompts(prompts: list[Prompt], tokenizer, instruction: str = DEFAULT_INSTRUCTION) -> list[Prompt]:
@@ -187,14 +212,16 @@ def load_train_prompts(cfg: DataConfig, tokenizer, seed: int = 0) -> list[Prompt
     return tokenize_prompts(train_problems(cfg, seed), tokenizer, cfg.instruction)
 
 
-def load_eval_items(name: str, limit: int = 0, train: DataConfig | None = None, seed: int = 0) -> list[Prompt]:
-    """An evaluation set: "train_task" (`limit` held-out problems of the training task `train`, see
-    `held_out_problems`), a name in EVAL_SETS, or a path to a GSM8K JSONL; `limit` > 0 keeps the first rows.
-    Not tokenized (call `tokenize_prompts`). Raises ValueError for an unknown name that is not a file."""
+def load_eval_items(name: str, limit: int = 0, train: DataConfig | None = None, seed: int = 0,
+                    draw: int = 2) -> list[Prompt]:
+    """An evaluation set: "train_task" (`limit` held-out problems of the training task `train`, drawn by version
+    `draw` of the draw, see `held_out_problems`), a name in EVAL_SETS, or a path to a GSM8K JSONL; `limit` > 0
+    keeps the first rows. Not tokenized (call `tokenize_prompts`). Raises ValueError for an unknown name that is
+    not a file, and held_out_problems' errors."""
     if name == "train_task":
         if train is None:
             raise ValueError("eval.data=train_task needs the training data config")
-        return held_out_problems(train, limit or 100, seed)
+        return held_out_problems(train, limit or 100, seed, draw)
     path = EVAL_SETS.get(name, Path(name))
     if not path.is_file():
         raise ValueError(f"eval data {name!r}: not one of {sorted(EVAL_SETS)} and not a file")

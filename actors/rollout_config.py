@@ -49,7 +49,12 @@ class EvalConfig:
     """Prompt set: "train_task" (`limit` held-out problems of the training task, scored with the training
     reward), a GSM8K-shaped JSONL path, or "gsm8k_test" (the 100 shipped GSM8K test items)."""
     limit: int = 100
-    """First N items of the prompt set (0 = all)."""
+    """First N items of the prompt set (0 = all; train_task: 100). train_task gives `limit` distinct questions or
+    fails at the config check (exit 2) naming eval.limit and how many there are."""
+    draw: int = 2
+    """Version of the train_task draw: 2 = distinct questions (the default); 1 = the first draw, whose items may
+    repeat a question: what the committed comparison records were scored on (bench/replication.py passes it; a
+    run record written before the draw was versioned resumes with it)."""
     modes: list[str] = field(default_factory=lambda: ["dense", "sparse"])
     """dense: full KV cache; sparse: `sparse_compressor`, by default the run's compressor and budget."""
     sparse_compressor: Optional[CompressorConfig] = None

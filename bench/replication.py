@@ -241,7 +241,9 @@ def run_one(args, arm: str, budget: int | None, seed: int) -> None:
                  f"run_dir={out / 'runs'}", f"mlflow.tracking_uri=sqlite:///{out / 'mlflow.db'}",
                  "mlflow.experiment=replication", f"train.steps={args.steps}", "eval.enabled=true",
                  f"eval.before={str(arm in ('dense', 'sparse_rl')).lower()}", "eval.data=train_task",
-                 f"eval.limit={args.eval_limit}", f"broker.max_staleness={args.max_staleness}"]
+                 # eval.draw=1: the held-out draw the committed records were scored on (repeated questions kept:
+                 # 56-60 distinct of the grid's 64); the default draw 2 (distinct) would score other items
+                 f"eval.limit={args.eval_limit}", "eval.draw=1", f"broker.max_staleness={args.max_staleness}"]
     if budget is not None:
         overrides.append(f"actors.engine.compressor.kv_budget={budget}")
     else:  # its sparse evaluation under the first budget's compressor (its own rollouts use none)

@@ -10,8 +10,10 @@ worker inherits; or Ray's `runtime_env={"env_vars": {...}}`), a comma-separated 
           id), `actor.generate` (inside every batch of an actor, after its claim, before the engine runs; who =
           actor id, when = the actor's weight version), `actor.published` (after a batch was published or
           refused, before the next one; who = actor id, when = the actor's weight version), `actor.stop` (when
-          the driver stops an actor's generation at the end of the run; who = actor id). Other points: whatever a
-          caller passes to `wrap`.
+          the driver stops an actor's generation at the end of the run; who = actor id), `learner.committed`
+          (learner rank 0 after a step's commit, before its report goes back to the driver; who = 0, when = the
+          version committed), `driver.log` (the driver after it got a step's report, before it logs it; who =
+          `driver`, when = the step's version). Other points: whatever a caller passes to `wrap`.
   who     the rank or actor id, or `*` for every one
   when    optional: fire only when the point's `when` value equals it (e.g. the learner version)
   action  `sleep:<seconds>` (a stall, then go on) | `fail` (raise FaultInjectedError) | `exit` (the process dies at

@@ -295,7 +295,8 @@ class ActorPool:
         handles = [self.actors[i] for i in self.ready()]
         from actors.data import load_eval_items
 
-        items = load_eval_items(self.cfg.eval.data, self.cfg.eval.limit, train=self.cfg.actors.data, seed=self.cfg.seed)
+        items = load_eval_items(self.cfg.eval.data, self.cfg.eval.limit, train=self.cfg.actors.data, seed=self.cfg.seed,
+                                draw=self.cfg.eval.draw)
         scores = {}
         for mode in self.cfg.eval.modes:
             shards = [items[i::len(handles)] for i in range(len(handles))]

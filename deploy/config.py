@@ -286,6 +286,8 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
               "compressor only (its attention backend is fixed when it starts); leave it unset")
     if check_files:
         check_user_code(run)
+    check(run.eval.draw in (1, 2), f"eval.draw={run.eval.draw}: expected 1 (the first draw, repeated questions kept) "
+          "or 2 (distinct questions)")
     if run.eval.enabled:
         check_eval_data(run, check_files=check_files)
     if check_files:
@@ -386,12 +388,12 @@ def check_eval_items(run: RunConfig) -> None:
     from actors.data import DataFileError, load_eval_items
 
     try:
-        load_eval_items(run.eval.data, run.eval.limit, train=run.actors.data, seed=run.seed)
+        load_eval_items(run.eval.data, run.eval.limit, train=run.actors.data, seed=run.seed, draw=run.eval.draw)
     except DataFileError as e:
         raise ConfigError(f"eval.data={e.path}: {e.where}") from None
     except Exception as e:
         reason = " ".join(str(e).split())[:300]
-        raise ConfigError(reason if reason.startswith("eval.data") else f"eval.data={run.eval.data}: "
+        raise ConfigError(reason if reason.startswith("eval.") else f"eval.data={run.eval.data}: "
                           f"{type(e).__name__}: {reason}") from None
 
 

@@ -22,6 +22,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import ray  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from broker import faults  # noqa: E402
 from broker import run_state as rs  # noqa: E402
 from broker.redis_server import LocalRedis, RedisInUse  # noqa: E402
 from broker.streams import connect, queue_depth, unreachable  # noqa: E402
@@ -173,6 +174,10 @@ def _train(cfg: RunConfig, progress: dict, resume: str, report=None, command=("s
         learner_group = start_learner(cfg, run_id, lambda: go_on_hint(cfg, run_dir, command))
         stack.callback(learner_group.shutdown)
         learner = learner_group.rank0
+        # on any stop (after the SIGTERM checkpoint, before the learner stops): the versions the learner committed
+        # that are not logged yet (the stop came between its commit and the console line) get logged
+        stack.push(lambda kind, *_: kind is not None and log_committed(run_dir, tracker, learner, progress,
+                                                                        record.start_version))
         # on SIGTERM (after the actors stopped, before the learner does): a checkpoint of the last completed step
         stack.push(lambda kind, *_: received["SIGTERM"] and checkpoint_on_sigterm(cfg, learner))
         if record.resumed:  # the log of trained prompts and the metrics of the checkpoint's step, as one record
@@ -191,11 +196,13 @@ def _train(cfg: RunConfig, progress: dict, resume: str, report=None, command=("s
             return rs.read_actors_target(redis, run_id) or cfg.actors.count
 
         actor_idle = []  # actor_idle_fraction of every step, for the run's figure
+        logging = faults.wrap(lambda: None, "driver.log", "driver", when=lambda: step)  # a test's fault, or not
         for step in range(version + 1, cfg.train.steps + 1):  # step = the weight version it makes
             # returns once groups_per_step groups are trained; meanwhile actors are replaced and joined
             step_report = pool.wait_for(learner.train_step.remote(), step, target, console,
                                         lambda: queue_depth(redis, cfg.broker, run_id),
                                         lambda: go_on_hint(cfg, run_dir, command))  # a learner.step.StepReport
+            logging()  # (a test's fault: the driver slow to log a step the learner committed)
             log_trained_prompts(run_dir, step_report.version, step_report.trained_prompt_ids)
             metrics = step_report.as_metrics()
             pool.scale(target())
@@ -322,6 +329,44 @@ def _finish(cfg: RunConfig, record, tracker: Tracker, console: Console, pool: Ac
     tracker.end("FINISHED")
     console.finish(run_dir, tracker.where())
     return summary
+
+
+STOP_RECORD_S = 60.0
+"""On a stop, how long the driver waits for the learner to close its step protocol (a step in the middle of its
+checkpoint and commit finishes them first: LearnerStep.close), seconds."""
+
+
+def log_committed(run_dir: Path, tracker: Tracker, learner, progress: dict, start_version: int) -> None:
+    """On a stop (Ctrl-C, SIGTERM, a failure): close the learner's step protocol, so that no step saves or commits
+    after this, and log every version it committed that the driver has not logged (the stop landed between the
+    learner's commit and the driver's logging): its line in trained_prompts.jsonl and its learner metrics in
+    MLflow, from the step's report. Every version a checkpoint holds is then in the record; progress["step"]
+    (the interrupted line's step) follows. One console line for each version logged so, or when the learner did
+    not answer within STOP_RECORD_S."""
+    try:
+        reports = ray.get(learner.close_record.options(concurrency_group="record").remote(), timeout=STOP_RECORD_S)
+    except ray.exceptions.GetTimeoutError:
+        print(f"stop: the learner did not close its step within {STOP_RECORD_S:g} s; a version it commits now has "
+              "no line in trained_prompts.jsonl", flush=True)
+        return
+    except ray.exceptions.RayError:
+        return  # the learner is gone: it committed nothing after its last answer
+    log = run_dir / "trained_prompts.jsonl"
+    logged = {json.loads(line)["version"] for line in log.read_text().splitlines()} if log.exists() else set()
+    for report in reports:
+        if report.version <= max(progress["step"], start_version):
+            continue  # logged by the step loop (or, up to the start version, by the record's earlier life)
+        try:
+            if report.version not in logged:
+                log_trained_prompts(run_dir, report.version, report.trained_prompt_ids)
+            tracker.log_metrics(report.as_metrics(), report.version)
+        except Exception as e:  # (the stop's own line follows; this one says what is missing)
+            print(f"stop: version {report.version} not logged: {type(e).__name__}: {' '.join(str(e).split())[:200]}",
+                  flush=True)
+            return
+        progress["step"] = report.version
+        print(f"stop: version {report.version}, committed by the learner before the stop, logged "
+              "(trained_prompts.jsonl, MLflow)", flush=True)
 
 
 def log_trained_prompts(run_dir: Path, version: int, prompt_ids: list[str]) -> None:

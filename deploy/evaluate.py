@@ -17,7 +17,7 @@ def evaluate_model(cfg: RunConfig, model: str, modes: list[str]) -> dict[str, fl
     """Prints and returns `eval/<mode>/<metric>` for each mode (reward, accuracy, unparseable, response_length,
     kv_peak_bytes, n)."""
     a, e = cfg.actors, cfg.eval
-    items = load_eval_items(e.data, e.limit, train=a.data, seed=cfg.seed)
+    items = load_eval_items(e.data, e.limit, train=a.data, seed=cfg.seed, draw=e.draw)
     scores = {}
     for mode in modes:  # one engine per mode: SGLang fixes its attention backend when it starts
         sparse = e.sparse_compressor or a.engine.compressor

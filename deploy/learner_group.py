@@ -75,7 +75,7 @@ class LearnerGroup:
             master = ray.get(_rendezvous_address.options(scheduling_strategy=on(0)).remote(not cfg.ray.address))
         plain = to_dict(cfg)
         self.ranks = [
-            ray.remote(concurrency_groups={"watch": 1})(LearnerWorker).options(
+            ray.remote(concurrency_groups={"watch": 1, "record": 1})(LearnerWorker).options(
                 name=f"{run_id}-learner-{rank}", num_cpus=cfg.train.learner_num_cpus,
                 num_gpus=cfg.train.learner_num_gpus, resources={cfg.ray.learner_resource: 1} if cfg.ray.learner_resource else None,
                 scheduling_strategy=on(rank), max_concurrency=2 if rank == 0 else 1, max_restarts=0,

@@ -43,8 +43,8 @@ class LearnerWorker:
                                    bucket_mb=l.weight_sync_bucket_mb, verify=l.weight_sync_verify)
         self.generation = -1
         self.updating = threading.Lock()  # a weight broadcast never reads weights the optimizer is changing
-        self.fault = {n: faults.wrap(lambda: None, f"learner.{n}", rank, when=version) for n in ("send_weights",
-                                                                                                    "save_final")}
+        self.fault = {n: faults.wrap(lambda: None, f"learner.{n}", rank, when=version)
+                      for n in ("send_weights", "save_final", "committed")}
 
     # -- the learner group: rank 0's calls on every rank -------------------------------------------------------
     def watch(self) -> None:
@@ -98,7 +98,9 @@ class LearnerWorker:
         """One step of the step protocol (learner.step.LearnerStep.train_step) with every rank; raises
         LearnerRankError naming a rank that died or hung (nothing of the step is acknowledged then). A weight
         broadcast may run while it waits for groups (a new actor gets the weights at once), not while it trains."""
-        return self.protocol.train_step(AllRanks(self))
+        report = self.protocol.train_step(AllRanks(self))
+        self.fault["committed"]()  # a test's fault: the learner slow to answer for a step it has committed
+        return report
 
     def checkpoint_now(self) -> int:
         """The checkpoint of the last committed step, written now unless it is already (the driver calls it on
@@ -109,6 +111,12 @@ class LearnerWorker:
             if version is not None:
                 return version
             time.sleep(0.05)  # the step's weights are ahead of its commit: a moment
+
+    def close_record(self) -> list[StepReport]:
+        """The driver's last call on a stop (in its own concurrency group, so a step and a weight broadcast in
+        flight do not hold it up): no step saves or commits after it; returns the reports of the last committed
+        steps, for the driver to log those it has not (LearnerStep.close)."""
+        return self.protocol.close()
 
     def step_groups(self, groups: list, staleness: list[int]) -> dict:
         """One step of every rank on `groups` (no broker); raises LearnerRankError naming a failed rank."""

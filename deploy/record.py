@@ -74,6 +74,8 @@ def resume_config(run_dir: str | Path, overrides: list[str] = ()) -> RunConfig:
     if not path.is_file():
         raise ConfigError(f"--resume {run_dir}: no config.yaml there; expected a run directory made by "
                           "`sparse-rl train` (runs/<run id>)")
+    if OmegaConf.select(OmegaConf.load(path), "eval.draw") is None:  # written before the draw was versioned:
+        overrides = ["eval.draw=1", *overrides]  # its held-out items stay those it was evaluated on
     return load_config(str(path), list(overrides))
 
 

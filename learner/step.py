@@ -11,6 +11,7 @@ learner ranks is the `Ranks` the caller passes (deploy/learner_worker.py; `OneRa
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,15 @@ from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.config import LearnerConfig
 from learner.learner import Learner
 from learner.loss import zero_variance
+
+
+REPORTS_KEPT = 4
+"""Reports of the last committed steps a LearnerStep keeps for `close` (the driver is at most one step behind)."""
+
+
+class StepAbandoned(RuntimeError):
+    """A step that trained after the step protocol was closed (the run is stopping): nothing of it was saved or
+    acknowledged, and the learner version stays the last committed one on the broker."""
 
 
 @dataclass
@@ -186,6 +196,9 @@ class LearnerStep:
         self.idle = {"wait_s": 0.0, "step_s": 0.0}  # over this process's steps, for learner_idle_fraction_run
         self.saved_version = learner.version  # of the latest checkpoint (or the start)
         self.committed: tuple[int, dict] | None = None  # (version, checkpoint state) of the last committed step
+        self.reports: dict[int, StepReport] = {}  # of the last REPORTS_KEPT committed steps, by version
+        self.commit_lock = threading.Lock()  # held from a step's checkpoint to its report; `close` takes it
+        self.closed = False  # set by `close`: no step saves or commits after it
 
     def _open_admission(self) -> None:
         """Which groups a step trains (admission-aware, with DAPO's dynamic sampling) and C, from the
@@ -214,7 +227,7 @@ class LearnerStep:
         when due (with the data position), then acknowledge the groups and publish the new version in one
         transaction: a group is acknowledged only after every rank finished the step.
         Raises TimeoutError after train.group_wait_s without the step's groups; whatever `ranks` raises for a
-        failed rank. Nothing of the step is acknowledged then."""
+        failed rank; StepAbandoned when `close` came first. Nothing of the step is acknowledged then."""
         start, learner = time.monotonic(), self.learner
         stale_before = self.consumer.counters["dropped_stale"]
         train, filtered, stale, stats = self.collector.collect(learner.version, self.capacity, self.cfg.group_wait_s)
@@ -226,26 +239,44 @@ class LearnerStep:
         self.position.add([d.group.prompt_index for d in train + filtered])
         if self.controller is not None:  # before the version: actors with these weights read this budget or newer
             metrics.update(self._control_budget(metrics, groups))
-        state = self._checkpoint_state(metrics, groups)
-        if self.cfg.learner.checkpoint_dir and learner.version % self.cfg.learner.checkpoint_interval == 0:
-            ranks.checkpoint(state)
-            self.saved_version = learner.version
-        self._count_zero_variance(train, filtered)
-        # acknowledged only now that every rank finished; the new version in the same transaction
-        self.consumer.commit(train, filtered, stale, learner_version=learner.version, step_capacity=self.capacity)
-        self.committed = (learner.version, state)  # what checkpoint_now writes
-        counts, depth = rs.run_counts(self.redis, self.run_id), queue_depth(self.redis, self.cfg.broker, self.run_id)
-        step_s = time.monotonic() - start
-        self.idle["wait_s"] += wait_s
-        self.idle["step_s"] += step_s
-        return StepReport(
-            version=learner.version, metrics=metrics, trained_prompt_ids=[g.prompt_id for g in groups],
-            trained=len(train), filtered=len(filtered),
-            dropped_stale=self.consumer.counters["dropped_stale"] - stale_before, reads=stats["reads"],
-            filter_shortfall=stats["filter_shortfall"], groups_trained=self.counters["groups_trained"],
-            step_capacity=self.capacity, queue_depth=depth, counts=counts,
-            rollout_utilization=rs.rollout_utilization(counts, depth), wait_s=wait_s, step_s=step_s,
-            idle_fraction_run=self.idle["wait_s"] / max(1e-9, self.idle["step_s"]))
+        with self.commit_lock:  # a stopping driver's `close` waits for this part, and no step enters it after
+            if self.closed:
+                raise StepAbandoned(f"the step to version {learner.version} was abandoned: the run is stopping "
+                                    "(nothing of it was saved or acknowledged)")
+            state = self._checkpoint_state(metrics, groups)
+            if self.cfg.learner.checkpoint_dir and learner.version % self.cfg.learner.checkpoint_interval == 0:
+                ranks.checkpoint(state)
+                self.saved_version = learner.version
+            self._count_zero_variance(train, filtered)
+            # acknowledged only now that every rank finished; the new version in the same transaction
+            self.consumer.commit(train, filtered, stale, learner_version=learner.version, step_capacity=self.capacity)
+            self.committed = (learner.version, state)  # what checkpoint_now writes
+            counts = rs.run_counts(self.redis, self.run_id)
+            depth = queue_depth(self.redis, self.cfg.broker, self.run_id)
+            step_s = time.monotonic() - start
+            self.idle["wait_s"] += wait_s
+            self.idle["step_s"] += step_s
+            report = StepReport(
+                version=learner.version, metrics=metrics, trained_prompt_ids=[g.prompt_id for g in groups],
+                trained=len(train), filtered=len(filtered),
+                dropped_stale=self.consumer.counters["dropped_stale"] - stale_before, reads=stats["reads"],
+                filter_shortfall=stats["filter_shortfall"], groups_trained=self.counters["groups_trained"],
+                step_capacity=self.capacity, queue_depth=depth, counts=counts,
+                rollout_utilization=rs.rollout_utilization(counts, depth), wait_s=wait_s, step_s=step_s,
+                idle_fraction_run=self.idle["wait_s"] / max(1e-9, self.idle["step_s"]))
+            self.reports = {v: r for v, r in self.reports.items() if v > report.version - REPORTS_KEPT}
+            self.reports[report.version] = report
+        return report
+
+    def close(self) -> list[StepReport]:
+        """Close the step protocol (the driver's last call on a stop: Ctrl-C, SIGTERM, a failure): a step in the
+        middle of its checkpoint and commit finishes them first; a step still training is abandoned before it
+        saves or commits anything (StepAbandoned). Returns the reports of the last committed steps (at most
+        REPORTS_KEPT, by version), from which the driver logs those it has not logged yet, so that every version a
+        checkpoint holds has its line in trained_prompts.jsonl and its metrics in MLflow."""
+        with self.commit_lock:
+            self.closed = True
+            return [self.reports[v] for v in sorted(self.reports)]
 
     def checkpoint_now(self, ranks: Ranks) -> int | None:
         """Write the checkpoint of the last committed step now unless it is written already (SIGTERM: the driver
