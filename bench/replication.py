@@ -290,10 +290,12 @@ def histories(out: Path, summary: dict) -> dict[str, list[float]]:
     """Per-step values of the RECORDED metrics of one run, from its MLflow run (ordered by step)."""
     from mlflow.tracking import MlflowClient
 
+    from deploy.metric_names import metric_history  # MLflow names; old records: their internal names
+
     client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
     result = {}
     for name in RECORDED:
-        points = sorted(client.get_metric_history(summary["mlflow_run_id"], name), key=lambda m: m.step)
+        points = sorted(metric_history(client, summary["mlflow_run_id"], name), key=lambda m: m.step)
         result[name] = [m.value for m in points]
     return result
 

@@ -1,5 +1,6 @@
 """MLflow for a run: params from the resolved config (secrets left out), one `log_batch` per learner step,
-and the end-of-run plot. MLflow 3.x; the default store is a sqlite file in the run directory.
+and the end-of-run plot. MLflow 3.x; the default store is a sqlite file in the run directory. Metrics are
+given under their internal names and logged under their MLflow names (deploy/metric_names.py: `<section>/...`).
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 import mlflow  # noqa: E402
 from mlflow.entities import Metric, Param  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
+
+from deploy.metric_names import internal_name, metric_history, mlflow_name  # noqa: E402
 
 SECRET_WORDS = ("password", "secret", "token", "credential")
 PLOTTED = ("reward_mean", "rejection_rate", "mismatch_kl")
@@ -59,12 +62,12 @@ class Tracker:
         exp_id = exp.experiment_id if exp else mlflow.create_experiment(
             experiment, artifact_location=self._local_artifacts(tracking_uri, run_dir))
         self.client = MlflowClient(self.uri)
-        self.history: dict[str, dict[int, float]] = {}  # key -> {step: last value} (for the plot)
+        self.history: dict[str, dict[int, float]] = {}  # internal name -> {step: last value} (for the plot)
         if resume_run_id:
             self.run_id = resume_run_id
             self.client.update_run(resume_run_id, status="RUNNING")
             for key in PLOTTED:
-                self.history[key] = {m.step: m.value for m in self.client.get_metric_history(resume_run_id, key)}
+                self.history[key] = {m.step: m.value for m in metric_history(self.client, resume_run_id, key)}
         else:
             self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
         for name, value in (tags or {}).items():
@@ -101,19 +104,20 @@ class Tracker:
             self.client.set_tag(self.run_id, f"resume_v{version}.{name}", value)
 
     def first_values(self, prefix: str) -> dict[str, float]:
-        """{metric: its value at the lowest step} for the run's metrics named `prefix`* (e.g. the evaluation
-        before training of a resumed run)."""
-        names = [k for k in self.client.get_run(self.run_id).data.metrics if k.startswith(prefix)]
-        return {k: min(self.client.get_metric_history(self.run_id, k), key=lambda m: (m.step, m.timestamp)).value
-                for k in names}
+        """{metric: its value at the lowest step} for the run's metrics whose internal name starts with
+        `prefix` (e.g. "eval/": the evaluation before training of a resumed run), under internal names."""
+        names = [k for k in self.client.get_run(self.run_id).data.metrics if internal_name(k).startswith(prefix)]
+        return {internal_name(k): min(self.client.get_metric_history(self.run_id, k),
+                                      key=lambda m: (m.step, m.timestamp)).value for k in names}
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """All metrics of one step in one `log_batch` call; non-finite and non-numeric values are skipped."""
+        """All metrics of one step (internal names) in one `log_batch` call, each under its MLflow name
+        (deploy.metric_names.mlflow_name); non-finite and non-numeric values are skipped."""
         now = int(time.time() * 1000)
         batch = []
         for key, value in metrics.items():
             if isinstance(value, (int, float)) and value == value and abs(value) != float("inf"):
-                batch.append(Metric(key, float(value), now, step))
+                batch.append(Metric(mlflow_name(key), float(value), now, step))
                 self.history.setdefault(key, {})[step] = float(value)
         for i in range(0, len(batch), 1000):
             self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
@@ -122,7 +126,7 @@ class Tracker:
         self.client.log_artifact(self.run_id, str(path))
 
     def plot(self, out: Path) -> Path:
-        """PNG of reward, rejection rate and mismatch KL over learner steps."""
+        """PNG of reward, rejection rate and mismatch KL over learner steps (titled by their internal names)."""
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt

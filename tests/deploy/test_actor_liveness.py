@@ -26,6 +26,7 @@ from broker.run_state import read_learner_version  # noqa: E402
 from broker.streams import connect  # noqa: E402
 from deploy.config import load_config  # noqa: E402
 from deploy.driver import train  # noqa: E402
+from deploy.metric_names import metric_history  # noqa: E402
 from deploy.scale import request_scale  # noqa: E402
 
 pytestmark = pytest.mark.system  # Ray, DeepSpeed, Redis (and MLflow) together: not in the quick lane
@@ -41,7 +42,7 @@ def run_id_of_running_job() -> str:
 
 
 def actors_live(summary) -> list[float]:
-    history = MlflowClient(summary["mlflow_uri"]).get_metric_history(summary["mlflow_run_id"], "actors_live")
+    history = metric_history(MlflowClient(summary["mlflow_uri"]), summary["mlflow_run_id"], "actors_live")
     return [m.value for m in sorted(history, key=lambda m: m.step)]
 
 

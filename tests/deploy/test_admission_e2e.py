@@ -21,6 +21,7 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 from broker.faults import FAULTS_ENV  # noqa: E402
 from deploy.config import load_config  # noqa: E402
 from deploy.driver import train  # noqa: E402
+from deploy.metric_names import metric_history  # noqa: E402
 
 pytestmark = pytest.mark.system  # Ray, DeepSpeed, Redis (and MLflow) together: not in the quick lane
 
@@ -61,5 +62,5 @@ def test_on_policy_run_with_a_slow_and_a_killed_actor(tmp_path, redis_server, mo
     assert acc["dropped_stale"] == 0 and acc["duplicates"] == 0 and acc["dead_lettered"] == 0
     assert acc["produced"] == acc["consumed"] + acc["groups_filtered"] + acc["dropped_stale"] + acc["left_in_queue"]
     assert acc["left_in_queue"] <= cfg.actors.prompts_per_batch
-    history = MlflowClient(summary["mlflow_uri"]).get_metric_history(summary["mlflow_run_id"], "staleness_max")
+    history = metric_history(MlflowClient(summary["mlflow_uri"]), summary["mlflow_run_id"], "staleness_max")
     assert len(history) == steps and all(m.value == 0 for m in history)

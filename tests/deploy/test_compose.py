@@ -36,6 +36,7 @@ from broker.config import BrokerConfig
 from broker.redis_server import free_port
 from broker.schema import decode_group
 from broker.run_state import key
+from deploy.metric_names import metric_history
 
 pytestmark = pytest.mark.docker
 
@@ -286,9 +287,9 @@ def test_compose_run_scaled_and_an_actor_container_killed(images, tmp_path):
 
         mlflow = MlflowClient(f"http://127.0.0.1:{env['SPARSE_RL_MLFLOW_PORT']}")
         for name in ("rejection_rate", "mismatch_kl"):
-            steps = sorted(m.step for m in mlflow.get_metric_history(summary["mlflow_run_id"], name))
+            steps = sorted(m.step for m in metric_history(mlflow, summary["mlflow_run_id"], name))
             assert steps == list(range(1, STEPS + 1)), (name, steps)
-        live = [m.value for m in sorted(mlflow.get_metric_history(summary["mlflow_run_id"], "actors_live"),
+        live = [m.value for m in sorted(metric_history(mlflow, summary["mlflow_run_id"], "actors_live"),
                                         key=lambda m: m.step)]
         assert max(live) == 3 and live[-1] == 3, live
 

@@ -25,6 +25,7 @@ from broker.run_state import read_learner_version, set_paused  # noqa: E402
 from broker.streams import connect  # noqa: E402
 from deploy.config import ConfigError, load_config  # noqa: E402
 from deploy.driver import train  # noqa: E402
+from deploy.metric_names import SECTIONS, metric_history  # noqa: E402
 from deploy.record import resume_config  # noqa: E402
 from deploy.scale import request_scale  # noqa: E402
 
@@ -58,9 +59,11 @@ def test_tiny_run_end_to_end(tmp_path, redis_server):
                      prompts_per_batch=cfg.actors.prompts_per_batch)
     client = MlflowClient(summary["mlflow_uri"])
     for name in STEP_METRICS:
-        steps = [m.step for m in client.get_metric_history(summary["mlflow_run_id"], name)]
+        steps = [m.step for m in metric_history(client, summary["mlflow_run_id"], name)]
         assert steps == [1, 2, 3], name
     metrics = client.get_run(summary["mlflow_run_id"]).data.metrics
+    # every metric the driver logged is in an MLflow section (deploy/metric_names.py), none left ungrouped
+    assert {name.split("/")[0] for name in metrics} <= set(SECTIONS), sorted(n for n in metrics if "/" not in n)
     for mode in ("dense", "sparse"):
         assert metrics[f"eval/{mode}/n"] == cfg.eval.limit
         assert 0.0 <= metrics[f"eval/{mode}/accuracy"] <= 1.0
@@ -129,7 +132,7 @@ def test_actors_scaled_and_killed_while_learner_steps(tmp_path, redis_server):
     check_accounting(summary, steps=steps, groups_per_step=cfg.train.groups_per_step,
                      prompts_per_batch=cfg.actors.prompts_per_batch)
     assert len(summary["accounting"]["actor_versions"]) == 2
-    live = [m.value for m in MlflowClient(summary["mlflow_uri"]).get_metric_history(summary["mlflow_run_id"], "actors_live")]
+    live = [m.value for m in metric_history(MlflowClient(summary["mlflow_uri"]), summary["mlflow_run_id"], "actors_live")]
     assert live[0] == 1 and max(live) == 3 and live[-1] == 2, live
 
 
@@ -150,7 +153,7 @@ def test_resume_continues_the_same_record_and_a_fork_starts_its_own(tmp_path, re
     assert second["groups_trained"] == 4 * gps  # the learner's counter continued from the checkpoint's 2 * gps
     assert second["accounting"]["learner_version"] == 4 and set(second["accounting"]["actor_versions"].values()) == {4}
     client = MlflowClient(second["mlflow_uri"])
-    history = client.get_metric_history(first["mlflow_run_id"], "rejection_rate")
+    history = metric_history(client, first["mlflow_run_id"], "rejection_rate")
     assert sorted(m.step for m in history) == [1, 2, 3, 4]
     run = client.get_run(first["mlflow_run_id"])
     assert run.info.status == "FINISHED" and run.data.tags["resumed_at_versions"] == "2"
@@ -191,6 +194,6 @@ def test_a_failing_reward_function_is_counted_and_the_run_goes_on(tmp_path, redi
 
     assert summary["accounting"]["learner_version"] == 2
     client = MlflowClient(summary["mlflow_uri"])
-    errors = sum(m.value for m in client.get_metric_history(summary["mlflow_run_id"], "reward_errors"))
+    errors = sum(m.value for m in metric_history(client, summary["mlflow_run_id"], "reward_errors"))
     assert errors >= 2 * cfg.train.groups_per_step * cfg.actors.sampling.samples_per_prompt * 0.5
-    assert all(m.value == 0 for m in client.get_metric_history(summary["mlflow_run_id"], "reward_mean"))
+    assert all(m.value == 0 for m in metric_history(client, summary["mlflow_run_id"], "reward_mean"))

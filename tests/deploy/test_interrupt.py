@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from deploy.metric_names import metric_history
+
 pytestmark = pytest.mark.system  # Ray, DeepSpeed, Redis (and MLflow) together: not in the quick lane
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,7 +82,7 @@ def test_ctrl_c_stops_the_run_cleanly(tmp_path):
     assert "resumed at weight version" in resumed.stdout
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])  # still one MLflow run
     assert run.info.status == "FINISHED"
-    assert {m.step for m in client.get_metric_history(run.info.run_id, "reward_mean")} == {1, 2, 3, 4}
+    assert {m.step for m in metric_history(client, run.info.run_id, "reward_mean")} == {1, 2, 3, 4}
     # the record's log of trained prompts has every version once, also the one the interrupted driver never logged
     logged = [json.loads(line)["version"] for line in (run_dir / "trained_prompts.jsonl").read_text().splitlines()]
     assert logged == [1, 2, 3, 4], logged

@@ -19,12 +19,13 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 from compressors.budget import tier_budget  # noqa: E402
 from deploy.config import load_config  # noqa: E402
 from deploy.driver import train  # noqa: E402
+from deploy.metric_names import metric_history  # noqa: E402
 
 pytestmark = pytest.mark.system  # Ray, DeepSpeed, Redis (and MLflow) together: not in the quick lane
 
 
 def history(client, run_id, name):
-    return [m.value for m in sorted(client.get_metric_history(run_id, name), key=lambda m: m.step)]
+    return [m.value for m in sorted(metric_history(client, run_id, name), key=lambda m: m.step)]
 
 
 @pytest.mark.timeout(900)

@@ -20,6 +20,7 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 
 from deploy.config import load_config  # noqa: E402
 from deploy.driver import train  # noqa: E402
+from deploy.metric_names import metric_history  # noqa: E402
 
 pytestmark = pytest.mark.system  # Ray, DeepSpeed, Redis (and MLflow) together: not in the quick lane
 
@@ -32,7 +33,7 @@ def run(tmp_path, redis_url, *overrides) -> tuple[dict, dict[str, list[float]]]:
                                      "learner.weight_sync_timeout_s=60", *overrides])
     summary = train(cfg)
     client = MlflowClient(summary["mlflow_uri"])
-    history = {name: [m.value for m in sorted(client.get_metric_history(summary["mlflow_run_id"], name),
+    history = {name: [m.value for m in sorted(metric_history(client, summary["mlflow_run_id"], name),
                                               key=lambda m: m.step)]
                for name in ("reward_mean", "kv_retained_ratio", "mismatch_kl")}
     assert len(history["reward_mean"]) == STEPS
