@@ -278,7 +278,7 @@ def dense_sparse_eval(args, seed: int, budget: int, summary: dict) -> dict:
         return {k[len("eval/"):]: v for k, v in summary.items() if k.startswith("eval/sparse/")}
     from deploy.config import load_config
     from deploy.evaluate import evaluate_model
-    cfg = load_config(args.config, [*args.overrides, f"seed={seed}", "eval.data=train_task",
+    cfg = load_config(args.config, [*args.overrides, f"seed={seed}", "eval.data=train_task", "eval.draw=1",
                                     f"eval.limit={args.eval_limit}", *compressor_overrides(args, budget)])
     start = time.monotonic()
     scores = evaluate_model(cfg, str(Path(summary["run_dir"]) / "final"), ["sparse"])

@@ -151,7 +151,7 @@ class StepReport:
     """Time waiting for groups / time of all steps of this learner process."""
 
     def as_metrics(self) -> dict[str, float]:
-        """The report under its MLflow names (SPEC §4; unchanged by issue 20, `weight_version` kept as an
+        """The report under its internal names (SPEC §4; deploy/metric_names.py gives their MLflow names; unchanged by issue 20, `weight_version` kept as an
         alias of `version`)."""
         return {**self.metrics, "weight_version": self.version, "version": float(self.version),
                 "learner_wait_s": self.wait_s, "groups_trained": float(self.groups_trained),
