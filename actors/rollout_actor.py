@@ -75,6 +75,9 @@ class RolloutWorker:
         self.cfg: RolloutConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RolloutConfig), cfg))
         self.run_id, self.actor_id = run_id, actor_id
         a = self.cfg.actors
+        self.redis = connect(self.cfg.broker)
+        self.phase = rs.PhaseBoard(self.redis, run_id, actor_id)  # what this actor does, for the driver's console
+        self.phase("loading")
         # a test's SPARSE_RL_FAULTS may make this actor slow to start, fail, or slow in every batch (broker/faults.py)
         self.engine = faults.wrap(build_engine, "actor.start", actor_id)(a.engine, self.cfg.model, a.engine.compressor,
                                                                         a.torch_threads, self.cfg.record_evictions)
@@ -85,7 +88,6 @@ class RolloutWorker:
         self.tokenizer = self.engine.tokenizer
         self.prompts = load_train_prompts(a.data, self.tokenizer, seed=self.cfg.seed)
         self.reward = RewardScorer(a.reward)
-        self.redis = connect(self.cfg.broker)
         self.stopping = threading.Event()
         self.admission = None
         if self.cfg.broker.admission:
@@ -168,10 +170,11 @@ class RolloutWorker:
         except Exception as e:  # reported through ping(); the driver replaces this actor
             self.error = f"{type(e).__name__}: {e}"
             traceback.print_exc()
+        self.phase("stopped")
 
     def run(self) -> None:
         """The generation loop until stop(), one batch (prompts_per_batch prompts x G samples) per turn:
-        wait_turn -> claim -> generate -> score -> publish."""
+        wait_turn -> claim -> generate -> score -> publish; each phase recorded for the console (PhaseBoard)."""
         a = self.cfg.actors
         params = SamplingParams(temperature=a.sampling.temperature, max_new_tokens=a.sampling.max_new_tokens,
                                 n=a.sampling.samples_per_prompt, stop_strings=list(a.sampling.stop_strings),
@@ -182,13 +185,18 @@ class RolloutWorker:
             with self.generating:  # weights stay fixed from the claim to the end of the batch
                 batch = self._claim()
                 if batch is not None:
+                    self.phase("generating")
                     self._generate(batch, params)
             if batch is None:  # not admitted: wait outside the lock (weights may be swapped in meanwhile)
+                self.phase("waiting for a claim")
                 waited = time.monotonic()
                 self.stopping.wait(self.cfg.broker.backpressure_poll_s)
                 self.counters["admission_wait_s"] += time.monotonic() - waited
                 continue
-            self._publish(batch, self._score(batch, params))
+            self.phase("scoring")
+            groups = self._score(batch, params)
+            self.phase("publishing")
+            self._publish(batch, groups)
 
     def _wait_turn(self) -> bool:
         """Wait until this actor may start a batch: generation not paused, its weights within max_staleness of
@@ -197,16 +205,19 @@ class RolloutWorker:
         b = self.cfg.broker
         self._swap()
         if rs.is_paused(self.redis, self.run_id):
+            self.phase("paused")
             self.stopping.wait(0.1)
             return False
         waited = time.monotonic()
         while rs.read_learner_version(self.redis, self.run_id) - self.engine.weight_version > b.max_staleness:
+            self.phase("waiting for weights")
             if self.stopping.wait(0.05):  # our weights are too old: wait for the next sync round
                 return False
             self._swap()
         self.counters["staleness_wait_s"] += time.monotonic() - waited
         waited = time.monotonic()
         while queue_depth(self.redis, b, self.run_id) >= b.high_watermark:  # enough groups are waiting
+            self.phase("waiting for queue space")
             if self.stopping.wait(b.backpressure_poll_s):
                 return False
             self._swap()

@@ -26,6 +26,7 @@ light (no Ray, no torch).
 | `admission:step_capacity` | int     | learner (open_pool, every commit)              | admission claim script           |
 | `admission:last_version`  | int     | learner (open_pool)                            | admission                        |
 | `reply`                   | string  | the scripts that publish, claim or take prompts: `reply:<call id>`, their reply, kept REPLY_TTL_S | the same call, retried after its reply was lost |
+| `phases`                  | hash    | rollout actors, learner ranks (at each change of phase: set_phase) | driver (its wait lines: read_phases) |
 
 `counts` fields: produced, consumed, groups_filtered, dropped_stale, dead_lettered, duplicates, reclaimed, and
 the admission counters admitted, claims_expired, claimed_returned, prompts_redone; each changed in the same transaction as
@@ -44,12 +45,21 @@ count an entry only when they delete it from the stream; the scripts that add en
 prompt indices (publish, admission claim and publish, take_prompt_indices) record their reply under
 `reply:<call id>` (an id drawn once per call, so redis-py's retry sends the same one) and give that reply
 back when the id comes again; append_budget_log does not append the same record twice in a row.
+
+`phases` fields: a part's id (`actor-<i>`, `learner-<rank>`) -> JSON {"phase", "since"[, "step"]}: what the part is
+doing (PhaseBoard: written at each change of phase only, never per token or sample) and since when, in the Redis
+server's clock (TIME), so the driver's durations (read_phases, same clock) hold across machines; "step": when the
+learner's step had its groups. A part that never wrote, or whose write failed, has no field or an older one.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import json
+import threading
 import uuid
+from dataclasses import dataclass
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -64,6 +74,7 @@ ADMISSION_PENDING, ADMISSION_CLAIMS, ADMISSION_EXPIRY = "admission:pending", "ad
 ADMISSION_STEP_CAPACITY, ADMISSION_LAST_VERSION = "admission:step_capacity", "admission:last_version"
 ADMISSION_CLAIM_PROMPTS = "admission:claim_prompts"
 REPLY = "reply"
+PHASES = "phases"
 COUNT_NAMES = ("produced", "consumed", "groups_filtered", "dropped_stale", "dead_lettered", "duplicates")
 """The `counts` fields reported as 0 before their first increment."""
 ACTOR_COUNT_NAMES = ("rollout_groups", "reward_errors", "claims_lost")
@@ -358,3 +369,103 @@ def reset_claims(r, run_id: str) -> None:
     queue was discarded, broker.streams.discard_queue)."""
     r.delete(*(key(run_id, n) for n in (ADMISSION_PENDING, ADMISSION_CLAIMS, ADMISSION_EXPIRY,
                                         ADMISSION_CLAIM_PROMPTS)))
+
+
+# -- phases (what each part is doing, for the console) ----------------------------------------------------------
+STEP_PHASES = ("recompute", "backward", "optimizer step", "checkpoint", "commit")
+"""The learner's phases from the moment its step has its groups to its commit (deploy/learner_worker.py,
+learner/step.py); its others: loading, idle, reading groups, weight sync, saving the final weights. The actors':
+loading, paused, waiting for weights, waiting for queue space, waiting for a claim, generating, scoring,
+publishing, stopped (actors/rollout_actor.py)."""
+
+
+# KEYS: phases; ARGV: part, phase, "1" when the phase starts a learner step's work (then "step" = now) -> now.
+# "since" and "step" are the server's time (s): every part and the driver share one clock.
+_SET_PHASE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local record = {phase = ARGV[2], since = now}
+if ARGV[3] == '1' then
+  record.step = now
+else
+  local old = redis.call('HGET', KEYS[1], ARGV[1])
+  if old then record.step = cjson.decode(old).step end
+end
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode(record))
+return tostring(now)
+"""
+
+
+@dataclass(frozen=True)
+class Phase:
+    """What a part was doing when the phases were read: `phase`, for `for_s` seconds; `step_s`: how long the learner's
+    step has been at work since it had its groups (None for the actors)."""
+    phase: str
+    for_s: float
+    step_s: float | None = None
+
+
+def set_phase(r, run_id: str, part: str, phase: str, starts_step: bool = False) -> None:
+    """Record that `part` (e.g. "actor-0", "learner-1") is now in `phase`, since now (the server's TIME); with
+    `starts_step`, also that the learner's step starts its work now. Raises what the client raises (PhaseBoard
+    ignores it)."""
+    r.register_script(_SET_PHASE)(keys=[key(run_id, PHASES)], args=[part, phase, "1" if starts_step else ""])
+
+
+def read_phases(r, run_id: str) -> dict[str, Phase]:
+    """Every part's phase now, by part id (one round trip: the server's TIME and the hash)."""
+    pipe = r.pipeline(transaction=False)
+    pipe.time()
+    pipe.hgetall(key(run_id, PHASES))
+    (seconds, micros), raw = pipe.execute()
+    now, out = seconds + micros / 1e6, {}
+    for part, value in raw.items():
+        try:
+            record = json.loads(value)
+            step = record.get("step")
+            out[part.decode()] = Phase(str(record["phase"]), max(0.0, now - float(record["since"])),
+                                       None if step is None else max(0.0, now - float(step)))
+        except (ValueError, KeyError, TypeError):
+            continue  # (not written by set_phase: left out)
+    return out
+
+
+class PhaseBoard:
+    """One part's entry in the run's `phases`: `board("scoring")` at each change of phase (a call with the
+    phase it is in already writes nothing, so a loop that waits again keeps its `since`). A write that fails
+    (Redis away) is ignored: the phases are for the console, never a reason for the part to fail."""
+
+    def __init__(self, r, run_id: str, part: str):
+        self.r, self.run_id, self.part = r, run_id, part
+        self.current: str | None = None
+        self.lock = threading.Lock()
+
+    def __call__(self, phase: str, starts_step: bool = False) -> None:
+        with self.lock:
+            if phase == self.current and not starts_step:
+                return
+            try:
+                set_phase(self.r, self.run_id, self.part, phase, starts_step)
+                self.current = phase
+            except Exception:
+                self.current = None  # (ignored, see the class; the next call writes again)
+
+    def around(self, fn, phase: str):
+        """`fn`, which first records `phase` at each call (a method that is a phase of its own)."""
+        @functools.wraps(fn)
+        def in_phase(*args, **kwargs):
+            self(phase)
+            return fn(*args, **kwargs)
+        return in_phase
+
+    @contextlib.contextmanager
+    def during(self, phase: str):
+        """`phase` for the body of a with block that runs beside the part's loop (the learner's weight broadcast
+        while its step waits for groups), then the phase it interrupted again, unless the loop changed it meanwhile."""
+        before = self.current
+        self(phase)
+        try:
+            yield
+        finally:
+            if self.current == phase and before is not None:
+                self(before)

@@ -141,6 +141,30 @@ def queue_depth(client: redis.Redis, cfg: BrokerConfig, run_id: str) -> int:
     return client.xlen(rs.key(run_id, cfg.stream))
 
 
+def oldest_unread_s(client: redis.Redis, cfg: BrokerConfig, run_id: str) -> float | None:
+    """How long the oldest group the learner has not read yet has been in the stream, seconds, on the server's
+    clock (a stream id is its milliseconds at the XADD); None when every group in it was read (or there is no
+    consumer group yet). Read-only: the driver asks it to tell a learner that waits for groups from one that does
+    not read them."""
+    stream = rs.key(run_id, cfg.stream)
+    try:
+        groups = client.xinfo_groups(stream)
+    except redis.ResponseError:  # no stream yet
+        return None
+    name = cfg.consumer_group.encode()
+    last = next((g["last-delivered-id"] for g in groups if g["name"] in (name, cfg.consumer_group)), None)
+    if last is None:
+        return None
+    pipe = client.pipeline(transaction=False)
+    pipe.xrange(stream, min=b"(" + (last if isinstance(last, bytes) else str(last).encode()), count=1)
+    pipe.time()
+    unread, (seconds, micros) = pipe.execute()
+    if not unread:
+        return None
+    published_ms = int(unread[0][0].split(b"-")[0])
+    return max(0.0, seconds + micros / 1e6 - published_ms / 1000)
+
+
 def discard_queue(client: redis.Redis, cfg: BrokerConfig, run_id: str) -> int:
     """Remove every group still in the run's stream (delivered or not), counted as dropped_stale, in one
     transaction: what a resumed run does with the queue its previous life

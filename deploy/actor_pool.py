@@ -8,7 +8,7 @@ import time
 import ray
 
 from broker import run_state as rs
-from broker.streams import connect
+from broker.streams import connect, oldest_unread_s
 from deploy.config import RunConfig, rollout_config, to_dict
 from deploy.rank_calls import RANK_FAILURE_WAIT_S, LearnerRankError
 
@@ -58,6 +58,10 @@ class ActorPool:
         self.replaced = 0
         self.redis = connect(cfg.broker)
         self.counted = rs.actor_counts(self.redis, run_id)  # the run's actor counters at the last metrics()
+        self.reported = time.monotonic()  # the last wait line (the learner's step, or a call on the learner)
+        self.late_said = False  # a "learner step ... slow" line was printed in the current step
+        if learners is not None:
+            learners.on_wait = self.learner_waiting
         address = learner.sync_address.remote()  # (host, port) of the learner's TCPStore
         self.sync_address = learners.get(address, "the actors were starting") if learners else ray.get(address)
 
@@ -131,7 +135,8 @@ class ActorPool:
         waits every train.wait_report_s. Raises RunFailed when the learner gave up after train.group_wait_s, or
         when a learner rank died, hung or raised (naming the rank; nothing of the step was acknowledged; the
         message ends with hint(): how to go on, the resume command or, without a checkpoint, the start again)."""
-        waited = reported = time.monotonic()
+        waited = self.reported = time.monotonic()
+        self.late_said = False
         while not ray.wait([done], timeout=WAIT_POLL_S)[0]:
             dead = self.learners.dead_rank() if self.learners is not None else None
             if dead:  # rank 0's own error names the step and every dead rank: wait for it as rank 0 waits for Ray
@@ -142,11 +147,7 @@ class ActorPool:
             self.scale(target())
             if self.membership_changed():  # an actor became ready: weights now (it cannot sample without)
                 self.sync_weights()
-            if time.monotonic() - reported >= self.cfg.train.wait_report_s:
-                reported = time.monotonic()
-                why = self.why_waiting(depth())
-                if why:  # (nothing to say while the learner computes with groups queued)
-                    console.waiting(step, reported - waited, why)
+            self._report(step, waited, console, depth)
         try:
             return ray.get(done)
         except PROCESS_LOST as e:
@@ -157,7 +158,7 @@ class ActorPool:
                             f"was acknowledged; {hint()}") from None
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, TimeoutError):  # waited train.group_wait_s for groups: say so in one line
-                why = self.why_waiting(depth())
+                why = self.why_waiting(depth(), self.board())
                 raise RunFailed(f"{e.cause}" + (f" ({why})" if why else "")) from None
             raise RunFailed(f"learner step {step} failed: learner rank 0 raised {root_cause(e)}; nothing of this "
                             f"step was acknowledged; {hint()}") from None  # (one rank: no LearnerRankError)
@@ -171,16 +172,94 @@ class ActorPool:
         """The ready actors differ from the current weight-sync group (one started, restarted or left)."""
         return [(i, self.incarnations.get(i)) for i in self.ready()] != self.members
 
-    def why_waiting(self, depth: int) -> str:
-        """Why the learner has no groups yet, in words for the console; "" when groups are queued and actors
-        live (then the learner is computing its step, not waiting)."""
-        ready, starting = len(self.ready()), len(self.starting)
+    def _report(self, step: int, waited: float, console, depth) -> None:
+        """The console while the driver waits for `step` (asked for at `waited`, monotonic), at most one line every
+        train.wait_report_s: "learner step <step> slow: ..." as soon as the learner is late (learner_late), else,
+        once it has waited train.wait_report_s for the groups, why (why_waiting). Nothing while all is on time."""
+        board, limit = self.board(), self.cfg.train.wait_report_s
+        late = self.learner_late(step, board, time.monotonic() - waited)
+        due = time.monotonic() - self.reported >= limit
+        if late and (due or not self.late_said):
+            self.reported, self.late_said = time.monotonic(), True
+            print(late, flush=True)
+        elif due and not late:
+            self.reported = time.monotonic()
+            why = self.why_waiting(depth(), board)
+            if why:  # (nothing to say while the learner computes its step in time)
+                console.waiting(step, self.reported - waited, why)
+
+    def board(self) -> dict[str, rs.Phase]:
+        """What each part of the run is doing now (run_state.read_phases); {} when Redis does not answer (the
+        lines then say less, nothing fails)."""
+        try:
+            return rs.read_phases(self.redis, self.run_id)
+        except Exception:
+            return {}
+
+    def why_waiting(self, depth: int, board: dict[str, rs.Phase] | None = None) -> str:
+        """Why the learner has no groups yet, in words for the console: what each live actor is doing and since
+        when ("queue empty: actor-0 scoring for 95 s, actor-1 generating for 12 s"); "" when the learner is not
+        waiting for groups (its phase is not "reading groups"; without its phase: groups are queued)."""
+        board = board or {}
+        ready, starting = self.ready(), len(self.starting)
         loading = f", {starting} starting (loading the model)" if starting else ""
         if not ready:
             return f"no live rollout actor{loading}"
+        lead = board.get("learner-0")
+        if lead is not None and lead.phase != "reading groups":
+            return ""  # the learner computes its step (learner_late says when it is slow)
+        actors = ", ".join(f"actor-{i} {board[f'actor-{i}'].phase} for {board[f'actor-{i}'].for_s:.0f} s"
+                           if f"actor-{i}" in board else f"actor-{i} (phase not known)" for i in ready)
         if depth == 0:
-            return f"queue empty: {ready} live rollout actor(s) still generating{loading}"
+            return f"queue empty: {actors}{loading}"
+        if lead is not None:  # it holds groups of the step (read, not yet trained) and waits for more
+            return f"queue holds {depth} group(s), the step needs more: {actors}{loading}"
         return ""
+
+    def learner_late(self, step: int, board: dict[str, rs.Phase], asked_s: float) -> str:
+        """"learner step <step> slow: learner-0 backward for 33 s, learner-1 ... (<how late>)" when rank 0's step
+        has been at work train.wait_report_s since it had its groups, or has left a group in the queue unread that
+        long (it is not reading), or has not started that long after the driver asked for it (`asked_s` ago);
+        "" while it is on time or waits for groups (or its phase is not known)."""
+        lead, limit = board.get("learner-0"), self.cfg.train.wait_report_s
+        if lead is None:
+            return ""
+        if lead.phase == "reading groups":
+            unread = self.unread_s()
+            took = min(unread, lead.for_s) if unread is not None else 0.0
+            detail = f"the oldest group in the queue unread for {took:.0f} s"
+        elif lead.phase in rs.STEP_PHASES and lead.step_s is not None:
+            took, detail = lead.step_s, f"{lead.step_s:.0f} s since it had its groups"
+        else:  # idle (the step has not started), a weight sync, ...
+            took = min(lead.for_s, asked_s)
+            detail = f"{took:.0f} s since the driver asked for the step"
+        if took < limit:
+            return ""
+        return f"learner step {step} slow: {self.learner_phases(board)} ({detail})"
+
+    def learner_phases(self, board: dict[str, rs.Phase]) -> str:
+        """Each learner rank's phase: "learner-0 backward for 33 s, learner-1 backward for 33 s"."""
+        parts = [f"learner-{r}" for r in range(self.cfg.learner.ranks)]
+        return ", ".join(f"{p} {board[p].phase} for {board[p].for_s:.0f} s" if p in board else f"{p} (phase not known)"
+                         for p in parts)
+
+    def learner_waiting(self, what: str, seconds: float) -> None:
+        """Called by LearnerGroup.get at every poll of a call on the learner (`what`: "it sent the weights", ...)
+        that has run `seconds`: once it has run train.wait_report_s, a line every train.wait_report_s naming each
+        rank's phase ("waiting for the learner for 31 s (it sent the weights): learner-0 weight sync for 31 s")."""
+        limit = self.cfg.train.wait_report_s
+        if seconds >= limit and time.monotonic() - self.reported >= limit:
+            self.reported = time.monotonic()
+            print(f"waiting for the learner for {seconds:.0f} s ({what}): {self.learner_phases(self.board())}",
+                  flush=True)
+
+    def unread_s(self) -> float | None:
+        """How long the oldest group the learner has not read has been queued (streams.oldest_unread_s), seconds;
+        None when none is unread or Redis does not answer."""
+        try:
+            return oldest_unread_s(self.redis, self.cfg.broker, self.run_id)
+        except Exception:
+            return None
 
     def alive(self) -> list[int]:
         """Indices of started actors that answer a ping with a running loop (one restarted by Ray answers once

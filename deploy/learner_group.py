@@ -84,6 +84,7 @@ class LearnerGroup:
         self.rank0 = self.ranks[0]
         self.watch = {r.watch.options(concurrency_group="watch").remote(): rank for rank, r in enumerate(self.ranks)}
         self.hint = hint  # () -> how to go on, appappended to a death's line
+        self.on_wait = None  # (what, seconds) at every poll of get(): the driver's console (ActorPool.learner_waiting)
         pending = [r.pid.remote() for r in self.ranks]  # answered once a rank has started (joined the group)
         try:
             while pending:  # a rank that fails to start fails the group at once
@@ -119,8 +120,11 @@ class LearnerGroup:
     def get(self, ref, phase: str, poll_s: float = 1.0):
         """ray.get(ref) of a learner call, failing with RunFailed (naming the rank and `phase`) as soon as any
         rank dies meanwhile, instead of waiting on a call a dead peer can never finish."""
+        since = time.monotonic()
         while not ray.wait([ref], timeout=poll_s)[0]:
             self.check(phase)
+            if self.on_wait is not None:
+                self.on_wait(phase, time.monotonic() - since)
         try:
             return ray.get(ref)
         except PROCESS_LOST as e:

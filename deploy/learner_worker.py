@@ -12,11 +12,18 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from broker import faults
+from broker import run_state as rs
+from broker.streams import connect
 from broker.weight_sync import WeightSender
 from deploy.config import RunConfig
 from deploy.rank_calls import AllRanks, on_all_ranks, wait_ranks
 from learner.learner import Learner, init_distributed
 from learner.step import LearnerStep, OneRank, Resume, StepConfig, StepReport
+
+
+LEARNER_PHASES = (("_backward", "backward"), ("_backward_fused", "backward"), ("_optimizer_step", "optimizer step"))
+"""The parts of Learner.step (its methods) recorded as the rank's phase when each starts (rs.PhaseBoard.around),
+after its first one, recompute, recorded as the step starts (LearnerWorker.step)."""
 
 
 class LearnerWorker:
@@ -28,16 +35,22 @@ class LearnerWorker:
         faults.wrap(lambda: None, "learner.init", rank)()  # a test's fault (broker/faults.py): dies while it starts
         self.cfg: RunConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
         l = self.cfg.learner
+        self.phase = rs.PhaseBoard(connect(self.cfg.broker), run_id, f"learner-{rank}")  # for the driver's console
+        self.phase("loading")
         if world_size > 1:
             init_distributed(rank, world_size, master[0], master[1], timeout_s=l.collective_timeout_s)
         self.learner = Learner(self.cfg.model, l)
+        for method, phase in LEARNER_PHASES:  # Learner.step's parts, each recorded when it starts
+            if hasattr(self.learner, method):
+                setattr(self.learner, method, self.phase.around(getattr(self.learner, method), phase))
         self.rank, self.peers = rank, []  # rank 0: Ray handles of ranks 1..N-1
         self.local, version = OneRank(self.learner, l.checkpoint_dir), lambda: self.learner.version
         self.local.step = faults.wrap(self.local.step, "learner.step", rank, when=version)  # a test's faults, or not
         self.resume = Resume.load(self.learner, l.resume_from or l.checkpoint_dir)  # resume_from: a fork
         if rank:
+            self.phase("idle")
             return
-        self.protocol = LearnerStep(StepConfig.of_run(self.cfg), run_id, self.learner, self.resume)
+        self.protocol = LearnerStep(StepConfig.of_run(self.cfg), run_id, self.learner, self.resume, phase=self.phase)
         host = ray.util.get_node_ip_address() if self.cfg.ray.address else "127.0.0.1"  # actors reach the node
         self.sender = WeightSender(host=host, port=0, backend=l.weight_sync_backend, timeout_s=l.weight_sync_timeout_s,
                                    bucket_mb=l.weight_sync_bucket_mb, verify=l.weight_sync_verify)
@@ -45,6 +58,7 @@ class LearnerWorker:
         self.updating = threading.Lock()  # a weight broadcast never reads weights the optimizer is changing
         self.fault = {n: faults.wrap(lambda: None, f"learner.{n}", rank, when=version)
                       for n in ("send_weights", "save_final", "committed")}
+        self.phase("idle")
 
     # -- the learner group: rank 0's calls on every rank -------------------------------------------------------
     def watch(self) -> None:
@@ -65,11 +79,19 @@ class LearnerWorker:
 
     def step(self, groups: list, staleness: list[int]) -> dict:
         """This rank's Learner.step (every rank gets all the groups)."""
-        return self.local.step(groups, staleness)
+        self.phase("recompute", starts_step=True)  # then LEARNER_PHASES
+        metrics = self.local.step(groups, staleness)
+        if self.rank:  # (rank 0 goes on with the step protocol, learner/step.py)
+            self.phase("idle")
+        return metrics
 
     def checkpoint(self, state: dict) -> str:
         """This rank's part of the checkpoint of the current version (learner.step.OneRank.checkpoint)."""
-        return self.local.checkpoint(state)
+        self.phase("checkpoint")
+        path = self.local.checkpoint(state)
+        if self.rank:
+            self.phase("idle")
+        return path
 
     def gather_weights(self, passes: int, keep: bool) -> dict[str, torch.Tensor]:
         """Learner.gather_buckets over the weight-sync buckets (a collective with rank 0's send or gather)."""
@@ -100,6 +122,7 @@ class LearnerWorker:
         broadcast may run while it waits for groups (a new actor gets the weights at once), not while it trains."""
         report = self.protocol.train_step(AllRanks(self))
         self.fault["committed"]()  # a test's fault: the learner slow to answer for a step it has committed
+        self.phase("idle")
         return report
 
     def checkpoint_now(self) -> int:
@@ -126,8 +149,8 @@ class LearnerWorker:
     def send_weights(self, generation: int, world_size: int) -> dict:
         """Learner.send_weights to ranks 1..world_size-1 (actors) of sync group `generation` (rebuilt when it changes);
         ZeRO-3 over several ranks: the peers enter the same per-bucket gathers. Never during the optimizer step."""
-        self.fault["send_weights"]()
-        with self.updating:
+        with self.phase.during("weight sync"), self.updating:
+            self.fault["send_weights"]()  # (a test's fault: a weight sync that stalls or dies)
             if generation != self.generation:
                 self.sender.open_group(generation, world_size)
                 self.generation = generation
@@ -142,6 +165,7 @@ class LearnerWorker:
     def save_final(self, path: str) -> str:
         """The trained weights as a Hugging Face directory (with the tokenizer), for `sparse-rl eval`."""
         self.fault["save_final"]()
+        self.phase("saving the final weights")
         self.learner.engine.module.save_pretrained(path, state_dict=self.full_weights())
         AutoTokenizer.from_pretrained(self.cfg.model).save_pretrained(path)
         return path

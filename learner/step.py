@@ -170,8 +170,11 @@ class LearnerStep:
     trained); the KV budget (budget_control mismatch) and the learner version are published and the admission
     pool is opened."""
 
-    def __init__(self, cfg: StepConfig, run_id: str, learner: Learner, resume: Resume):
+    def __init__(self, cfg: StepConfig, run_id: str, learner: Learner, resume: Resume, phase=None):
+        """`phase`: records what the step does, for the driver's console (broker.run_state.PhaseBoard; None: not
+        recorded)."""
         self.cfg, self.run_id, self.learner = cfg, run_id, learner
+        self.phase = phase or (lambda phase, starts_step=False: None)
         self.redis = connect(cfg.broker)
         self.consumer = GroupConsumer(self.redis, cfg.broker, run_id, "learner-0",
                                       require_eviction_record=cfg.learner.replays(cfg.compressor.method))
@@ -229,6 +232,7 @@ class LearnerStep:
         Raises TimeoutError after train.group_wait_s without the step's groups; whatever `ranks` raises for a
         failed rank; StepAbandoned when `close` came first. Nothing of the step is acknowledged then."""
         start, learner = time.monotonic(), self.learner
+        self.phase("reading groups")
         stale_before = self.consumer.counters["dropped_stale"]
         train, filtered, stale, stats = self.collector.collect(learner.version, self.capacity, self.cfg.group_wait_s)
         wait_s = time.monotonic() - start
@@ -245,9 +249,11 @@ class LearnerStep:
                                     "(nothing of it was saved or acknowledged)")
             state = self._checkpoint_state(metrics, groups)
             if self.cfg.learner.checkpoint_dir and learner.version % self.cfg.learner.checkpoint_interval == 0:
+                self.phase("checkpoint")
                 ranks.checkpoint(state)
                 self.saved_version = learner.version
             self._count_zero_variance(train, filtered)
+            self.phase("commit")
             # acknowledged only now that every rank finished; the new version in the same transaction
             self.consumer.commit(train, filtered, stale, learner_version=learner.version, step_capacity=self.capacity)
             self.committed = (learner.version, state)  # what checkpoint_now writes

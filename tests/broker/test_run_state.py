@@ -33,3 +33,81 @@ def test_rollout_utilization_counts_trained_and_filtered_over_what_left_the_queu
     assert rs.rollout_utilization(counts, in_flight=4) == 8 / 8
     assert rs.rollout_utilization(counts) == 8 / 12
     assert rs.rollout_utilization({"produced": 0, "consumed": 0, "groups_filtered": 0}) == 0.0
+
+
+def test_phases_say_what_each_part_does_and_since_when_on_the_servers_clock(any_redis):
+    """set_phase / read_phases / PhaseBoard (issue 37 item 3): each part's phase with its duration on the server's
+    clock; a board writes only at a change of phase (the same phase again keeps its `since`); `starts_step` marks
+    when the learner's step had its groups, kept through its later phases; `during` puts back the phase it
+    interrupted; a part whose write fails goes on (nothing raised) and writes again at its next call."""
+    import time
+
+    from broker.redis_server import LocalRedis
+
+    r = any_redis.client()
+    assert rs.read_phases(r, "run") == {}
+    actor = rs.PhaseBoard(r, "run", "actor-0")
+    actor("generating")
+    time.sleep(0.3)
+    actor("generating")  # again: nothing written, still generating since the first call
+    phases = rs.read_phases(r, "run")
+    assert phases["actor-0"].phase == "generating" and 0.3 <= phases["actor-0"].for_s < 5
+    assert phases["actor-0"].step_s is None
+    actor("scoring")
+    assert rs.read_phases(r, "run")["actor-0"].phase == "scoring" and rs.read_phases(r, "run")["actor-0"].for_s < 0.3
+
+    learner = rs.PhaseBoard(r, "run", "learner-0")
+    learner("reading groups")
+    learner("recompute", starts_step=True)
+    time.sleep(0.3)
+    learner("backward")
+    lead = rs.read_phases(r, "run")["learner-0"]
+    assert lead.phase == "backward" and lead.for_s < 0.3 <= lead.step_s < 5
+    learner("reading groups")
+    with learner.during("weight sync"):
+        assert rs.read_phases(r, "run")["learner-0"].phase == "weight sync"
+    assert rs.read_phases(r, "run")["learner-0"].phase == "reading groups"
+    with learner.during("weight sync"):
+        learner("recompute", starts_step=True)  # the step moved on meanwhile: its phase stands
+    assert rs.read_phases(r, "run")["learner-0"].phase == "recompute"
+    assert set(rs.read_phases(r, "run")) == {"actor-0", "learner-0"} and rs.read_phases(r, "other") == {}
+
+    with LocalRedis() as gone:  # a Redis that stops answering: the part's calls return, nothing raised
+        lost = rs.PhaseBoard(gone.client(retry_s=0), "run", "actor-1")
+        lost("generating")
+    lost("scoring")
+    lost.r = r  # Redis back (here: another client): the next call writes, also of the phase it already was in
+    lost("scoring")
+    assert rs.read_phases(r, "run")["actor-1"].phase == "scoring"
+
+
+def test_oldest_unread_group_is_aged_on_the_servers_clock(any_redis):
+    """streams.oldest_unread_s: None while every group in the stream was read (or before the learner's consumer
+    group exists), else how long the oldest group not yet read has been queued."""
+    import time
+
+    from broker.config import BrokerConfig
+    from broker.streams import oldest_unread_s
+
+    r, cfg = any_redis.client(), BrokerConfig(url=any_redis.url)
+    stream = rs.key("run", cfg.stream)
+    assert oldest_unread_s(r, cfg, "run") is None
+    r.xgroup_create(stream, cfg.consumer_group, id="0", mkstream=True)
+    assert oldest_unread_s(r, cfg, "run") is None
+    r.xadd(stream, {"group": b"1"})
+    time.sleep(0.3)
+    r.xadd(stream, {"group": b"2"})
+    assert 0.3 <= oldest_unread_s(r, cfg, "run") < 5
+    r.xreadgroup(cfg.consumer_group, "learner-0", {stream: ">"}, count=1)
+    assert oldest_unread_s(r, cfg, "run") < 0.3
+    r.xreadgroup(cfg.consumer_group, "learner-0", {stream: ">"}, count=1)
+    assert oldest_unread_s(r, cfg, "run") is None
+
+
+def test_the_learner_phases_name_methods_the_learner_has():
+    """The learner worker records Learner.step's parts by wrapping these methods: each still exists (a rename
+    would silently lose a phase of the console's line)."""
+    from deploy.learner_worker import LEARNER_PHASES
+    from learner.learner import Learner
+
+    assert all(callable(getattr(Learner, method, None)) for method, _ in LEARNER_PHASES)
