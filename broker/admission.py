@@ -36,7 +36,7 @@ import redis
 
 from broker import run_state as rs
 from broker.config import BrokerConfig
-from broker.streams import Delivery, GroupConsumer
+from broker.streams import Delivery, GroupConsumer, stored_publish_reply
 
 _COMMON = """
 local function now_ms()
@@ -153,13 +153,7 @@ return redis.call('HGETALL', KEYS[1])
 # (a claim published in full forgets its prompt indices: they are in the stream now)
 # -> {depth, msg ids...}, or -1 when the claim expired (nothing is published); a retry of the call (its reply lost)
 # gets the ids it was given, publishing nothing again
-_PUBLISH = """
-local done = redis.call('GET', KEYS[7])
-if done then
-  local reply = {redis.call('XLEN', KEYS[1])}
-  for id in string.gmatch(done, '%S+') do reply[#reply + 1] = id end
-  return reply
-end
+_PUBLISH = stored_publish_reply(7) + """
 local val = redis.call('HGET', KEYS[3], ARGV[1])
 if not val then return -1 end
 local remaining, d = string.match(val, '^(%d+):(%-?%d+)$')

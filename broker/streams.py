@@ -64,17 +64,22 @@ def unreachable(cfg: BrokerConfig) -> str | None:
         return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
-# KEYS: stream, counts, actor_counts, reply; ARGV: reply TTL s, JSON {counter: n} to add to actor_counts, messages...
-# -> {depth, msg ids...}; a retry of the same call (its first reply lost with the connection) gets the ids it
-# was given, publishing and counting nothing again
-_PUBLISH = """
-local done = redis.call('GET', KEYS[4])
+def stored_publish_reply(reply_key: int) -> str:
+    """Lua that answers a retried publish (its first reply lost with the connection) from the ids stored under
+    KEYS[reply_key], with the stream KEYS[1]'s depth, and publishes nothing again."""
+    return f"""local done = redis.call('GET', KEYS[{reply_key}])
 if done then
-  local reply = {redis.call('XLEN', KEYS[1])}
+  local reply = {{redis.call('XLEN', KEYS[1])}}
   for id in string.gmatch(done, '%S+') do reply[#reply + 1] = id end
   return reply
 end
-local reply = {0}
+"""
+
+
+# KEYS: stream, counts, actor_counts, reply; ARGV: reply TTL s, JSON {counter: n} to add to actor_counts, messages...
+# -> {depth, msg ids...}; a retry of the same call (its first reply lost with the connection) gets the ids it
+# was given, publishing and counting nothing again
+_PUBLISH = stored_publish_reply(4) + """local reply = {0}
 for i = 3, #ARGV do
   reply[#reply + 1] = redis.call('XADD', KEYS[1], '*', 'group', ARGV[i])
 end
