@@ -291,6 +291,10 @@ class Learner:
         """Whether steps on `batch` replay the rollouts' evictions (policy_target sparse, records present)."""
         return self.cfg.policy_target == "sparse" and "replay_evicted_at" in batch
 
+    def _replay_buffers(self, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The step-wide tensors a replaying step fills per micro-batch: logp_dense and accept_exact, [S, T]."""
+        return {name: torch.zeros(mask.shape, device=self.device) for name in ("logp_dense", "accept_exact")}
+
     def _replay_forward(self, batch: dict, rows: torch.Tensor, grad: bool, dense: bool = True) -> dict:
         """Eviction replay's forwards of micro-batch `rows`: the replayed one (differentiated when `grad`) and,
         with `dense`, one no-grad dense forward. Returns logp (replayed, [n, T]), entropy (replayed, no grad) and,
@@ -340,8 +344,7 @@ class Learner:
         entropy = torch.zeros(mask.shape, device=self.device)
         logp_ref = torch.zeros(mask.shape, device=self.device) if self.ref_model is not None else None
         dense_topk = torch.zeros(batch["topk_ids"].shape, device=self.device) if "topk_ids" in batch else None
-        replay = {"logp_dense": torch.zeros(mask.shape, device=self.device),
-                  "accept_exact": torch.zeros(mask.shape, device=self.device)} if self.replays(batch) else None
+        replay = self._replay_buffers(mask) if self.replays(batch) else None
         shares = token_balanced_split(torch.arange(S), batch["seq_len"], self.world_size)
         with torch.no_grad():
             for rows in micro_batches(shares, cfg.micro_batch_size, self.rank):
@@ -350,8 +353,6 @@ class Learner:
                         self._replay_forward(batch, torch.zeros(1, dtype=torch.long), grad=False)
                     else:
                         self.response_logprobs(self.engine, batch, torch.zeros(1, dtype=torch.long))
-                    if logp_ref is not None:
-                        self.response_logprobs(self.ref_model, batch, torch.zeros(1, dtype=torch.long))
                     continue
                 if replay is not None:   # logp_old replayed; the dense forward for the mismatch metrics
                     r = self._replay_forward(batch, rows, grad=False)
@@ -454,11 +455,17 @@ class Learner:
         if self._train_gap is not None:   # the first optimizer step's forwards: the weights of logp_sparse
             fresh = prep["mask"][rows] & prep["fresh"][rows, None]
             self._train_gap = max(self._train_gap, logp_gap(r["logp"], prep["logp_sparse"][rows].to(self.device), fresh))
+        return r["logp"], self._distill_term(r, prep["mask"][rows], num_seqs, num_tokens, sums)
+
+    def _distill_term(self, r: dict, mask: torch.Tensor, num_seqs: int, num_tokens: float | None,
+                      sums: dict) -> torch.Tensor | float:
+        """distill_coef x the dense-teacher KL of `_replay_forward`'s output `r`, reduced like the policy loss (0
+        without it); adds the unscaled KL to sums["distill_kl"]."""
         if "distill" not in r:
-            return r["logp"], 0.0
-        term = self._aggregate(r["distill"], prep["mask"][rows], num_seqs, num_tokens)
+            return 0.0
+        term = self._aggregate(r["distill"], mask, num_seqs, num_tokens)
         sums["distill_kl"] = sums.get("distill_kl", 0.0) + float(term.detach())
-        return r["logp"], self.cfg.distill_coef * term
+        return self.cfg.distill_coef * term
 
     @staticmethod
     def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, num_seqs: int, num_tokens: float | None):
@@ -483,18 +490,14 @@ class Learner:
         entropy = torch.zeros(mask.shape, device=self.device)
         num_tokens = self._num_tokens(prep, mb_rows)
         micro = mb_rows.split(cfg.micro_batch_size)
-        replay = {"logp_dense": torch.zeros(mask.shape, device=self.device),
-                  "accept_exact": torch.zeros(mask.shape, device=self.device)} if self.replays(prep) else None
+        replay = self._replay_buffers(mask) if self.replays(prep) else None
         for rows in micro:
             distill = 0.0
             if replay is not None:   # the replayed training forward, and the dense one for the metrics
                 r = self._replay_forward(prep, rows, grad=True)
                 logp, entropy[rows] = r["logp"], r["entropy"]
                 replay["logp_dense"][rows], replay["accept_exact"][rows] = r["logp_dense"], r["accept_exact"]
-                if "distill" in r:
-                    distill = self._aggregate(r["distill"], mask[rows], len(mb_rows), num_tokens)
-                    sums["distill_kl"] = sums.get("distill_kl", 0.0) + float(distill.detach())
-                    distill = cfg.distill_coef * distill
+                distill = self._distill_term(r, mask[rows], len(mb_rows), num_tokens, sums)
             else:
                 logp, entropy[rows] = self.response_logprobs(self.engine, prep, rows, with_entropy=True)
             logp_old[rows] = logp.detach()
