@@ -11,6 +11,7 @@ import time
 import pytest
 import redis
 
+from broker.redis_server import find_redis_server
 from tests.deploy.test_e2e import check_accounting
 from tests.deploy.test_faults import Run, assert_all_gone, mlflow_status, redis_port, running
 
@@ -46,7 +47,10 @@ def test_a_redis_restart_mid_step_is_survived_with_exact_accounting(tmp_path):
         run.until(r"^step 1/4")
         server = embedded_redis(run)
         (run_dir,) = runs.iterdir()
-        binary, conf = server.exe(), run_dir / "redis" / "redis.conf"  # (LocalRedis's, in the run's data directory)
+        # LocalRedis's binary by the name it was started with: psutil's exe() resolves links, and Debian's
+        # /usr/bin/redis-server links to redis-check-rdb, which acts by the name it is called (it then checks the
+        # config file as an RDB file and exits 1)
+        binary, conf = find_redis_server(), run_dir / "redis" / "redis.conf"  # (in the run's data directory)
         port = redis_port(run.text)
         server.terminate()  # redis-server flushes its append-only file and closes every connection
         deadline = time.monotonic() + 30
