@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """2: optional top-k log-probs per response token (header `topk`, arrays topk_ids / topk_logprobs).
-3: optional eviction record per sample (header `eviction`, zlib blobs after the arrays; issue 34)."""
+3: optional eviction record per sample (header `eviction`, zlib blobs after the arrays; issue 34).
+4: optional trainable mask per response token (header `trainable`; multi-turn rollouts, issue 35): a reader of
+version 3 would train on environment tokens, so it must refuse the message."""
 
 
 @dataclass
@@ -33,6 +35,12 @@ class SampleRecord:
     samples of a group send the same K or none)."""
     topk_logprobs: np.ndarray | None = None
     """[T, K] their log-probs (<= 0), float16 on the wire (decoded as a float16 view; the learner widens it)."""
+    trainable: np.ndarray | None = None
+    """uint8 [T]: 1 where the sampler generated the response token (loss, correction and mismatch metrics apply),
+    0 where the environment or the chat template put it (a multi-turn rollout's observation and turn-boundary
+    tokens: context of the learner's forward, never trained or scored; their logp_sparse is ignored, the actor
+    sends 0). None: every response token is trainable (single-turn). A group sends masks for all samples or none
+    (a sample without one gets all ones)."""
     eviction_steps: np.ndarray | None = None
     """uint16 [layers, heads, P + T]: the rollout's eviction record over the sample's own tokens (actors.engine.Sample;
     what learner.policy_target=sparse replays); zlib-compressed on the wire. None: not sent (all samples of a
@@ -84,14 +92,17 @@ class SchemaError(ValueError):
 #   finish_reason, reward, kv_retained_tokens, kv_peak_bytes   lists of G values (_SAMPLE_FIELDS)
 #   topk                                      K (0 = no top-k arrays); with K > 0 also
 #   topk_ids, topk_logprobs                   [dtype str, [n * K]]: row-major [T, K] per sample, concatenated
+#   trainable                                 0 (every response token trainable) or ["|u1", [n]]: uint8 per
+#                                             response token, 1 = sampled, 0 = environment / template token
 #   eviction                                  0 (no records) or [layers, heads [G], blob bytes [G]]: after the
 #                                             arrays, per sample zlib(uint16 [layers, heads, P + T] row-major)
 # Bytes per response token: 4 (id) + 4 (logp_sparse), plus 6 K with top-k (int32 id + float16 log-prob per
 # entry: 120 at K = 20), so a top-20 message is about 16x larger per token (TOPK_BYTES_PER_ENTRY).
 _ARRAYS = {"prompt_ids": np.dtype("<i4"), "response_ids": np.dtype("<i4"), "logp_sparse": np.dtype("<f4")}
 _TOPK_ARRAYS = {"topk_ids": np.dtype("<i4"), "topk_logprobs": np.dtype("<f2")}
+_MASK_ARRAYS = {"trainable": np.dtype("|u1")}
 _LENS = {"prompt_ids": "prompt_lens", "response_ids": "response_lens", "logp_sparse": "response_lens",
-         "topk_ids": "response_lens", "topk_logprobs": "response_lens"}
+         "topk_ids": "response_lens", "topk_logprobs": "response_lens", "trainable": "response_lens"}
 TOKEN_BYTES = 8
 """Wire bytes per response token without top-k: int32 id + float32 logp_sparse."""
 TOPK_BYTES_PER_ENTRY = 6
@@ -135,6 +146,10 @@ def _validate(lens: dict[str, list[int]], arrays: dict[str, np.ndarray], rewards
         if hi > 0:
             i = _sample_at(lens["response_lens"], int(np.argmax(logp)) // per_token.get(name, 1))
             raise SchemaError("logp_positive", f"samples[{i}].{name} has values > 0 (max {float(hi)})")
+    mask = arrays.get("trainable")
+    if mask is not None and mask.size and mask.max() > 1:
+        i = _sample_at(lens["response_lens"], int(np.argmax(mask)))
+        raise SchemaError("bad_field", f"samples[{i}].trainable holds {int(mask.max())}: expected 0 or 1")
     for i, reward in enumerate(rewards):
         if not math.isfinite(reward):
             raise SchemaError("reward_not_finite", f"samples[{i}].reward = {reward}")
@@ -159,7 +174,7 @@ def _views(data: bytes, offset: int, counts: dict[str, int]) -> dict[str, np.nda
     order of `counts`)."""
     arrays = {}
     for name in counts:
-        dtype = {**_ARRAYS, **_TOPK_ARRAYS}[name]
+        dtype = {**_ARRAYS, **_TOPK_ARRAYS, **_MASK_ARRAYS}[name]
         arrays[name] = np.frombuffer(data, dtype=dtype, count=counts[name], offset=offset)
         offset += counts[name] * dtype.itemsize
     return arrays
@@ -173,7 +188,8 @@ def encode_group(group: TrajectoryGroup, max_response_tokens: int = 32768, max_p
     if not group.samples:
         raise SchemaError("no_samples", f"group {group.group_id!r} has no samples")
     topk = _topk_width(group.samples)
-    wire = {**_ARRAYS, **(_TOPK_ARRAYS if topk else {})}
+    masked = any(s.trainable is not None for s in group.samples)
+    wire = {**_ARRAYS, **(_TOPK_ARRAYS if topk else {}), **(_MASK_ARRAYS if masked else {})}
     arrays = {name: [] for name in wire}  # name -> the samples' arrays in the wire dtype
     for i, s in enumerate(group.samples):
         for name, dtype in _ARRAYS.items():
@@ -189,6 +205,8 @@ def encode_group(group: TrajectoryGroup, max_response_tokens: int = 32768, max_p
             if name == "topk_logprobs" and a.dtype.kind == "f":  # below float16's range: its lowest value (p ~ 0)
                 a = np.maximum(a, _FP16_LOWEST)
             arrays[name].append(_wire_array(a.reshape(-1), dtype, f"samples[{i}].{name}"))
+        if masked:
+            arrays["trainable"].append(_trainable(s, len(arrays["response_ids"][i]), i))
     lens = {"prompt_lens": [len(a) for a in arrays["prompt_ids"]],
             "response_lens": [len(a) for a in arrays["response_ids"]]}
     if [len(a) for a in arrays["logp_sparse"]] != lens["response_lens"]:
@@ -201,6 +219,7 @@ def encode_group(group: TrajectoryGroup, max_response_tokens: int = 32768, max_p
     msg.update({name: kind(getattr(group, name)) for name, (kind, _) in _OPTIONAL_GROUP_FIELDS.items()})
     msg.update(schema_version=SCHEMA_VERSION, topk=topk, **lens, **columns)
     msg.update({name: [dtype.str, [counts[name]]] for name, dtype in wire.items()})
+    msg.setdefault("trainable", 0)
     eviction, blobs = _eviction_blobs(group.samples, lens)
     msg["eviction"] = eviction
     header = msgpack.packb(msg, use_bin_type=True)
@@ -208,6 +227,20 @@ def encode_group(group: TrajectoryGroup, max_response_tokens: int = 32768, max_p
     _validate(lens, _views(data, len(header), counts), columns["reward"], max_response_tokens, max_prompt_tokens,
               topk)
     return data
+
+
+def _trainable(s: SampleRecord, n: int, i: int) -> np.ndarray:
+    """Sample i's trainable mask as uint8 [n] (all ones when it has none). Raises SchemaError (length_mismatch,
+    bad_field)."""
+    if s.trainable is None:
+        return np.ones(n, dtype=np.uint8)
+    a = np.asarray(s.trainable)
+    if a.shape != (n,):
+        raise SchemaError("length_mismatch", f"samples[{i}].trainable has shape {a.shape}, expected "
+                                             f"[len(response_ids)] = [{n}]")
+    if a.dtype.kind not in "biu" or (a.size and (a.min() < 0 or a.max() > 1)):
+        raise SchemaError("bad_field", f"samples[{i}].trainable: expected 0/1 values, got dtype {a.dtype}")
+    return np.ascontiguousarray(a, dtype=np.uint8)
 
 
 EVICTION_ZLIB_LEVEL = 6
@@ -331,7 +364,8 @@ def _array_counts(msg: dict, offset: int, size: int) -> tuple[dict[str, int], in
     topk = _field(msg, "topk", int)
     if topk < 0:
         raise SchemaError("bad_field", f"topk: expected >= 0, got {topk}")
-    for name, dtype in {**_ARRAYS, **(_TOPK_ARRAYS if topk else {})}.items():
+    masked = msg.get("trainable", 0) != 0
+    for name, dtype in {**_ARRAYS, **(_TOPK_ARRAYS if topk else {}), **(_MASK_ARRAYS if masked else {})}.items():
         value = _field(msg, name, list)
         if not (len(value) == 2 and type(value[1]) is list and len(value[1]) == 1 and type(value[1][0]) is int
                 and value[1][0] >= 0):
@@ -350,7 +384,7 @@ def decode_group(data: bytes, max_message_bytes: int = 64 * 1024 * 1024, max_res
     """Message bytes (layout above) -> TrajectoryGroup, validated: size <= max_message_bytes, schema version, every field
     and its type, dtypes, shapes and len(logp_sparse) == len(response_ids) per sample, then the content
     rules (token limits, ids >= 0, logp_sparse and topk_logprobs finite and <= 0, finite rewards); top-k arrays
-    come back as [T, K] views (topk_logprobs float16), eviction records as uint16 [layers, heads, P + T]. The arrays are read-only
+    come back as [T, K] views (topk_logprobs float16), trainable masks as uint8 [T] (None when the group sends none), eviction records as uint16 [layers, heads, P + T]. The arrays are read-only
     numpy views on the message (copy before writing in place). Raises SchemaError; never unpickles."""
     if len(data) > max_message_bytes:
         raise SchemaError("message_too_large", f"{len(data)} bytes > max_message_bytes = {max_message_bytes}")
@@ -379,7 +413,7 @@ def decode_group(data: bytes, max_message_bytes: int = 64 * 1024 * 1024, max_res
     for name, count in counts.items():
         expected = sum(lens[_LENS[name]]) * (topk if name in _TOPK_ARRAYS else 1)
         if count != expected:
-            raise SchemaError("length_mismatch" if name in ("logp_sparse", *_TOPK_ARRAYS) else "bad_shape",
+            raise SchemaError("length_mismatch" if name in ("logp_sparse", "trainable", *_TOPK_ARRAYS) else "bad_shape",
                               f"{name} holds {count} values, {_LENS[name]} (x topk for top-k) give {expected}")
     arrays = _views(data, unpacker.tell(), counts)
     _validate(lens, arrays, columns["reward"], max_response_tokens, max_prompt_tokens, topk)
@@ -388,6 +422,8 @@ def decode_group(data: bytes, max_message_bytes: int = 64 * 1024 * 1024, max_res
     for p, r, eviction_steps, finish_reason, reward, kv_retained_tokens, kv_peak_bytes in zip(
             lens["prompt_lens"], lens["response_lens"], evictions, *(columns[name] for name in _SAMPLE_FIELDS)):
         top = {name: arrays[name][r0 * topk:(r0 + r) * topk].reshape(r, topk) for name in _TOPK_ARRAYS} if topk else {}
+        if "trainable" in arrays:
+            top["trainable"] = arrays["trainable"][r0:r0 + r]
         samples.append(SampleRecord(
             prompt_ids=prompt_ids[p0:p0 + p], response_ids=response_ids[r0:r0 + r], logp_sparse=logp_sparse[r0:r0 + r],
             finish_reason=finish_reason, reward=reward, kv_retained_tokens=kv_retained_tokens,

@@ -183,7 +183,9 @@ class Learner:
         """Right-pad the groups' samples into tensors (S = samples over all groups, L = longest
         prompt + response, T = longest response):
         input_ids/attention_mask int64 [S, L]; response_ids int64 [S, T]; response_index int64 [S, T], the
-        logit position predicting each response token (prompt_len - 1 + t); response_mask bool [S, T];
+        logit position predicting each response token (prompt_len - 1 + t); response_mask bool [S, T], True on the
+        response tokens that are trained (the sample's `trainable` mask: a multi-turn rollout's observation and
+        template tokens are False, context of the forward only, outside the loss, the correction and the metrics);
         logp_sparse float32 [S, T]; reward float32 [S]; group_index int64 [S]; temperature float32 [S];
         seq_len int64 [S]; and when every sample carries top-k log-probs of one width K (issue 22) topk_ids int64
         [S, T, K] and topk_logprobs float32 [S, T, K] (padding: id 0, log-prob -inf); with policy_target sparse
@@ -235,7 +237,7 @@ class Learner:
             b["attention_mask"][i, :P + R] = 1
             b["response_ids"][i, :R] = torch.from_numpy(np.asarray(s.response_ids, dtype=np.int64))
             b["response_index"][i, :R] = torch.arange(P - 1, P - 1 + R)
-            b["response_mask"][i, :R] = True
+            b["response_mask"][i, :R] = True if s.trainable is None else torch.from_numpy(np.asarray(s.trainable) != 0)
             b["logp_sparse"][i, :R] = torch.from_numpy(np.array(s.logp_sparse, dtype=np.float32))
             b["seq_len"][i] = P + R
         records = [s.eviction_steps for _, _, s in rows]
