@@ -6,9 +6,10 @@ torch from the host's CPU wheel), then the `tiny` job runs with 2 rollout actors
 host's network (docker-compose.loopback.yml) with free ports on 127.0.0.1, the private engine has no bridge
 network (`--bridge=none`, `--iptables=false`) and the builds use `--network host`, so no test traffic goes to an
 address but loopback. While the learner steps, the test adds actor nodes (`docker compose up -d --scale`) and
-raises the run's actor count with `sparse-rl scale`, then `docker kill`s a container that hosts an actor.
+raises the run's actor count with `sparse-rl scale`, restarts Redis (`docker compose restart redis`, issue 37 item 7),
+then `docker kill`s a container that hosts an actor.
 
-Checks: a third actor joins and its groups are trained; after the kill the run goes on and ends with exact
+Checks: a third actor joins and its groups are trained; the Redis restart is waited out by every client; after the kill the run goes on and ends with exact
 accounting (summary.json); ray-head exits 0; the MLflow server (over HTTP) has the run with rejection_rate and
 mismatch_kl at every step; Redis refuses an unauthenticated PING; no process of the stack listens or connects
 beyond loopback; `docker compose down -v` leaves no container, network or volume; the engine it started stops.
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from redis import exceptions as redis_errors
 
 from broker.config import BrokerConfig
 from broker.redis_server import free_port
@@ -251,6 +253,12 @@ def test_compose_run_scaled_and_an_actor_container_killed(images, tmp_path):
         events["actor2_taken_at"] = watch.taken[0][0]
         off += off_loopback(stack.pids())
 
+        # docker compose restart redis mid-run: SIGTERM makes redis-server write its append-only file on the
+        # volume, a new process loads it; every client (driver, learner, actors) waits (broker.retry_s) and goes on
+        stack.compose("restart", "redis", timeout=120)
+        wait_until(lambda: answers_ping(client), 120, "Redis after its restart")
+        events["redis_restarted_at"] = watch.version()
+
         # docker kill a container that hosts a rollout actor: the driver replaces it on the spare node
         victim = next(cid for cid in stack.containers("actor")
                       if "RolloutWorker" in stack.docker("top", cid, "-eo", "pid,args"))
@@ -306,6 +314,13 @@ def test_compose_run_scaled_and_an_actor_container_killed(images, tmp_path):
     leftovers = {kind: stack.docker(kind, "ls", "-q", *(["-a"] if kind == "container" else []), "--filter", label)
                  for kind in ("container", "network", "volume")}
     assert leftovers == {"container": "", "network": "", "volume": ""}, leftovers
+
+
+def answers_ping(client) -> bool:
+    try:
+        return client.ping()
+    except (redis_errors.ConnectionError, redis_errors.BusyLoadingError, redis_errors.TimeoutError):
+        return False
 
 
 def unauthenticated_ping(port: int) -> bytes:
