@@ -1,0 +1,104 @@
+"""The tool-gated key/value lookup: a multi-turn task a small model can learn (issue 35 item 5; the idea in
+../shared/notes/multiturn.md).
+
+Each item hides a table of `keys` keys (K1, K2, ...) with two-digit values; the prompt asks for one key's value
+and says how to call the tool (`<lookup>K7</lookup>`). The environment answers a call with the entry (`K7 = 42`);
+the model then answers. Only the tool reveals the value (a guess is right 1 time in 90). With `hops` 2 the asked
+key's entry names another key (`K7 = K3`), whose value is the answer: the model must copy a key out of an
+observation, then a value.
+
+- `lookup_items(size, seed, keys, hops)`: the item generator (`actors.data.function: actors.lookup_env:lookup_items`).
+- `LookupEnv(tool_disabled, call_reward, require_lookup, obs_role)`: the environment (`actors.env.factory:
+  actors.lookup_env:LookupEnv`). `tool_disabled` is the control: the tool answers nothing useful.
+"""
+from __future__ import annotations
+
+import random
+import re
+
+CALL = re.compile(r"<lookup>\s*(K\d+)\s*</lookup>")
+"""A well-formed tool call; the first one in a turn is answered."""
+_INT = re.compile(r"\d+")
+DISABLED = "the lookup tool is unavailable"
+"""The tool's answer to every call with `tool_disabled`."""
+
+
+def lookup_items(size: int, seed: int, keys: int = 8, hops: int = 1) -> list[dict]:
+    """`size` items, deterministic in `seed`: a table {"K1": "42", ...} of `keys` values drawn uniformly from
+    10..99, the asked key drawn uniformly; with `hops` > 1 the asked key's entry is another key, and so on for
+    `hops` - 1 links (distinct keys), the last one holding the value. answer: that value (str). metadata:
+    {"table": {key: str}, "target": asked key, "hops": hops}. Raises ValueError unless 1 <= hops <= keys."""
+    if not 1 <= hops <= keys:
+        raise ValueError(f"lookup_items: hops={hops}: expected 1 <= hops <= keys ({keys})")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(size):
+        names = [f"K{i}" for i in range(1, keys + 1)]
+        table = {k: str(rng.randint(10, 99)) for k in names}
+        chain = rng.sample(names, hops)
+        for a, b in zip(chain, chain[1:]):
+            table[a] = b
+        out.append({"question": _question(chain[0], keys, hops), "answer": table[chain[-1]],
+                    "metadata": {"table": table, "target": chain[0], "hops": hops}})
+    return out
+
+
+def _question(target: str, keys: int, hops: int) -> str:
+    follow = (" Its entry is another key: look that key up too, and answer with the value it holds." if hops > 1
+              else "")
+    return (f"A hidden table holds the keys K1 to K{keys}. To read an entry, write <lookup>{target}</lookup> and "
+            f"the tool answers. What is the value of {target}?{follow} Answer with the number alone.")
+
+
+def answer_key(table: dict, target: str) -> str:
+    """The key whose entry is the answer: `target` followed through entries that are keys."""
+    seen = {target}
+    while table[target] in table and table[target] not in seen:
+        target = table[target]
+        seen.add(target)
+    return target
+
+
+class LookupEnv:
+    """One episode of the lookup task. A turn holding a call (`CALL`) gets the entry as one `obs_role` message
+    (reward 0, not done; an unknown key: "K9: no such key"; `tool_disabled`: DISABLED); a turn without one is the
+    answer: the last integer in it. The answer step is done and rewards 1.0 when it equals the item's answer
+    (and, with `require_lookup`, the answer's key was read through the tool), else `call_reward` if a call was
+    answered before (never with the tool disabled), else 0. Every reward comes at the last step, so the episode's
+    reward is the same under EnvConfig.reward sum and last. info: {"tool_call": bool, "key": called key} on a
+    call, {"tool_call": False, "correct": bool, "calls": int} on the answer."""
+
+    def __init__(self, tool_disabled: bool = False, call_reward: float = 0.0, require_lookup: bool = True,
+                 obs_role: str = "tool"):
+        self.tool_disabled, self.call_reward = tool_disabled, call_reward
+        self.require_lookup, self.obs_role = require_lookup, obs_role
+        self.table: dict = {}
+        self.read: set = set()
+        self.calls = 0
+
+    def reset(self, item) -> list[dict]:
+        """The item (an actors.data.Prompt of lookup_items) as one user message."""
+        self.item, self.table, self.read, self.calls = item, dict(item.metadata["table"]), set(), 0
+        return [{"role": "user", "content": item.question}]
+
+    def step(self, action_text: str):
+        call = CALL.search(action_text)
+        if call:
+            return self._call(call.group(1))
+        numbers = _INT.findall(action_text)
+        read = answer_key(self.table, self.item.metadata["target"]) in self.read
+        correct = bool(numbers) and numbers[-1] == self.item.answer and (read or not self.require_lookup)
+        answered = self.calls > 0 and not self.tool_disabled
+        reward = 1.0 if correct else (float(self.call_reward) if answered else 0.0)
+        return [], reward, True, {"tool_call": False, "correct": correct, "calls": self.calls}
+
+    def _call(self, key: str):
+        self.calls += 1
+        if self.tool_disabled:
+            content = DISABLED
+        elif key in self.table:
+            self.read.add(key)
+            content = f"{key} = {self.table[key]}"
+        else:
+            content = f"{key}: no such key"
+        return [{"role": self.obs_role, "content": content}], 0.0, False, {"tool_call": True, "key": key}

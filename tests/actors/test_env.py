@@ -1,0 +1,239 @@
+"""Environments of multi-turn rollouts (actors/env.py) and the lookup task's (actors/lookup_env.py): the config and
+the factory are checked before anything starts; envs live in a real worker process (actors/user_code.py) and
+keep their state across steps; an env that raises, returns a non-list, a wrong tuple or a NaN reward, or sleeps
+past step_timeout_s ends its episode with reward 0, counted, never raised, and a timeout ends every episode of
+its worker; whole episodes run through the SmolLM2 chat template (actors/turns.py) with a scripted policy that
+reads the context, and the tool-disabled control scores nothing. Real workers, real tokenizer, no mocks
+(tests/actors/scripted_envs.py holds the test envs)."""
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import psutil
+import pytest
+from transformers import AutoTokenizer
+
+from actors.data import Prompt
+from actors.env import EnvConfig, EnvPool, check_env_factory, run_episode
+from actors.lookup_env import DISABLED, LookupEnv, answer_key, lookup_items
+from actors.turns import ChatTemplate
+from deploy.model_cache import SMOLLM2, resolve_model
+
+SCRIPTED = "scripted_envs:ScriptedEnv"
+LOOKUP = "actors.lookup_env:LookupEnv"
+
+
+@pytest.fixture(scope="module")
+def template() -> ChatTemplate:
+    return ChatTemplate.build(AutoTokenizer.from_pretrained(resolve_model(SMOLLM2)), name=SMOLLM2)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """One pool of ScriptedEnvs in one worker for the tests that do not kill it."""
+    p = EnvPool(EnvConfig(factory=SCRIPTED, step_timeout_s=30))
+    yield p
+    p.shutdown()
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def prompt(question: str = "q", i: int = 0) -> Prompt:
+    return Prompt(f"p-{i}", question, "7")
+
+
+def lookup_prompts(n: int, seed: int = 0, hops: int = 1) -> list[Prompt]:
+    return [Prompt(f"lookup-{i}", d["question"], d["answer"], metadata=d["metadata"])
+            for i, d in enumerate(lookup_items(n, seed, hops=hops))]
+
+
+# -- config ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field, value, expected", [
+    ("step_timeout_s", -1.0, "seconds >= 0"), ("step_timeout_s", float("inf"), "seconds >= 0"),
+    ("max_turns", 0, ">= 1"), ("max_total_tokens", 0, ">= 1"), ("max_obs_tokens", 0, ">= 1"),
+    ("obs_truncation", "middle", "left | right"), ("reward", "mean", "sum | last")])
+def test_each_bad_config_field_fails_in_one_line_naming_it(field, value, expected):
+    with pytest.raises(ValueError) as e:
+        EnvConfig(**{field: value})
+    assert str(e.value).startswith(f"EnvConfig.{field}=") and expected in str(e.value) and "\n" not in str(e.value)
+    EnvConfig()  # the defaults are valid
+
+
+def test_the_factory_is_loaded_and_its_signature_checked_at_config_time():
+    assert check_env_factory(SCRIPTED, {"step_reward": 0.5}).__name__ == "ScriptedEnv"
+    assert check_env_factory(LOOKUP, {"tool_disabled": True}) is LookupEnv
+    cases = [("no_such_module:Env", {}, r"^env\.factory='no_such_module:Env': cannot import module"),
+             ("scripted_envs:Nope", {}, r"^env\.factory='scripted_envs:Nope': module 'scripted_envs' has no callable"),
+             ("scripted_envs", {}, r"expected 'package\.module:function'"),
+             ("scripted_envs:only_positional", {}, r"^env\.factory='scripted_envs:only_positional': cannot be called as "
+                                                   r"only_positional\(\*\*env\.options\) with env\.options=\{\}"),
+             (SCRIPTED, {"colour": 1}, r"cannot be called as ScriptedEnv.*unexpected keyword argument 'colour'")]
+    for spec, options, message in cases:
+        with pytest.raises(ValueError, match=message):
+            check_env_factory(spec, options)
+        with pytest.raises(ValueError, match=message):  # the pool checks it before starting a worker
+            EnvPool(EnvConfig(factory=spec, options=options))
+    with pytest.raises(ValueError, match="single-turn"):
+        EnvPool(EnvConfig())
+
+
+# -- the pool: state in the worker, rewards, failures ------------------------------------------------------------
+def test_envs_live_in_the_worker_and_the_episode_gets_the_sum_or_the_last_reward(pool):
+    assert pool.reset("a", prompt("qa")).messages == [{"role": "user", "content": "start qa"}]
+    assert pool.reset("b", prompt("qb")).messages == [{"role": "user", "content": "start qb"}]
+    first, second = pool.step("a", "x"), pool.step("a", "y")
+    pid, turn, action = second.messages[0]["content"].split()
+    assert int(pid) == pool.code.pid != os.getpid() and (turn, action) == ("2", "y")  # one env, its state kept
+    assert first.reward == 0.25 and not first.done and pool.step("b", "z").messages[0]["content"].endswith(" 1 z")
+    end = pool.step("a", "bye")
+    assert end.done and end.reward == 1.0 and end.info == {"turns": 3} and end.failure == ""
+    assert pool.episode_reward("a") == 1.5 and pool.episode_reward("b") == 0.25  # sum: 0.25 + 0.25 + 1.0
+    pool.close("a"), pool.close("b")
+    with pytest.raises(KeyError):
+        pool.step("a", "x")
+    last = EnvPool(EnvConfig(factory=SCRIPTED, step_timeout_s=0, reward="last"))  # 0: in this process
+    last.reset("c", prompt())
+    assert last.step("c", "x").messages[0]["content"].startswith(f"{os.getpid()} 1")
+    last.step("c", "bye")
+    assert last.episode_reward("c") == 1.0 and last.counts == {"errors": 0, "timeouts": 0, "lost": 0}
+
+
+@pytest.mark.parametrize("no_limit", [False, True])
+def test_an_env_that_raises_or_returns_the_wrong_thing_ends_its_episode_with_reward_0(pool, no_limit):
+    pool = EnvPool(EnvConfig(factory=SCRIPTED, step_timeout_s=0)) if no_limit else pool
+    errors, worker = pool.counts["errors"], pool.code.pid
+    expected = {"raise": "step raised RuntimeError: the tool crashed",
+                "nan": "step returned reward nan: expected a finite number",
+                "nonlist": "step returned str: expected a list of {'role': str, 'content': str} dicts",
+                "fourtuple": "step returned tuple: expected (messages, reward, done, info)"}
+    for n, (action, why) in enumerate(expected.items(), start=1):
+        key = f"bad-{action}"
+        pool.reset(key, prompt())
+        assert pool.step(key, "fine").reward == 0.25  # a reward before the failure: the episode still scores 0
+        step = pool.step(key, action)
+        assert (step.failure, step.done, step.reward, step.messages) == ("error", True, 0.0, [])
+        assert step.error == pool.last_error == (f"environment {SCRIPTED} on {key}: {why} (the episode scored 0, "
+                                                 "counted in env errors)")
+        assert pool.episode_reward(key) == 0.0 and pool.counts["errors"] == errors + n
+        assert pool.step(key, "fine").failure == "error" and pool.counts["errors"] == errors + n  # counted once
+        pool.close(key)
+    bad = pool.reset("bad-reset", prompt("bad-reset"))
+    assert bad.failure == "error" and "reset returned dict: expected a list" in bad.error
+    assert pool.counts["errors"] == errors + 5
+    pool.reset("good", prompt())
+    assert pool.step("good", "bye").reward == 1.0 and pool.code.pid == worker  # errors do not cost the worker
+
+
+def test_a_step_past_step_timeout_s_ends_every_episode_of_its_worker_with_reward_0():
+    pool = EnvPool(EnvConfig(factory=SCRIPTED, step_timeout_s=1.0))
+    for key in ("slow", "bystander"):
+        pool.reset(key, prompt())
+    assert pool.step("bystander", "x").reward == 0.25
+    worker = pool.code.pid
+    start = time.monotonic()
+    step = pool.step("slow", "sleep")  # the env sleeps 60 s
+    assert time.monotonic() - start < 5 and (step.failure, step.reward, step.done) == ("timeout", 0.0, True)
+    assert step.error == (f"environment {SCRIPTED} on slow: step did not return within 1 s "
+                          "(actors.env.step_timeout_s) (the episode scored 0, counted in env timeouts)")
+    assert pool.code.pid is None and gone(worker)
+    lost = pool.step("bystander", "y")  # its env died with the worker
+    assert (lost.failure, lost.reward) == ("lost", 0.0) and "its worker process was killed" in lost.error
+    assert pool.episode_reward("bystander") == 0.0 == pool.episode_reward("slow")
+    assert pool.counts == {"errors": 0, "timeouts": 1, "lost": 1}
+    pool.close("slow"), pool.close("bystander")
+    pool.reset("after", prompt())  # a new worker
+    assert pool.step("after", "bye").reward == 1.0 and pool.code.pid not in (None, worker)
+    pool.shutdown()
+
+
+# -- the lookup task -----------------------------------------------------------------------------------------------
+def test_lookup_items_are_deterministic_in_the_seed_and_hide_their_answer():
+    assert lookup_items(20, 3) == lookup_items(20, 3) != lookup_items(20, 4)
+    for hops in (1, 2):
+        for item in lookup_items(50, 0, hops=hops):
+            table, target = item["metadata"]["table"], item["metadata"]["target"]
+            assert sorted(table) == sorted(f"K{i}" for i in range(1, 9)) and f"<lookup>{target}</lookup>" in item["question"]
+            key = answer_key(table, target)
+            assert (key == target) == (hops == 1) and table[key] == item["answer"] and 10 <= int(item["answer"]) <= 99
+            assert item["answer"] not in item["question"]  # only the tool reveals it
+    with pytest.raises(ValueError, match="hops=9"):
+        lookup_items(1, 0, hops=9)
+
+
+def oracle(template: ChatTemplate, answer: str | None = None):
+    """A policy that reads its context: calls the key in the prompt, follows an entry that is a key, answers the
+    value it read (or `answer`, or 50 when the tool told it nothing)."""
+    tok = template.tokenizer
+
+    def generate(ids, max_new_tokens):
+        text = tok.decode(ids)
+        read = re.findall(r"(K\d+) = (\w+)<\|im_end\|>", text)
+        if answer is not None:
+            out = answer
+        elif read:
+            out = f"<lookup>{read[-1][1]}</lookup>" if read[-1][1].startswith("K") else read[-1][1]
+        elif DISABLED in text:
+            out = "50"
+        else:
+            out = re.search(r"<lookup>K\d+</lookup>", text).group(0)
+        return (tok.encode(out, add_special_tokens=False) + [template.eot_id])[:max_new_tokens]
+    return generate
+
+
+def test_lookup_episodes_run_token_exact_and_reward_the_value_read_through_the_tool(template):
+    pool = EnvPool(EnvConfig(factory=LOOKUP, step_timeout_s=30))
+    tok = template.tokenizer
+    for hops, turns in ((1, 2), (2, 3)):
+        for item in lookup_prompts(4, seed=hops, hops=hops):
+            ep = run_episode(pool, template, f"{item.prompt_id}-{hops}", item, oracle(template), max_new_tokens=16)
+            assert (ep.reward, ep.turns, ep.finish) == (1.0, turns, "done")
+            assert ep.prompt_ids == template.prompt_ids([{"role": "user", "content": item.question}])
+            ids, trainable = ep.rollout.ids, ep.rollout.trainable
+            assert len(ids) == len(trainable) and ids[-1] == template.eot_id
+            env_text = tok.decode([t for t, f in zip(ids, trainable) if f == 0])
+            sampled_text = tok.decode([t for t, f in zip(ids, trainable) if f == 1])
+            key = answer_key(item.metadata["table"], item.metadata["target"])
+            assert f"{key} = {item.answer}" in env_text and "<|im_start|>tool" in env_text
+            assert sampled_text.endswith(f"{item.answer}<|im_end|>") and "tool" not in sampled_text
+    assert pool.counts == {"errors": 0, "timeouts": 0, "lost": 0}
+    pool.shutdown()
+
+
+def test_the_tool_disabled_control_and_a_guess_score_nothing(template):
+    items = lookup_prompts(60, seed=5)
+    disabled = EnvPool(EnvConfig(factory=LOOKUP, options={"tool_disabled": True, "call_reward": 0.1},
+                                 step_timeout_s=0))
+    rewards = [run_episode(disabled, template, f"d-{i.prompt_id}", i, oracle(template), 16).reward for i in items]
+    assert sum(rewards) / len(rewards) <= 0.02, rewards
+    enabled = EnvPool(EnvConfig(factory=LOOKUP, options={"call_reward": 0.1}, step_timeout_s=0))
+    assert all(run_episode(enabled, template, f"e-{i.prompt_id}", i, oracle(template), 16).reward == 1.0
+               for i in items)
+    guess = run_episode(enabled, template, "guess", items[0], oracle(template, answer=items[0].answer), 16)
+    assert (guess.reward, guess.turns) == (0.0, 1)  # the right value, never read: no reward
+    wrong = run_episode(enabled, template, "wrong", items[0], call_then(template, "101"), 16)
+    assert (wrong.reward, wrong.turns) == (0.1, 2)  # a well-formed call answered, a wrong value: call_reward
+
+
+def call_then(template: ChatTemplate, answer: str):
+    """A policy that calls the prompt's key, then answers `answer` whatever the tool said."""
+    call, then = oracle(template), oracle(template, answer)
+    return lambda ids, n: then(ids, n) if " = " in template.tokenizer.decode(ids) else call(ids, n)
+
+
+def test_episodes_end_at_max_turns_and_max_total_tokens(template):
+    item = lookup_prompts(1, seed=9)[0]
+    always_call = oracle(template, answer="<lookup>K1</lookup>")
+    pool = EnvPool(EnvConfig(factory=LOOKUP, step_timeout_s=0, max_turns=3))
+    ep = run_episode(pool, template, "calls", item, always_call, 16)
+    turn = len(always_call([], 16))
+    assert (ep.turns, ep.finish, ep.reward) == (3, "max_turns", 0.0) and sum(ep.rollout.trainable) == 3 * turn
+    small = EnvPool(EnvConfig(factory=LOOKUP, step_timeout_s=0, max_turns=10, max_total_tokens=40))
+    ep = run_episode(small, template, "tokens", item, always_call, 16)
+    assert ep.finish == "max_total_tokens" and len(ep.rollout.ids) <= 40 and ep.turns == 2
