@@ -85,8 +85,8 @@ def check_env_factory(spec: str, options: dict | None = None) -> Callable:
     try:
         signature.bind(**dict(options or {}))
     except TypeError as e:
-        raise ValueError(f"env.factory={spec!r}: cannot be called as {spec.partition(':')[2]}(**env.options) with "
-                         f"env.options={dict(options or {})} ({e}; signature {signature})") from None
+        raise ValueError(f"env.factory={spec!r}: cannot be called as {spec.partition(':')[2]}(**options) with the "
+                         f"environment's options {dict(options or {})} ({e}; signature {signature})") from None
     return fn
 
 

@@ -73,7 +73,7 @@ def test_the_factory_is_loaded_and_its_signature_checked_at_config_time():
              ("scripted_envs:Nope", {}, r"^env\.factory='scripted_envs:Nope': module 'scripted_envs' has no callable"),
              ("scripted_envs", {}, r"expected 'package\.module:function'"),
              ("scripted_envs:only_positional", {}, r"^env\.factory='scripted_envs:only_positional': cannot be called as "
-                                                   r"only_positional\(\*\*env\.options\) with env\.options=\{\}"),
+                                                   r"only_positional\(\*\*options\) with the environment's options \{\}"),
              (SCRIPTED, {"colour": 1}, r"cannot be called as ScriptedEnv.*unexpected keyword argument 'colour'")]
     for spec, options, message in cases:
         with pytest.raises(ValueError, match=message):
