@@ -177,8 +177,9 @@ class SGLangEngine:
         kwargs.setdefault("skip_tokenizer_init", False)
         self.engine = sglang.Engine(model_path=model_path, **kwargs)
         self.tokenizer = self.engine.tokenizer_manager.tokenizer
-        self._failure, self._task = None, None
+        self._failure, self._task, self._subprocesses = None, None, None
         self.engine.loop.run_until_complete(self._watch_subprocesses())
+        self.subprocesses()
 
         # Manifest of the served model (HF names, shapes, dtype) from its config, on the meta device.
         hf_config = AutoConfig.from_pretrained(model_path)
@@ -422,14 +423,51 @@ class SGLangEngine:
             self.engine.loop.add_signal_handler(signal.SIGQUIT, _on_subprocess_failure)
         _LIVE_ENGINES.add(self)
 
-    def _fail(self) -> None:
-        self._failure = "an SGLang subprocess of this process failed (its traceback, if any, is in the log above)"
+    def _fail(self, dead: list[str] | None = None) -> None:
+        which = f" ({', '.join(dead)})" if dead else ""
+        self._failure = (f"an SGLang subprocess failed{which} (its traceback, if any, is in the log above)")
         if self._task is not None:
             self._task.cancel()
 
+    def subprocesses(self) -> dict[int, str]:
+        """This engine's SGLang subprocesses (`Engine.get_all_child_pids()`: scheduler, detokenizer), pid -> the
+        title SGLang gave it ("sglang::scheduler", "sglang::detokenizer"; read once, while they run)."""
+        import psutil
+
+        if getattr(self, "_subprocesses", None) is None:
+            names = {}
+            for pid in self.engine.get_all_child_pids():
+                try:
+                    names[pid] = (psutil.Process(pid).cmdline() or ["?"])[0]
+                except psutil.Error:
+                    names[pid] = "?"
+            self._subprocesses = names
+        return self._subprocesses
+
+    def dead_subprocesses(self) -> list[str]:
+        """This engine's SGLang subprocesses that no longer run (gone or a zombie), as "title pid N"."""
+        import psutil
+
+        dead = []
+        for pid, name in self.subprocesses().items():
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    continue
+            except psutil.Error:        # gone (or the pid now belongs to someone else's process)
+                pass
+            dead.append(f"{name} pid {pid}")
+        return dead
+
     def _call(self, coro, what: str):
         """Run an engine coroutine on SGLang's event loop with `timeout_s`; TimeoutError or a failed SGLang
-        subprocess -> RuntimeError naming the call."""
+        subprocess of this engine (found gone before the call, or signalled during it) -> RuntimeError naming
+        the call."""
+        if self._failure is None:
+            dead = self.dead_subprocesses()
+            if dead:
+                self._fail(dead)
+                coro.close()
+                raise RuntimeError(f"SGLang {what} failed: {self._failure}")
         if self._failure is not None:
             coro.close()
             raise RuntimeError(f"SGLang {what} refused: {self._failure}; shut the engine down")
@@ -479,9 +517,14 @@ _LIVE_ENGINES: set = set()
 
 
 def _on_subprocess_failure() -> None:
-    """SIGQUIT from a failed SGLang subprocess: it does not say whose, so every live engine fails its call."""
-    for eng in list(_LIVE_ENGINES):
-        eng._fail()
+    """SIGQUIT from a failed SGLang subprocess. The signal does not say whose: the engines with a subprocess gone
+    fail their call (SGLang's watchdog signals only once the process is gone); when none is (a scheduler that
+    raised signals before it exits), every live engine fails, so a dead scheduler never looks like a live one."""
+    engines = list(_LIVE_ENGINES)
+    found = [(eng, eng.dead_subprocesses()) for eng in engines]
+    found = [(eng, dead) for eng, dead in found if dead]
+    for eng, dead in found or [(eng, None) for eng in engines]:
+        eng._fail(dead)
 
 
 def sglang_sender_group(master_address: str, master_port: int, world_size: int,

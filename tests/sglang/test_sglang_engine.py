@@ -2,6 +2,7 @@
 0.7 and greedy), stop strings, and weight updates (in-process tensors, and SGLang's own group over gloo)."""
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -139,25 +140,28 @@ def test_weight_update_over_gloo_group(engine, tiny_qwen2_dir):
     assert_serves_new_weights(engine, model, new, params, before)
 
 
-def test_failed_scheduler_raises_instead_of_killing_this_process(tiny_qwen2_dir):
-    """A real fault: SIGKILL SGLang's scheduler. SGLang's watchdog then SIGQUITs this process, whose default
-    SGLang handler would SIGKILL pytest itself; the engine must raise RuntimeError instead. Keep it last in
-    this file: the failure (and SGLang's shutdown) also ends the module's `engine`."""
+def test_failed_scheduler_raises_instead_of_killing_this_process(engine, tiny_qwen2_dir):
+    """A real fault: SIGKILL this engine's own SGLang scheduler (not the module `engine`'s, which is alive too:
+    the first scheduler among this process's children is that one's). SGLang's watchdog then SIGQUITs this
+    process, whose default SGLang handler would SIGKILL pytest itself; the engine must raise RuntimeError instead,
+    and only the engine whose subprocess died fails: the module's `engine` keeps serving. Keep it last in this
+    file: SGLang's shutdown of `eng` kills every child of this process, the module engine's scheduler too."""
     import os
     import signal
-
-    import psutil
 
     eng = SGLangEngine(str(tiny_qwen2_dir), timeout_s=120, attention_backend="torch_native", **CPU_ENGINE_KWARGS)
     try:
         params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
         assert len(eng.generate(PROMPTS, params)) == 2
-        schedulers = [p for p in psutil.Process().children(recursive=True) if "scheduler" in " ".join(p.cmdline())]
-        assert schedulers, "no SGLang scheduler subprocess found"
-        os.kill(schedulers[0].pid, signal.SIGKILL)
-        with pytest.raises(RuntimeError, match="generate failed: an SGLang subprocess failed"):
+        own = [pid for pid, title in eng.subprocesses().items() if title.startswith("sglang::scheduler")]
+        assert own and not set(own) & set(engine.subprocesses()), (eng.subprocesses(), engine.subprocesses())
+        os.kill(own[0], signal.SIGKILL)
+        with pytest.raises(RuntimeError, match=rf"generate failed: an SGLang subprocess failed \(sglang::scheduler"
+                                               rf"\S* pid {own[0]}"):
             eng.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True))
         with pytest.raises(RuntimeError, match="generate refused"):
             eng.generate(PROMPTS, params)
+        time.sleep(2)                       # past SGLang's watchdog poll (1 s): its SIGQUIT has been handled
+        assert len(engine.generate(PROMPTS, params)) == 2          # the other engine was not failed with it
     finally:
         eng.shutdown()
