@@ -10,6 +10,50 @@ from actors.reward import RewardConfig, RewardScorer
 from compressors import CompressorConfig
 
 
+def mode_engine(engine, tokenizer, mode: str, compressor: CompressorConfig):
+    """The engine that evaluates `mode`: a torch engine re-wrapped around the same model with `full` (dense) or
+    `compressor` (sparse); an SGLang engine as it is, in its own mode. Raises ValueError for a mode other than
+    dense | sparse, or (SGLang) a mode other than the engine's own."""
+    if mode not in ("dense", "sparse"):
+        raise ValueError(f"mode={mode!r}: expected dense | sparse")
+    from actors.torch_engine import TorchEngine
+
+    cfg = CompressorConfig(method="full") if mode == "dense" else compressor
+    if isinstance(engine, TorchEngine):
+        return TorchEngine(engine.model, tokenizer, cfg, device=str(engine.device), weight_version=engine.weight_version)
+    if (engine.compressor_cfg.method == "full") != (mode == "dense"):  # SGLang: the backend is fixed at start
+        raise ValueError(f"mode={mode!r}: this {type(engine).__name__} was started "
+                         f"{'dense' if engine.compressor_cfg.method == 'full' else 'sparse'}; evaluate it in that mode")
+    return engine
+
+
+def evaluate_episodes(engine, pool, template, items: list[Prompt], mode: str, compressor: CompressorConfig, *,
+                      max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 16,
+                      seed: int = 0) -> dict[str, float]:
+    """Multi-turn evaluation (actors/episode.py): one episode per item of `pool`'s environment, in `mode` (see
+    mode_engine), each turn at most `max_new_tokens`. Returns n, reward (mean episode reward), accuracy (episodes
+    with reward >= 1), reward_errors (episodes the environment failed), response_length (mean tokens after the
+    prompt, observations included), kv_peak_bytes (mean per episode, bytes), turns and tool_calls (means)."""
+    from actors.episode import run_episodes
+
+    engine = mode_engine(engine, template.tokenizer, mode, compressor)
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, n=1, seed=seed)
+    done = []
+    for start in range(0, len(items), batch_size):
+        done += [s for (s,) in run_episodes(engine.generate, pool, template, items[start:start + batch_size], params,
+                                            batch_key=f"eval-{mode}-{start}-")]
+    n = len(done)
+
+    def mean(values) -> float:
+        return float(np.mean(values)) if n else 0.0
+    return {"n": n, "reward": mean([s.reward for s in done]), "accuracy": sum(s.reward >= 1 for s in done) / max(n, 1),
+            "unparseable": 0.0,
+            "reward_errors": float(sum(s.finish in ("error", "timeout", "lost") for s in done)),
+            "response_length": mean([len(s.response_ids) for s in done]),
+            "kv_peak_bytes": mean([s.kv_peak_bytes for s in done]), "turns": mean([s.turns for s in done]),
+            "tool_calls": mean([s.tool_calls for s in done])}
+
+
 def evaluate(engine, tokenizer, items: list[Prompt], mode: str, compressor: CompressorConfig, *,
              max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 16,
              seed: int = 0, instruction: str | None = None, reward: RewardScorer | None = None) -> dict[str, float]:
@@ -20,16 +64,7 @@ def evaluate(engine, tokenizer, items: list[Prompt], mode: str, compressor: Comp
     Returns n, reward (mean), accuracy (correct / n), unparseable (fraction with no extractable answer, counted apart from
     wrong ones), response_length (mean tokens) and kv_peak_bytes (mean per sequence, bytes).
     Raises ValueError for a mode other than dense | sparse, or (SGLang) a mode other than the engine's own."""
-    if mode not in ("dense", "sparse"):
-        raise ValueError(f"mode={mode!r}: expected dense | sparse")
-    from actors.torch_engine import TorchEngine
-
-    cfg = CompressorConfig(method="full") if mode == "dense" else compressor
-    if isinstance(engine, TorchEngine):
-        engine = TorchEngine(engine.model, tokenizer, cfg, device=str(engine.device), weight_version=engine.weight_version)
-    elif (engine.compressor_cfg.method == "full") != (mode == "dense"):  # SGLang: the backend is fixed at start
-        raise ValueError(f"mode={mode!r}: this {type(engine).__name__} was started "
-                         f"{'dense' if engine.compressor_cfg.method == 'full' else 'sparse'}; evaluate it in that mode")
+    engine = mode_engine(engine, tokenizer, mode, compressor)
     items = tokenize_prompts(items, tokenizer, DEFAULT_INSTRUCTION if instruction is None else instruction)
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, n=1, seed=seed)
     reward = reward or RewardScorer(RewardConfig())

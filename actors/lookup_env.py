@@ -32,21 +32,33 @@ def lookup_items(size: int, seed: int, keys: int = 8, hops: int = 1) -> list[dic
         raise ValueError(f"lookup_items: hops={hops}: expected 1 <= hops <= keys ({keys})")
     rng = random.Random(seed)
     out = []
-    for _ in range(size):
+    for i in range(size):
         names = [f"K{i}" for i in range(1, keys + 1)]
         table = {k: str(rng.randint(10, 99)) for k in names}
         chain = rng.sample(names, hops)
         for a, b in zip(chain, chain[1:]):
             table[a] = b
-        out.append({"question": _question(chain[0], keys, hops), "answer": table[chain[-1]],
+        out.append({"question": _question(chain[0], keys, hops, f"{_letters(seed)}-{_letters(i)}"), "answer": table[chain[-1]],
                     "metadata": {"table": table, "target": chain[0], "hops": hops}})
     return out
 
 
-def _question(target: str, keys: int, hops: int) -> str:
+def _letters(n: int) -> str:
+    """n >= 0 in base 26 as capital letters (0 -> "A", 26 -> "BA"): a table's name without digits, which the
+    answer is read from."""
+    out = chr(65 + n % 26)
+    while n >= 26:
+        n //= 26
+        out = chr(65 + n % 26) + out
+    return out
+
+
+def _question(target: str, keys: int, hops: int, name: str) -> str:
+    """The prompt; `name` (the seed and the index in letters) makes every item's question its own (the table differs, the text would
+    not): held-out evaluation removes repeated and training questions."""
     follow = (" Its entry is another key: look that key up too, and answer with the value it holds." if hops > 1
               else "")
-    return (f"A hidden table holds the keys K1 to K{keys}. To read an entry, write <lookup>{target}</lookup> and "
+    return (f"A hidden table (table {name}) holds the keys K1 to K{keys}. To read an entry, write <lookup>{target}</lookup> and "
             f"the tool answers. What is the value of {target}?{follow} Answer with the number alone.")
 
 

@@ -25,10 +25,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.data import load_train_prompts
 from actors.engine import SamplingParams
-from actors.evaluate import evaluate
-from actors.reward import RewardScorer
+from actors.env import EnvPool
+from actors.episode import EpisodeSample, run_episodes
+from actors.evaluate import evaluate, evaluate_episodes
+from actors.reward import RewardResult, RewardScorer
 from actors.rollout_config import RolloutConfig
 from actors.torch_engine import TorchEngine
+from actors.turns import ChatTemplate
 from broker import faults
 from broker import run_state as rs
 from broker.admission import Admission, Claim, ClaimExpired
@@ -88,6 +91,8 @@ class RolloutWorker:
         self.tokenizer = self.engine.tokenizer
         self.prompts = load_train_prompts(a.data, self.tokenizer, seed=self.cfg.seed)
         self.reward = RewardScorer(a.reward)
+        self.envs = EnvPool(a.env) if a.env.factory else None   # multi-turn: the environments' worker process
+        self.template = ChatTemplate.build(self.tokenizer) if self.envs is not None else None
         self.stopping = threading.Event()
         self.admission = None
         if self.cfg.broker.admission:
@@ -103,7 +108,9 @@ class RolloutWorker:
         self.counters = {"samples": 0, "correct": 0, "wrong": 0, "unparseable": 0, "error": 0, "tokens": 0, "gen_s": 0.0,
                          "kv_peak_bytes": 0, "staleness_wait_s": 0.0,
                          "queue_wait_s": 0.0, "admission_wait_s": 0.0, "busy_s": 0.0,
-                         "kv_budget_sum": 0, "batches": 0}
+                         "kv_budget_sum": 0, "batches": 0, "episodes": 0, "turns": 0, "tool_calls": 0,
+                         "env_tokens": 0, "response_tokens": 0}
+        self.turn_kv: dict[int, list[int]] = {}  # multi-turn: turn -> [KV bytes sum, episodes] since metrics()
         self.busy_since: float | None = None  # monotonic start of the batch in progress (claim to publish)
         self.metrics_since = time.monotonic()
         self.tier_counters: dict[str, list[float]] = {}  # tier -> [groups, budget sum, reward sum, samples]
@@ -245,8 +252,12 @@ class RolloutWorker:
         start = time.monotonic()
         try:
             batch.budgets, batch.tiers = self.batch_budgets(batch.prompts, batch.version)
-            prompts = [p.prompt_ids for p in batch.prompts]
-            batch.outputs = self.engine_generate(prompts, params, kv_budgets=batch.budgets if self.budget_varies else None)
+            budgets = batch.budgets if self.budget_varies else None
+            if self.envs is not None:   # multi-turn: every sample an episode of the environment (actors/episode.py)
+                batch.outputs = run_episodes(self.engine_generate, self.envs, self.template, batch.prompts, params,
+                                             kv_budgets=budgets, batch_key=f"{batch.indices[0]}-")
+            else:
+                batch.outputs = self.engine_generate([p.prompt_ids for p in batch.prompts], params, kv_budgets=budgets)
         except BaseException:  # any failure, Ctrl-C included: the claim's groups go back to the pool, then re-raise
             if batch.claim is not None:
                 self.claim = None
@@ -265,7 +276,7 @@ class RolloutWorker:
             scored = [self._record(s, prompt) for s in samples]
             records = [record for record, _ in scored]
             batch.counts.append({"rollout_groups": 1, "reward_errors": sum(status == "error" for _, status in scored),
-                                 **({f"tier/{tier}/groups": 1} if tier else {})})
+                                 **({f"tier/{tier}/groups": 1} if tier else {}), **self._env_counts(samples)})
             groups.append(TrajectoryGroup(
                 run_id=self.run_id, group_id=uuid.uuid4().hex, prompt_id=prompt.prompt_id,
                 weight_version=batch.version, temperature=params.temperature, compressor=a.engine.compressor.method,
@@ -280,12 +291,39 @@ class RolloutWorker:
             rs.write_confidences(self.redis, self.run_id, confidences)
         return groups
 
+    @staticmethod
+    def _env_counts(samples) -> dict[str, int]:
+        """A multi-turn group's environment failures (episodes), for the run's actor_counts; {} single-turn."""
+        if not samples or not isinstance(samples[0], EpisodeSample):
+            return {}
+        return {f"env_{kind}s": sum(s.finish == kind for s in samples) for kind in ("error", "timeout", "lost")}
+
+    def _episode_reward(self, s: EpisodeSample) -> RewardResult:
+        """A finished episode's reward as a RewardResult (the environment's; reward.truncated on a length cut),
+        and its statistics counted."""
+        c = self.counters
+        c["episodes"], c["turns"], c["tool_calls"] = c["episodes"] + 1, c["turns"] + s.turns, c["tool_calls"] + s.tool_calls
+        c["env_tokens"], c["response_tokens"] = c["env_tokens"] + s.obs_tokens, c["response_tokens"] + len(s.response_ids)
+        for k, nbytes in enumerate(s.turn_kv_bytes, 1):
+            acc = self.turn_kv.setdefault(k, [0, 0])
+            acc[0], acc[1] = acc[0] + nbytes, acc[1] + 1
+        if s.finish in ("error", "timeout", "lost"):
+            if not self.counters["error"]:
+                print(f"{self.actor_id}: {self.envs.last_error}")
+            return RewardResult(0.0, "error", "")
+        truncated = self.cfg.actors.reward.truncated
+        reward = truncated if truncated is not None and s.finish_reason == "length" else s.reward
+        return RewardResult(float(reward), "correct" if reward >= 1 else "wrong", "")
+
     def _record(self, s, prompt) -> tuple[SampleRecord, str]:
         """One scored sample (counted in the rollout metrics) and its reward status (correct | wrong |
-        unparseable | error)."""
+        unparseable | error); a multi-turn episode brings its environment's reward."""
         timeouts = self.reward.timeouts
-        reward = self.reward(self.tokenizer.decode(s.response_ids, skip_special_tokens=True), s.response_ids, prompt,
-                             s.finish_reason)
+        if isinstance(s, EpisodeSample):
+            reward = self._episode_reward(s)
+        else:
+            reward = self.reward(self.tokenizer.decode(s.response_ids, skip_special_tokens=True), s.response_ids,
+                                 prompt, s.finish_reason)
         if self.reward.timeouts > timeouts:  # a timeout: said once per actor (each one is counted in reward_errors)
             if not timeouts:
                 print(f"{self.actor_id}: {self.reward.last_error}; later timeouts are counted, not printed")
@@ -298,7 +336,7 @@ class RolloutWorker:
         return SampleRecord(prompt_ids=s.prompt_ids, response_ids=s.response_ids, logp_sparse=s.logp_sparse,
                             finish_reason=s.finish_reason, reward=reward.reward,
                             kv_retained_tokens=s.kv_retained_tokens, kv_peak_bytes=s.kv_peak_bytes,
-                            topk_ids=s.topk_ids, topk_logprobs=s.topk_logprobs,
+                            topk_ids=s.topk_ids, topk_logprobs=s.topk_logprobs, trainable=s.trainable,
                             eviction_steps=getattr(s, "eviction_steps", None)), reward.status
 
     def _publish(self, batch: "Batch", groups: list[TrajectoryGroup]) -> None:
@@ -374,6 +412,7 @@ class RolloutWorker:
             per_tier.update({f"tier/{name}/kv_budget": budget_sum / groups, f"tier/{name}/reward": reward_sum / samples})
         if c["batches"]:  # mean budget (tokens) of this actor's batches since the last call
             per_tier["actor_kv_budget"] = c["kv_budget_sum"] / c["batches"]
+        per_tier.update(self._episode_metrics(c))
         return {**per_tier,
                 "rollout_tokens_per_s": c["tokens"] / c["gen_s"] if c["gen_s"] else 0.0,
                 "accuracy": c["correct"] / c["samples"] if c["samples"] else 0.0,
@@ -384,11 +423,27 @@ class RolloutWorker:
                 "actor_idle_fraction": max(0.0, 1.0 - c["busy_s"] / wall) if wall > 0 else 0.0,
                 "producer_backpressure_wait_s": float(self.producer.backpressure_wait_s)}
 
+    def _episode_metrics(self, c: dict) -> dict:
+        """Multi-turn: turns and tool calls per episode, the environment's share of the response tokens, and per
+        turn k the mean KV bytes of a trajectory at its end (kv_bytes_turn_<k>); {} without episodes."""
+        turn_kv, self.turn_kv = self.turn_kv, {}
+        if not c["episodes"]:
+            return {}
+        return {"turns_per_episode": c["turns"] / c["episodes"], "tool_calls_per_episode": c["tool_calls"] / c["episodes"],
+                "env_token_fraction": c["env_tokens"] / max(c["response_tokens"], 1),
+                **{f"kv_bytes_turn_{k}": total / n for k, (total, n) in sorted(turn_kv.items())}}
+
     # -- evaluation ------------------------------------------------------------------------------------------
     def evaluate(self, items: list, mode: str) -> dict:
         """Score this actor's weights on `items` with the run's reward, with the full cache (dense) or
         eval.sparse_compressor, by default the run's compressor (sparse); see actors.evaluate. Waits for the current batch (weights stay fixed meanwhile)."""
         e = self.cfg.eval
+        compressor = e.sparse_compressor or self.cfg.actors.engine.compressor
+        if self.envs is not None:   # multi-turn: episodes of the run's environment
+            with self.generating:
+                return evaluate_episodes(self.engine, self.envs, self.template, items, mode, compressor,
+                                         max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p,
+                                         batch_size=e.batch_size, seed=self.cfg.seed)
         with self.generating:
             return evaluate(self.engine, self.tokenizer, items, mode, e.sparse_compressor or self.cfg.actors.engine.compressor,
                             reward=self.reward,

@@ -9,6 +9,7 @@ from typing import Optional
 from omegaconf import MISSING
 
 from actors.config import DataConfig, EngineConfig, SamplingConfig
+from actors.env import EnvConfig
 from actors.reward import RewardConfig
 from broker.config import BrokerConfig
 from compressors import CompressorConfig
@@ -36,6 +37,9 @@ class ActorsConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn rollouts (actors/env.py, actors/episode.py): with `env.factory` set, each sample is an episode
+    of the environment, whose reward replaces `reward`'s."""
 
 
 @dataclass

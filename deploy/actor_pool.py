@@ -381,8 +381,9 @@ class ActorPool:
             shards = [items[i::len(handles)] for i in range(len(handles))]
             parts = ray.get([h.evaluate.remote(shard, mode) for h, shard in zip(handles, shards) if shard])
             n = sum(p["n"] for p in parts)
-            for name in ("reward", "accuracy", "unparseable", "response_length", "kv_peak_bytes"):
-                scores[f"eval/{mode}/{name}"] = sum(p[name] * p["n"] for p in parts) / max(n, 1)
+            for name in ("reward", "accuracy", "unparseable", "response_length", "kv_peak_bytes", "turns", "tool_calls"):
+                if all(name in p for p in parts):   # turns, tool_calls: multi-turn episodes only
+                    scores[f"eval/{mode}/{name}"] = sum(p[name] * p["n"] for p in parts) / max(n, 1)
             scores[f"eval/{mode}/reward_errors"] = sum(p["reward_errors"] for p in parts)
             scores[f"eval/{mode}/n"] = float(n)
         return scores

@@ -328,6 +328,8 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
     check(not (run.learner.policy_target == "sparse" and run.actors.engine.backend == "sglang"),
           "learner.policy_target=sparse replays eviction records that actors.engine.backend=sglang does not record: "
           "use the torch engine or policy_target=dense")
+    if run.actors.env.factory:
+        check_multiturn(run)
     for mode in run.eval.modes:
         check(mode in ("dense", "sparse"), f"eval.modes: {mode!r} is not one of dense, sparse")
     if run.actors.engine.backend == "sglang" and run.eval.enabled:
@@ -336,15 +338,33 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
               f"is fixed when it starts, so it evaluates in its own mode only: set eval.modes=[{own}]")
 
 
+def check_multiturn(run: RunConfig) -> None:
+    """What multi-turn rollouts (actors.env.factory set) cannot do yet, refused in one line naming both settings."""
+    if run.learner.policy_target == "sparse":
+        raise ConfigError("learner.policy_target=sparse with actors.env.factory set: a multi-turn episode re-prefills "
+                          "its history each turn (actors/episode.py), so no one eviction record describes it; use "
+                          "policy_target=dense (replay across turns needs the compressed cache kept, issue 36)")
+    if run.actors.engine.backend == "sglang" and run.actors.engine.compressor.method != "full":
+        raise ConfigError(f"actors.engine.backend=sglang with actors.env.factory set and actors.engine.compressor."
+                          f"method={run.actors.engine.compressor.method}: sparse multi-turn runs on the torch engine "
+                          "only (SGLang: compressor full)")
+    if run.eval.enabled and run.eval.data != "train_task":
+        raise ConfigError(f"eval.data={run.eval.data!r} with actors.env.factory set: a multi-turn run evaluates "
+                          "episodes of its own task: set eval.data=train_task (or eval.enabled=false)")
+
+
 def check_user_code(run: RunConfig) -> None:
     """Import the user code the config names (actors.reward.function, actors.data.function with source
     function), so that a typo fails before anything starts. Raises ConfigError naming the field."""
     from actors.data import load_task_function  # late: math_verify (actors.reward) only when a config is checked
     from actors.reward import load_reward_function
+    from actors.env import check_env_factory
     try:
         load_reward_function(run.actors.reward.function)
         if run.actors.data.source == "function":
             load_task_function(run.actors.data.function)
+        if run.actors.env.factory:
+            check_env_factory(run.actors.env.factory, run.actors.env.options)
     except ValueError as e:
         raise ConfigError(f"actors.{e}") from None
 

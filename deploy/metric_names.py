@@ -49,6 +49,10 @@ _BY_SECTION: dict[str, dict[str, str]] = {
         "actor_queue_wait_s": "actor_queue_wait_s", "actor_admission_wait_s": "actor_admission_wait_s",
         "producer_backpressure_wait_s": "producer_backpressure_wait_s",
         "actors_live": "actors_live", "actors_replaced": "actors_replaced",
+        # multi-turn episodes (actors/episode.py): per episode, and the environment's failures (counts)
+        "turns_per_episode": "turns_per_episode", "tool_calls_per_episode": "tool_calls_per_episode",
+        "env_token_fraction": "env_token_fraction", "env_errors": "env_errors", "env_timeouts": "env_timeouts",
+        "env_lost": "env_lost",
     },
     # the KV cache: retained share, bytes, budget (SPEC §5.1)
     "kv": {
@@ -85,11 +89,13 @@ TABLE: dict[str, str] = {name: f"{section}/{short}"
                          for section, names in _BY_SECTION.items() for name, short in names.items()}
 """Internal name -> MLflow name, for every fixed name."""
 
-FAMILIES = (("broker_", "broker/", "_total"), ("eval/", "eval/", ""), ("tier/", "tier/", ""))
+FAMILIES = (("broker_", "broker/", "_total"), ("eval/", "eval/", ""), ("tier/", "tier/", ""),
+            ("kv_bytes_turn_", "kv/bytes_turn_", ""))
 """Names made at run time, (internal prefix, MLflow prefix, MLflow suffix): the run's broker counters
 `broker_<count>` (cumulative, broker/run_state.py run_counts) -> `broker/<count>_total` (beside the step's own
 `broker/dropped_stale`, `broker/groups_filtered`); `eval/<mode>/<score>` and `tier/<tier>/<metric>` are
-already in their sections."""
+already in their sections; `kv_bytes_turn_<k>` (a multi-turn episode's KV bytes at the end of its turn k, mean
+over the episodes that reached it) -> `kv/bytes_turn_<k>`."""
 
 _INVERSE = {mlflow: name for name, mlflow in TABLE.items()}
 

@@ -152,6 +152,18 @@ def longest_prompt(cfg: RunConfig, model_path: str) -> int:
     return max(len(p.prompt_ids) for p in prompts)
 
 
+def check_chat_template(model_path: str) -> None:
+    """Multi-turn rollouts keep sampled ids verbatim (actors/turns.py): the model's chat template must be
+    append-only. Raises ConfigError (one line naming the template) when it is not."""
+    from transformers import AutoTokenizer
+
+    from actors.turns import ChatTemplate, TemplateNotAppendOnly
+    try:
+        ChatTemplate.build(AutoTokenizer.from_pretrained(model_path))
+    except TemplateNotAppendOnly as e:
+        raise ConfigError(f"actors.env.factory: {e}") from None
+
+
 def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: int | None = None) -> PreflightReport:
     """Predict the run's KV demand and check it against its memory (module docstring).
 
@@ -171,6 +183,9 @@ def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: i
     shape = ModelShape.from_hf_config(hf, a.engine.dtype)
     prompt = prompt_tokens or longest_prompt(cfg, model_path)
     new = a.sampling.max_new_tokens
+    if a.env.factory:   # multi-turn: each turn re-prefills the history, up to env.max_total_tokens after the prompt
+        new = max(new, a.env.max_total_tokens)
+        check_chat_template(model_path)
     low, high = c.budget_range()
     compress = c.method != "full"
     dense = kv_peak_bytes_per_sequence(shape, prompt, new, high, c.interval, compress=False)

@@ -78,11 +78,12 @@ def test_dense_log_probs_are_a_forward_over_the_whole_episode(engine, pool):
 
 
 def test_a_failing_environment_ends_only_its_episode(engine):
-    """An env whose reset returns a dict (not a list) fails every episode at reset: each ends with reward 0,
-    finish "error", the item's own prompt ids and no response, counted once per episode."""
-    pool = EnvPool(EnvConfig(factory="scripted_envs:ScriptedEnv", options={"bad_reset": True}))
+    """ScriptedEnv's reset of the question "bad-reset" returns a dict (not a list): every episode of that item
+    fails at reset and ends with reward 0, finish "error", the item's own prompt ids and no response, counted once
+    per episode."""
+    pool = EnvPool(EnvConfig(factory="scripted_envs:ScriptedEnv"))
     try:
-        item = Prompt("p", "q", "1", prompt_ids=[1, 2, 3])
+        item = Prompt("p", "bad-reset", "1", prompt_ids=[1, 2, 3])
         (samples,) = run_episodes(engine.generate, pool, ChatTemplate.build(engine.tokenizer), [item],
                                   SamplingParams(temperature=1.0, max_new_tokens=4, n=3))
     finally:

@@ -1,0 +1,50 @@
+"""Multi-turn settings at config check and preflight (issue 35): bad input exits at the check in one line naming
+the field, before anything starts; what multi-turn cannot do yet is refused naming both settings."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from deploy.config import ConfigError, load_config
+from deploy.model_cache import TINY_LLAMA, resolve_model
+from deploy.preflight import preflight
+
+TEMPLATES = Path(__file__).resolve().parents[1] / "actors" / "templates"
+
+
+@pytest.mark.parametrize("overrides,names", [
+    (["learner.policy_target=sparse"], ["learner.policy_target=sparse", "actors.env.factory"]),
+    (["actors.engine.backend=sglang", "eval.enabled=false"], ["actors.engine.backend=sglang", "actors.env.factory",
+                                                             "actors.engine.compressor.method=rkv"]),
+    (["eval.data=gsm8k_test"], ["eval.data='gsm8k_test'", "actors.env.factory"]),
+    (["actors.env.max_turns=0"], ["actors.env.max_turns=0"]),
+    (["actors.env.obs_truncation=middle"], ["actors.env.obs_truncation='middle'"]),
+])
+def test_what_multi_turn_cannot_do_is_refused_in_one_line(overrides, names):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny-lookup", overrides, check_files=False)
+    assert all(name in str(err.value) for name in names) and "\n" not in str(err.value), str(err.value)
+
+
+def test_an_environment_that_cannot_be_made_is_refused_at_the_check():
+    with pytest.raises(ConfigError, match=r"^actors\.env\.factory='nope_xyz:Env'"):
+        load_config("tiny-lookup", ["actors.env.factory=nope_xyz:Env"])
+    with pytest.raises(ConfigError, match=r"^actors\.env\.factory=.*'colour'"):
+        load_config("tiny-lookup", ["actors.env.options.colour=red"])
+    load_config("tiny-lookup")   # the control: the shipped environment
+
+
+def test_a_template_that_is_not_append_only_fails_the_preflight(tmp_path):
+    """The shipped tiny model's directory with its chat template replaced by the vendored one that strips earlier
+    <think> blocks: the preflight refuses it naming the template; the shipped one passes."""
+    cfg = load_config("tiny-lookup", ["preflight.max_prompt_tokens=120"])
+    model = resolve_model(TINY_LLAMA)
+    preflight(cfg, model_path=model, prompt_tokens=120)
+    bad = tmp_path / "model"
+    shutil.copytree(model, bad)
+    shutil.copy(TEMPLATES / "strips_think.jinja", bad / "chat_template.jinja")
+    with pytest.raises(ConfigError) as err:
+        preflight(cfg, model_path=str(bad), prompt_tokens=120)
+    assert "not append-only" in str(err.value) and str(bad) in str(err.value) and "\n" not in str(err.value)
