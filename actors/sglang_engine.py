@@ -90,13 +90,19 @@ def register_sglang_plugin() -> None:
 SPARSE_REQUIRED = {"disable_radix_cache": True, "chunked_prefill_size": -1, "page_size": 1,
                    "disable_overlap_schedule": True, "enable_mixed_chunk": False, "tp_size": 1, "pp_size": 1,
                    "dp_size": 1, "kv_cache_dtype": "auto", "speculative_algorithm": None,
-                   "enable_custom_logit_processor": True}
+                   "enable_custom_logit_processor": True, "cuda_graph_backend_prefill": "disabled",
+                   "enable_torch_compile": False, "debug_cuda_graph": False}
 """`sglang.Engine` settings sparse mode needs, and why (docs/sglang.md, "Sparse mode"): no radix prefix cache
 (a compressed prefix is not the prefix's KV); no chunked prefill or mixed chunks (a prompt is compressed after
 its whole prefill); page size 1 (slots are freed one token at a time); no overlap scheduling (compression
 between steps would race the next step's scheduling); one GPU per engine (tensor/pipeline/data parallel 1);
 KV in the model dtype (no fp8); no speculative decoding; the custom logit processor that carries per-request
-budgets."""
+budgets; no prefill CUDA graph (SGLang 0.5.23 turns on its breakable, piecewise prefill graph by default on
+CUDA: the prefill's ring write and compression bookkeeping were never run inside one), no torch.compile and no
+breakable decode graph (`debug_cuda_graph`): only eager prefill and SGLang's full decode graph were checked."""
+
+DECODE_GRAPH_BACKENDS = ("full", "disabled")
+"""Decode CUDA-graph backends sparse mode accepts (`cuda_graph_backend_decode`, `cuda_graph_config`)."""
 
 
 def sparse_engine_kwargs(backend: str = SPARSE_BACKEND) -> dict:
@@ -125,6 +131,17 @@ def check_sparse_settings(engine_kwargs: dict, backend: str = SPARSE_BACKEND) ->
     got = engine_kwargs.get("attention_backend", backend)
     if got != backend:
         raise ValueError(f"engine setting attention_backend={got!r}: sparse mode runs in {backend!r}")
+    got = engine_kwargs.get("cuda_graph_backend_decode")
+    if got is not None and got not in DECODE_GRAPH_BACKENDS:
+        raise ValueError(f"engine setting cuda_graph_backend_decode={got!r}: sparse KV compression runs under "
+                         f"SGLang's full decode graph or eager, expected one of {DECODE_GRAPH_BACKENDS}")
+    graphs = engine_kwargs.get("cuda_graph_config")
+    graphs = graphs.to_dict() if hasattr(graphs, "to_dict") else graphs or {}
+    for phase, allowed in (("prefill", ("disabled",)), ("decode", DECODE_GRAPH_BACKENDS)):
+        got = (graphs.get(phase) or {}).get("backend")
+        if got is not None and got not in allowed:
+            raise ValueError(f"engine setting cuda_graph_config={{{phase!r}: {{'backend': {got!r}}}}}: sparse KV "
+                             f"compression needs the {phase} graph backend in {allowed}")
     allowed = os.environ.get("SGLANG_PLUGINS")
     if allowed and "sparse_rl_kv" not in {x.strip() for x in allowed.split(",")}:
         raise ValueError(f"SGLANG_PLUGINS={allowed!r} does not list sparse_rl_kv: SGLang would not register the "
@@ -168,6 +185,9 @@ class SGLangEngine:
         self.weight_version = weight_version
         kwargs = dict(engine_kwargs)
         if self.sparse:
+            if self.compressor_cfg.budget_schedule == "length":
+                raise ValueError("compressor.budget_schedule='length' grows the budget within a trajectory: the torch "
+                                 "engine only; the SGLang engine's budget is fixed per request")
             if sparse_backend not in (SPARSE_BACKEND, TORCH_SPARSE_BACKEND):
                 raise ValueError(f"sparse_backend={sparse_backend!r}: expected {SPARSE_BACKEND} | {TORCH_SPARSE_BACKEND}")
             check_sparse_settings(kwargs, sparse_backend)
@@ -222,8 +242,9 @@ class SGLangEngine:
         kv_retained_tokens / kv_peak_bytes: dense = prompt + response - 1 tokens (the last token's KV is never
         written); sparse = the same count under the compression schedule (the backend applies exactly this
         schedule; the measured pool usage of the whole engine is in `kv_pool_stats()`).
-        Raises ValueError on empty prompts or invalid params; RuntimeError if SGLang aborts a request or the
-        call exceeds `timeout_s`.
+        Raises ValueError on empty prompts or invalid params; RuntimeError if SGLang aborts a request, the
+        call exceeds `timeout_s`, one of this engine's SGLang subprocesses failed, or (sparse mode) SGLang
+        retracted a request (`num_retractions` > 0: re-prefilled, its compression history restarted).
         """
         _check_params(prompts, params)
         budgets = self._check_budgets(prompts, kv_budgets)
@@ -256,6 +277,11 @@ class SGLangEngine:
             kind = reason.get("type") if isinstance(reason, dict) else reason
             if kind not in ("stop", "length"):
                 raise RuntimeError(f"SGLang finished a request with finish_reason={reason!r} (expected stop|length)")
+            if self.sparse and meta.get("num_retractions"):
+                raise RuntimeError(f"SGLang retracted a request {meta['num_retractions']} time(s) (KV pool full): it was "
+                                   "re-prefilled and compressed from scratch, so its logp_sparse does not follow the "
+                                   "compression schedule; give SGLang more KV (mem_fraction_static, max_total_tokens) "
+                                   "or admit fewer requests (max_running_requests, schedule_conservativeness)")
             response = list(out["output_ids"])
             token_logprobs = meta["output_token_logprobs"]
             if [t for _, t, _ in token_logprobs] != response:

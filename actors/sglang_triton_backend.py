@@ -396,3 +396,24 @@ def check_runner(runner) -> None:
                          f"({runner.model_config.dtype}); fp8 KV is not supported")
     if runner.sliding_window_size is not None:
         raise ValueError("sparse_rl_kv does not support sliding-window models")
+    from sglang.srt.runtime_context import get_exec
+
+    graph = get_exec().graph
+    check_graph_settings(graph.cuda_graph_config, graph.enable_torch_compile)
+
+
+def check_graph_settings(cuda_graph_config, enable_torch_compile: bool) -> None:
+    """Refuse, in the scheduler, the graph settings SGLang resolved that sparse mode was never run under
+    (ValueError naming the setting): a prefill CUDA graph (SGLang 0.5.23 defaults to its breakable, piecewise
+    prefill graph on CUDA; `sparse_engine_kwargs()` turns it off), a decode graph other than full / disabled,
+    torch.compile. `SGLangEngine` refuses the same settings before SGLang starts (check_sparse_settings)."""
+    from actors.sglang_engine import DECODE_GRAPH_BACKENDS
+
+    prefill, decode = cuda_graph_config.prefill.backend, cuda_graph_config.decode.backend
+    if prefill != "disabled":
+        raise ValueError(f"cuda_graph_backend_prefill={prefill!r}: sparse_rl_kv runs the prefill eagerly (set "
+                         "cuda_graph_backend_prefill='disabled')")
+    if decode not in DECODE_GRAPH_BACKENDS:
+        raise ValueError(f"cuda_graph_backend_decode={decode!r}: sparse_rl_kv needs one of {DECODE_GRAPH_BACKENDS}")
+    if enable_torch_compile:
+        raise ValueError("enable_torch_compile=True: sparse_rl_kv was not run under torch.compile; turn it off")

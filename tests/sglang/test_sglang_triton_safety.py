@@ -73,10 +73,53 @@ SPARSE = CompressorConfig(method="rkv", kv_budget=16, window=4, interval=8)
     ("kv_cache_dtype", "fp8_e4m3"), ("page_size", 16), ("disable_radix_cache", False), ("chunked_prefill_size", 8192),
     ("tp_size", 2), ("pp_size", 2), ("dp_size", 2), ("disable_overlap_schedule", False), ("enable_mixed_chunk", True),
     ("speculative_algorithm", "EAGLE"), ("attention_backend", "flashinfer"),
+    # graphs (issue 38 item 4): a piecewise (breakable) or full prefill graph, a breakable decode graph, torch.compile
+    ("cuda_graph_backend_prefill", "breakable"), ("cuda_graph_backend_prefill", "full"),
+    ("cuda_graph_backend_decode", "breakable"), ("debug_cuda_graph", True), ("enable_torch_compile", True),
+    ("cuda_graph_config", {"prefill": {"backend": "breakable"}}), ("cuda_graph_config", {"decode": {"backend": "breakable"}}),
 ])
 def test_sparse_engine_refuses_setting_at_start(setting, value):
     with pytest.raises(ValueError, match=rf"\b{setting}="):
         SGLangEngine("/nonexistent-model", compressor_cfg=SPARSE, **{setting: value})   # refused before SGLang starts
+
+
+def test_sparse_engine_turns_the_prefill_graph_off():
+    """SGLang 0.5.23 defaults to a breakable (piecewise) prefill CUDA graph on CUDA: sparse mode sets it off
+    (the CPU lane's default is off already, so this is the only place the GPU default is checked)."""
+    from actors.sglang_engine import sparse_engine_kwargs
+
+    for name in ("sparse_rl_kv", "sparse_rl_kv_torch"):
+        kw = sparse_engine_kwargs(name)
+        assert kw["cuda_graph_backend_prefill"] == "disabled" and kw["enable_torch_compile"] is False, kw
+    check_sparse_settings({"cuda_graph_backend_decode": "full", "cuda_graph_config": {"decode": {"backend": "full"}}})
+
+
+def test_scheduler_side_graph_check_refuses_sglangs_gpu_default():
+    """The backend's own check in the scheduler, on SGLang's resolved CudaGraphConfig: its CUDA default
+    (breakable prefill) is refused, what sparse_engine_kwargs() resolves to is accepted."""
+    from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig, PhaseConfig
+
+    gpu_default = CudaGraphConfig(prefill=PhaseConfig(backend="breakable"))
+    with pytest.raises(ValueError, match="cuda_graph_backend_prefill='breakable'"):
+        backend.check_graph_settings(gpu_default, False)
+    with pytest.raises(ValueError, match="cuda_graph_backend_decode='breakable'"):
+        backend.check_graph_settings(CudaGraphConfig(decode=PhaseConfig(backend="breakable"),
+                                                     prefill=PhaseConfig(backend="disabled")), False)
+    ours = CudaGraphConfig(prefill=PhaseConfig(backend="disabled"))
+    with pytest.raises(ValueError, match="enable_torch_compile=True"):
+        backend.check_graph_settings(ours, True)
+    backend.check_graph_settings(ours, False)
+
+
+def test_sparse_engine_refuses_budget_schedule_length():
+    """budget_schedule=length grows the budget along a trajectory (torch engine only); the SGLang engine would
+    read kv_budget as a constant: refused at start, naming the setting (deploy/config.py refuses it in a config)."""
+    import dataclasses
+
+    grow = dataclasses.replace(SPARSE, budget_schedule="length", kv_budget_final=32, budget_growth=0.5)
+    grow.validate()                                                   # a valid setting, for the torch engine
+    with pytest.raises(ValueError, match="compressor.budget_schedule='length'"):
+        SGLangEngine("/nonexistent-model", compressor_cfg=grow)
 
 
 def test_refusals_cover_every_required_setting():
