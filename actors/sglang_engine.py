@@ -51,8 +51,50 @@ TORCH_SPARSE_BACKEND = "sparse_rl_kv_torch"
 """The torch reference backend (actors/sglang_kv_backend.py): eager, no CUDA graphs."""
 COMPRESSOR_ENV = "SPARSE_RL_KV_COMPRESSOR"
 """Environment variable carrying the CompressorConfig (JSON) to SGLang's scheduler subprocess."""
-KV_BUDGET_PARAM = "sparse_rl_kv_budget"
-"""Key of a request's KV budget in SGLang's `custom_params` (read by actors/sglang_triton_backend.py)."""
+KV_BUDGET_RID = ":sparse_rl_kv_budget="
+"""A request whose KV budget is not the run's carries it at the end of its SGLang request id
+(`<uuid>:sparse_rl_kv_budget=<tokens>`): SGLang hands every forward batch its requests' ids
+(`ForwardBatch.rids`), so the backend reads the budget once, at the request's prefill, and nothing runs per
+decode step (a custom logit processor, the earlier carrier, ran on every decode step of every request that
+had one: a Python pass over the batch and two copies of its logits in SGLang's sampler)."""
+
+
+def budget_rid(budget: int) -> str:
+    """A unique SGLang request id carrying `budget` (KV_BUDGET_RID)."""
+    import uuid
+
+    return f"{uuid.uuid4().hex}{KV_BUDGET_RID}{int(budget)}"
+
+
+def rid_budget(rid, default: int) -> int:
+    """The budget a request id carries (`budget_rid`), or `default` for any other id."""
+    head, sep, tail = str(rid).rpartition(KV_BUDGET_RID)
+    return int(tail) if sep and tail.isdigit() else default
+
+
+def sglang_request(params: SamplingParams, budgets: list[int], run_budget: int | None) -> dict:
+    """The keyword arguments of one `sglang.Engine.async_generate` call for len(budgets) prompts x `params.n`
+    samples (prompt-major): `sampling_params` (one dict per request) and, only where needed, `rid` and
+    `top_logprobs_num`. `budgets`: one KV budget (tokens) per prompt; `run_budget`: the backend's own budget
+    (None: not the sparse_rl_kv backend, budgets not sent). Request ids carry a budget (`budget_rid`) only when
+    some prompt's differs from the run's, so a run at one budget sends SGLang's own ids, and no custom logit
+    processor is attached ever (SGLang would run it on every decode step)."""
+    sampling = []
+    for j in range(len(budgets) * params.n):
+        sp = {"temperature": params.temperature, "max_new_tokens": params.max_new_tokens,
+              "top_p": params.top_p, "stop": list(params.stop_strings) or None, "ignore_eos": params.ignore_eos,
+              "no_stop_trim": True, "skip_special_tokens": False}
+        if params.top_k > 0:
+            sp["top_k"] = params.top_k
+        if params.seed is not None:
+            sp["sampling_seed"] = params.seed + j % params.n
+        sampling.append(sp)
+    request = {"sampling_params": sampling}
+    if run_budget is not None and set(budgets) != {run_budget}:
+        request["rid"] = [budget_rid(budgets[j // params.n]) for j in range(len(sampling))]
+    if params.topk_logprobs > 0:
+        request["top_logprobs_num"] = params.topk_logprobs
+    return request
 KV_STATS_ENV = "SPARSE_RL_KV_STATS"
 """Optional file path: the sparse backend writes its measured KV slot usage there (JSON)."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -90,14 +132,13 @@ def register_sglang_plugin() -> None:
 SPARSE_REQUIRED = {"disable_radix_cache": True, "chunked_prefill_size": -1, "page_size": 1,
                    "disable_overlap_schedule": True, "enable_mixed_chunk": False, "tp_size": 1, "pp_size": 1,
                    "dp_size": 1, "kv_cache_dtype": "auto", "speculative_algorithm": None,
-                   "enable_custom_logit_processor": True, "cuda_graph_backend_prefill": "disabled",
+                   "cuda_graph_backend_prefill": "disabled",
                    "enable_torch_compile": False, "debug_cuda_graph": False}
 """`sglang.Engine` settings sparse mode needs, and why (docs/sglang.md, "Sparse mode"): no radix prefix cache
 (a compressed prefix is not the prefix's KV); no chunked prefill or mixed chunks (a prompt is compressed after
 its whole prefill); page size 1 (slots are freed one token at a time); no overlap scheduling (compression
 between steps would race the next step's scheduling); one GPU per engine (tensor/pipeline/data parallel 1);
-KV in the model dtype (no fp8); no speculative decoding; the custom logit processor that carries per-request
-budgets; no prefill CUDA graph (SGLang 0.5.23 turns on its breakable, piecewise prefill graph by default on
+KV in the model dtype (no fp8); no speculative decoding; no prefill CUDA graph (SGLang 0.5.23 turns on its breakable, piecewise prefill graph by default on
 CUDA: the prefill's ring write and compression bookkeeping were never run inside one), no torch.compile and no
 breakable decode graph (`debug_cuda_graph`): only eager prefill and SGLang's full decode graph were checked."""
 
@@ -231,9 +272,10 @@ class SGLangEngine:
         """Sample `params.n` responses per prompt (token ids); one list of n Samples per prompt, in order.
 
         kv_budgets: one KV budget (tokens) per prompt, or None for `compressor_cfg.kv_budget` (issue 13:
-        schedules, controller, difficulty tiers). Each request carries its budget to SGLang's scheduler in
-        its custom params; the `sparse_rl_kv` backend compresses it to that budget (all requests still decode
-        in one batch). Only in sparse mode with `sparse_rl_kv`; a dense engine ignores them.
+        schedules, controller, difficulty tiers). A budget other than the run's rides in the request id
+        (`sglang_request`); the `sparse_rl_kv` backend reads it at the request's prefill and compresses the
+        request to it (all requests still decode in one batch). Only in sparse mode with `sparse_rl_kv`; a dense
+        engine ignores them.
 
         Each of the n samples is its own SGLang request (prompt-major); with `params.seed` sample j gets
         `sampling_seed = seed + j`, which SGLang honours only when the engine runs with
@@ -249,27 +291,10 @@ class SGLangEngine:
         _check_params(prompts, params)
         budgets = self._check_budgets(prompts, kv_budgets)
         rows = [p for p in prompts for _ in range(params.n)]
-        sampling = []
-        for j in range(len(rows)):
-            sp = {"temperature": params.temperature, "max_new_tokens": params.max_new_tokens,
-                  "top_p": params.top_p, "stop": list(params.stop_strings) or None, "ignore_eos": params.ignore_eos,
-                  "no_stop_trim": True, "skip_special_tokens": False}
-            if params.top_k > 0:
-                sp["top_k"] = params.top_k
-            if params.seed is not None:
-                sp["sampling_seed"] = params.seed + j % params.n
-            if self.sparse_backend == SPARSE_BACKEND:
-                sp["custom_params"] = {KV_BUDGET_PARAM: budgets[j // params.n]}
-            sampling.append(sp)
-        carrier = None
-        if self.sparse_backend == SPARSE_BACKEND:
-            from actors.sglang_triton_backend import KVBudgetCarrier
-
-            carrier = [KVBudgetCarrier.to_str()] * len(rows)
-        top = {"top_logprobs_num": params.topk_logprobs} if params.topk_logprobs > 0 else {}
-        outs = self._call(self.engine.async_generate(input_ids=[list(r) for r in rows], sampling_params=sampling,
-                                                     return_logprob=True, custom_logit_processor=carrier, **top),
-                          "generate")
+        run_budget = self.compressor_cfg.kv_budget if self.sparse_backend == SPARSE_BACKEND else None
+        request = sglang_request(params, budgets, run_budget)
+        outs = self._call(self.engine.async_generate(input_ids=[list(r) for r in rows], return_logprob=True,
+                                                     **request), "generate")
         samples = []
         for j, (row, out) in enumerate(zip(rows, outs)):
             meta = out["meta_info"]
@@ -291,7 +316,7 @@ class SGLangEngine:
                                   logp_sparse=np.asarray([lp for lp, _, _ in token_logprobs], dtype=np.float32),
                                   finish_reason=kind, kv_retained_tokens=retained,
                                   kv_peak_bytes=peak * self.kv_bytes_per_token,
-                                  **(_top_logprobs(meta, len(response)) if top else {})))
+                                  **(_top_logprobs(meta, len(response)) if params.topk_logprobs > 0 else {})))
         return [samples[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
     def _check_budgets(self, prompts: list[list[int]], kv_budgets: list[int] | None) -> list[int]:

@@ -30,9 +30,9 @@ Where each part runs:
   prefill, leave when SGLang frees the row), checked against SGLang's host `seq_lens_sum` every step.
 - prefill: the parent's extend kernel (batched); then the last `window` queries go to the ring.
 
-Per-request budgets: `SGLangEngine.generate(..., kv_budgets=)` sends `custom_params[KV_BUDGET_PARAM]` with the
-no-op custom logit processor `KVBudgetCarrier` (SGLang passes custom params to the model worker only with a
-custom logit processor); the backend reads them at the request's prefill.
+Per-request budgets: `SGLangEngine.generate(..., kv_budgets=)` puts a budget that is not the run's at the end of
+the request's id (`actors.sglang_engine.budget_rid`); the backend reads it from `ForwardBatch.rids` at the
+request's prefill only. No custom logit processor is attached, so nothing of ours runs per decode step.
 
 Limits (checked at start, ValueError naming the setting, see `check_server_args`): page size 1, no radix
 cache, no chunked prefill, tp/pp/dp/dcp 1, no overlap scheduling, model-dtype KV (no fp8), the plain
@@ -49,7 +49,7 @@ import torch
 from sglang.srt.layers.attention.triton_backend import ForwardMetadata, TritonAttnBackend
 from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
 
-from actors.sglang_engine import KV_BUDGET_PARAM, KV_STATS_ENV
+from actors.sglang_engine import KV_STATS_ENV, rid_budget
 from compressors import CompressorConfig, build_compressor, gather_kv
 
 SELF_CHECK_ENV = "SPARSE_RL_KV_SELF_CHECK"
@@ -58,8 +58,10 @@ equals the eager path and the host mirror, and serves the forward from the repla
 
 
 class KVBudgetCarrier(CustomLogitProcessor):
-    """No-op custom logit processor: returns the logits unchanged. It exists so that SGLang hands each
-    request's `custom_params` (carrying `KV_BUDGET_PARAM`) to the model worker's batch."""
+    """The earlier budget carrier (no longer attached): a no-op custom logit processor that made SGLang hand each
+    request's `custom_params` to the model worker's batch, at the cost of SGLang's per-decode-step custom
+    processor pass. Kept for tests/sglang/test_sglang_triton_safety.py, which shows the decode guard failing
+    on that path."""
 
     def __call__(self, logits, custom_param_list=None):
         return logits
@@ -70,17 +72,56 @@ class HostSyncError(RuntimeError):
 
 
 class NoHostSync(torch.overrides.TorchFunctionMode):
-    """Raise HostSyncError on any tensor -> Python value conversion (.item, .tolist, int/float/bool of a tensor,
-    .cpu, .numpy) while active, except inside Triton's own launcher frames (under TRITON_INTERPRET=1 the
-    interpreter copies kernel arguments through numpy; a real GPU launch only passes pointers)."""
+    """Raise HostSyncError, while active, on anything that makes the host wait for the device: a tensor -> Python
+    value (.item, .tolist, int/float/bool/index of a tensor, .numpy), a copy to the host (.cpu, .to("cpu"), .to of
+    a device tensor onto the CPU), an op whose output size depends on the data (nonzero, argwhere, masked_select,
+    one-argument where, boolean-mask indexing or assignment), and a blocking host-to-device copy (.to / copy_ of
+    a CPU tensor onto an accelerator without non_blocking=True; never seen on the CPU lane, where the device is
+    the CPU). Triton's own launcher frames are exempt (under TRITON_INTERPRET=1 the interpreter copies kernel
+    arguments through numpy; a real GPU launch only passes pointers)."""
 
     BANNED = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
-              torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy}
+              torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy,
+              torch.Tensor.nonzero, torch.nonzero, torch.Tensor.argwhere, torch.argwhere, torch.Tensor.masked_select,
+              torch.masked_select}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self.BANNED and not _inside_triton():
-            raise HostSyncError(f"host sync {getattr(func, '__name__', func)} in graph-safe code")
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        why = _host_sync(func, args, kwargs)
+        if why and not _inside_triton():
+            raise HostSyncError(f"host sync {why} in graph-safe code")
+        return func(*args, **kwargs)
+
+
+def _is_cpu(device) -> bool:
+    return isinstance(device, (str, torch.device)) and torch.device(device).type == "cpu"
+
+
+def _host_sync(func, args, kwargs) -> str | None:
+    """Why `func(*args, **kwargs)` would make the host wait for the device (NoHostSync), or None."""
+    name = getattr(func, "__name__", str(func))
+    if func in NoHostSync.BANNED:
+        return name
+    if func is torch.where and len(args) + len(kwargs) == 1:
+        return "where(condition) (nonzero)"
+    if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) > 1:
+        index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index):
+            return f"boolean-mask {'indexing' if func is torch.Tensor.__getitem__ else 'assignment'}"
+    if func is torch.Tensor.to:
+        src = args[0]
+        target = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
+        if target is not None and _is_cpu(target) and isinstance(src, torch.Tensor):
+            return 'to("cpu")'
+        if target is not None and not _is_cpu(target) and src.device.type == "cpu" and not kwargs.get(
+                "non_blocking", False):
+            return "blocking host-to-device to()"
+    if func is torch.Tensor.copy_ and len(args) > 1 and isinstance(args[1], torch.Tensor):
+        dst, src = args[0], args[1]
+        if (dst.device.type == "cpu") != (src.device.type == "cpu") and not (
+                dst.device.type != "cpu" and kwargs.get("non_blocking", len(args) > 2 and args[2])):
+            return "blocking copy_ between host and device"
+    return None
 
 
 def _inside_triton() -> bool:
@@ -212,8 +253,8 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         rows_t = fb.req_pool_indices_cpu if fb.req_pool_indices_cpu is not None else fb.req_pool_indices.cpu()
         rows = rows_t.numpy().astype(np.int64)[:fb.batch_size]
         lens = np.asarray(fb.extend_seq_lens_cpu[:len(rows)], dtype=np.int64)
-        params = getattr(fb.sampling_info, "custom_params", None) or [None] * len(rows)
-        budgets = [int((p or {}).get(KV_BUDGET_PARAM, self.cfg.kv_budget)) for p in params[:len(rows)]]
+        rids = fb.rids if fb.rids is not None else [None] * len(rows)
+        budgets = [rid_budget(rid, self.cfg.kv_budget) for rid in rids[:len(rows)]]
         self.alive[rows], self.seq_len[rows], self.start[rows], self.steps[rows] = True, lens, 0, 0
         self.budget[rows] = budgets
         self.start_dev[torch.from_numpy(rows).to(self.device)] = 0

@@ -18,14 +18,17 @@ from actors.sglang_engine import SPARSE_REQUIRED, SGLangEngine, check_sparse_set
 from compressors import CompressorConfig
 
 pytestmark = pytest.mark.sglang
-SYNC_METHODS = {"item", "tolist", "cpu", "numpy"}
+SYNC_METHODS = {"item", "tolist", "cpu", "numpy", "nonzero", "argwhere", "masked_select"}
 SYNC_BUILTINS = {"int", "float", "bool"}
+HOST_DATA = {"from_numpy", "tensor", "as_tensor"}      # torch.<f>(host data): a host-to-device copy on a GPU
 REPLAY_PATH = [backend.SparseTritonAttnBackend._live_kv_indices, backend.SparseTritonAttnBackend._update_decode_kv_buffers,
                backend.SparseTritonAttnBackend.forward_decode]
 
 
 def host_syncs(source: str) -> list[str]:
-    """Calls in `source` that read a device value on the host: .item/.tolist/.cpu/.numpy, int/float/bool(...)."""
+    """What in `source` makes the host wait for the device: .item/.tolist/.cpu/.numpy/.nonzero/.argwhere/
+    .masked_select(), int/float/bool(...), .to("cpu") / .to(device="cpu"), torch.from_numpy/tensor/as_tensor
+    (host data copied to the device), indexing with a comparison or its negation (a boolean mask)."""
     found = []
     for node in ast.walk(ast.parse(textwrap.dedent(source))):
         if isinstance(node, ast.Call):
@@ -34,6 +37,18 @@ def host_syncs(source: str) -> list[str]:
                 found.append(f".{f.attr}()")
             elif isinstance(f, ast.Name) and f.id in SYNC_BUILTINS:
                 found.append(f"{f.id}()")
+            elif isinstance(f, ast.Attribute) and f.attr == "to" and any(
+                    isinstance(a, ast.Constant) and a.value == "cpu" for a in
+                    list(node.args) + [k.value for k in node.keywords if k.arg == "device"]):
+                found.append('.to("cpu")')
+            elif (isinstance(f, ast.Attribute) and f.attr in HOST_DATA and isinstance(f.value, ast.Name)
+                  and f.value.id == "torch"):
+                found.append(f"torch.{f.attr}()")
+        elif isinstance(node, ast.Subscript):
+            index = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+            if any(isinstance(i, ast.Compare) or (isinstance(i, ast.UnaryOp) and isinstance(i.op, (ast.Invert, ast.Not)))
+                   for i in index):
+                found.append("boolean-mask [...]")
     return found
 
 
@@ -42,19 +57,41 @@ def test_replay_path_source_has_no_host_sync(fn):
     assert host_syncs(inspect.getsource(fn)) == []
 
 
-def test_host_sync_detector_catches_a_sync():           # the control: the check above can fail
-    bad = "def f(self, x):\n    n = int(x.max())\n    return x[:n].tolist()\n"
-    assert host_syncs(bad) == ["int()", ".tolist()"]
+@pytest.mark.parametrize("bad,want", [
+    ("n = int(x.max())\ny = x[:n].tolist()", ["int()", ".tolist()"]),
+    ('y = x.to("cpu")', ['.to("cpu")']), ('y = x.to(device="cpu")', ['.to("cpu")']), ("y = x.cpu()", [".cpu()"]),
+    ("y = x.nonzero()", [".nonzero()"]), ("y = x[x != 0]", ["boolean-mask [...]"]),
+    ("x[~m, 0] = 1", ["boolean-mask [...]"]), ("y = torch.from_numpy(a).to(dev)", ["torch.from_numpy()"]),
+    ("y = x.masked_select(m)", [".masked_select()"]),
+], ids=["int-tolist", "to-cpu", "to-device-cpu", "cpu", "nonzero", "mask-index", "mask-assign", "h2d", "masked_select"])
+def test_host_sync_detector_catches_a_sync(bad, want):           # the control: the check above can fail
+    assert host_syncs(f"def f(self, x, m, a, dev):\n    {bad.replace(chr(10), chr(10) + '    ')}\n") == want
 
 
 @pytest.mark.parametrize("read", [lambda t: t.item(), lambda t: t.tolist(), lambda t: int(t), lambda t: bool(t),
-                                  lambda t: float(t), lambda t: t.cpu(), lambda t: [0, 1, 2][t]],
-                         ids=["item", "tolist", "int", "bool", "float", "cpu", "index"])
+                                  lambda t: float(t), lambda t: t.cpu(), lambda t: [0, 1, 2][t],
+                                  lambda t: t.to("cpu"), lambda t: t.to(device=torch.device("cpu")),
+                                  lambda t: t.nonzero(), lambda t: torch.nonzero(t), lambda t: torch.where(t > 0),
+                                  lambda t: t[t > 0], lambda t: t.__setitem__(t > 0, 0), lambda t: t.masked_select(t > 0),
+                                  lambda t: t.argwhere()],
+                         ids=["item", "tolist", "int", "bool", "float", "cpu", "index", "to-cpu", "to-device-cpu",
+                              "nonzero", "torch.nonzero", "where1", "mask-index", "mask-assign", "masked_select",
+                              "argwhere"])
 def test_no_host_sync_guard_raises_on_every_read(read):
-    t = torch.tensor(1)
-    assert read(t) is not None                             # fine outside the guard
+    t = torch.tensor([1])
+    read(t.clone())                                        # fine outside the guard
     with pytest.raises(backend.HostSyncError), backend.NoHostSync():
         read(t)
+
+
+def test_no_host_sync_guard_flags_a_blocking_host_to_device_copy():
+    """Only an accelerator target is a host-to-device copy: checked on the guard's rule itself (no GPU here)."""
+    t = torch.ones(2)
+    meta = torch.empty(2, device="meta")
+    assert backend._host_sync(torch.Tensor.to, (t, "cuda"), {}) == "blocking host-to-device to()"
+    assert backend._host_sync(torch.Tensor.to, (t, "cuda"), {"non_blocking": True}) is None
+    assert backend._host_sync(torch.Tensor.copy_, (meta, t), {}) == "blocking copy_ between host and device"
+    assert backend._host_sync(torch.Tensor.copy_, (meta, t), {"non_blocking": True}) is None
 
 
 def test_no_host_sync_guard_lets_device_ops_through():
