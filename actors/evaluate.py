@@ -41,7 +41,8 @@ def evaluate_episodes(engine, pool, template, items: list[Prompt], mode: str, co
     done = []
     for start in range(0, len(items), batch_size):
         done += [s for (s,) in run_episodes(engine.generate, pool, template, items[start:start + batch_size], params,
-                                            batch_key=f"eval-{mode}-{start}-")]
+                                            batch_key=f"eval-{mode}-{start}-",
+                                            release=getattr(engine, "release_episodes", None))]
     n = len(done)
 
     def mean(values) -> float:

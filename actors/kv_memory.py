@@ -68,3 +68,26 @@ def kv_peak_bytes_per_sequence(shape: ModelShape, prompt_tokens: int, max_new_to
     if compress:
         transient = max(transient, per_slot_layer * min(COMPACT_CHUNK, kv_budget))
     return shape.layers * per_slot_layer * capacity + transient
+
+
+def episode_kv_peak_bytes_per_sequence(shape: ModelShape, prompt_tokens: int, max_new_tokens: int, total_tokens: int,
+                                       longest_prefill: int, kv_budget: int, interval: int, compress: bool) -> int:
+    """Upper bound of `Sample.kv_peak_bytes` over every turn of one multi-turn episode whose cache the torch engine
+    keeps across turns (actors/episode.py, compressor.protect_observation on), bytes: the first turn as
+    `kv_peak_bytes_per_sequence(prompt_tokens, max_new_tokens)`; a later turn prefills at most `longest_prefill`
+    ids (the longest observation with its template tokens, + 1: the last sampled id) into the kept cache, whose
+    older part its prefill compresses to kv_budget, so its buffers hold at most kv_budget + interval +
+    longest_prefill slots (dense: prompt_tokens + total_tokens, the whole episode), plus one layer's prefill K/V
+    (or, compressing, a compaction chunk). Whatever the number of turns; `total_tokens`: the most tokens of the
+    episode after its prompt (actors.env.max_total_tokens). Token counts are ints >= 1; raises ValueError for a
+    count < 1."""
+    if min(total_tokens, longest_prefill) < 1:
+        raise ValueError(f"total_tokens={total_tokens}, longest_prefill={longest_prefill}: expected >= 1")
+    first = kv_peak_bytes_per_sequence(shape, prompt_tokens, max_new_tokens, kv_budget, interval, compress)
+    per_slot_layer = 2 * shape.kv_heads * shape.head_dim * shape.dtype_bytes
+    if not compress:
+        return max(first, shape.layers * per_slot_layer * (prompt_tokens + total_tokens)
+                   + per_slot_layer * max(prompt_tokens, longest_prefill))
+    later = shape.layers * per_slot_layer * (kv_budget + interval + longest_prefill) + per_slot_layer * max(
+        longest_prefill, min(COMPACT_CHUNK, kv_budget))
+    return max(first, later)

@@ -255,7 +255,8 @@ class RolloutWorker:
             budgets = batch.budgets if self.budget_varies else None
             if self.envs is not None:   # multi-turn: every sample an episode of the environment (actors/episode.py)
                 batch.outputs = run_episodes(self.engine_generate, self.envs, self.template, batch.prompts, params,
-                                             kv_budgets=budgets, batch_key=f"{batch.indices[0]}-")
+                                             kv_budgets=budgets, batch_key=f"{batch.indices[0]}-",
+                                             release=getattr(self.engine, "release_episodes", None))  # torch: kept caches
             else:
                 batch.outputs = self.engine_generate([p.prompt_ids for p in batch.prompts], params, kv_budgets=budgets)
         except BaseException:  # any failure, Ctrl-C included: the claim's groups go back to the pool, then re-raise

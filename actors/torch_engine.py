@@ -76,6 +76,7 @@ class TorchEngine:
         self.last_eviction_record: dict | None = None
         self.last_eviction_records: list[dict] = []
         self._compressors: dict[int, Compressor] = {}
+        self._episodes: dict[str, _Episode] = {}
         attn = model.model.layers[0].self_attn
         self.num_layers = len(model.model.layers)
         self.kv_heads = cfg.num_key_value_heads
@@ -116,6 +117,9 @@ class TorchEngine:
             elif tuple(tensor.shape) != tuple(params[name].shape) or tensor.dtype != params[name].dtype:
                 errors.append(f"{name}: got shape {tuple(tensor.shape)} dtype {tensor.dtype}, expected shape "
                               f"{tuple(params[name].shape)} dtype {params[name].dtype}")
+        if self._episodes:
+            errors.append(f"{len(self._episodes)} episodes hold KV caches of weight version {self.weight_version} "
+                          "(release_episodes first)")
         if errors:
             raise ValueError(f"load_weights(version={version}) rejected, nothing was loaded: " + "; ".join(errors))
         with torch.no_grad():
@@ -125,8 +129,8 @@ class TorchEngine:
 
     # ------------------------------------------------------------------ generation
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 kv_budgets: list[int] | None = None) -> list[list[Sample]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, kv_budgets: list[int] | None = None,
+                 episodes: list[str] | None = None) -> list[list[Sample]]:
         """Sample `params.n` responses for each prompt (token ids) in one batch; one list of n Samples per prompt.
 
         Sampling: temperature > 0 samples from softmax(logits / temperature), optionally truncated by top_k /
@@ -141,12 +145,27 @@ class TorchEngine:
             distinct budget gets its own sub-batch with its own cache of `budget + interval` slots, so every
             row is exact for, and its KV bytes bounded by, its own budget (sub-batches run one after another;
             with several, sub-batch k samples with seed `params.seed + k`).
-        Raises ValueError naming the field for empty prompts, invalid sampling values, or a kv_budgets list of
-        the wrong length or with a budget the compressor config rejects (e.g. <= window).
+        episodes: one key per prompt (params.n must be 1): multi-turn, the episode's cache is kept after the call
+            (compressed or dense, as it is when the turn ends) until `release_episodes`. For a key the engine does
+            not hold the prompt starts the episode; for a key it holds the prompt is the ids appended since the
+            episode's last sampled token (template boundary, observation, next assistant header): they are
+            prefilled into the kept cache at their true positions (continuing from the episode's length, not from
+            the slots it retains), with the last sampled token before them, then the turn is decoded. With
+            `compressor.protect_observation` (default) they are not eviction candidates at that prefill (see
+            CompressorConfig). The Sample's prompt_ids are the ids given; its eviction_steps (record_evictions)
+            cover the whole episode so far: [layers, heads, first prompt + every later id], steps counted from
+            the end of the episode's first prompt. Without episodes nothing is kept (one first turn per row).
+        Raises ValueError naming the field for empty prompts, invalid sampling values, a kv_budgets list of
+        the wrong length or with a budget the compressor config rejects (e.g. <= window), an episodes list of
+        the wrong length, with repeated keys, or with params.n != 1.
         """
         _check_params(prompts, params)
+        if episodes is not None and (len(episodes) != len(prompts) or len(set(episodes)) != len(episodes)
+                                     or params.n != 1):
+            raise ValueError(f"episodes: {len(episodes)} keys ({len(set(episodes))} distinct) for {len(prompts)} "
+                             f"prompts with SamplingParams.n={params.n}: expected one distinct key per prompt, n=1")
         if kv_budgets is None:
-            return self._generate(prompts, params, self.compressor)
+            return self._generate(prompts, params, self.compressor, episodes)
         if len(kv_budgets) != len(prompts):
             raise ValueError(f"kv_budgets has {len(kv_budgets)} values for {len(prompts)} prompts")
         distinct = sorted(set(int(b) for b in kv_budgets))
@@ -155,13 +174,30 @@ class TorchEngine:
         for k, budget in enumerate(distinct):
             index = [i for i, b in enumerate(kv_budgets) if int(b) == budget]
             sub = params if len(distinct) == 1 or params.seed is None else dataclasses.replace(params, seed=params.seed + k)
-            for i, samples in zip(index, self._generate([prompts[i] for i in index], sub, self.compressor_for(budget))):
+            keys = None if episodes is None else [episodes[i] for i in index]
+            for i, samples in zip(index, self._generate([prompts[i] for i in index], sub, self.compressor_for(budget),
+                                                        keys)):
                 out[i] = samples
             if self.record_evictions:
                 records.append({**self.last_eviction_record, "prompt_indices": index, "kv_budget": budget})
         if self.record_evictions:
             self.last_eviction_records = records
         return out
+
+    def release_episodes(self, keys: Iterable[str]) -> int:
+        """Free the kept caches of these episodes (keys the engine does not hold are ignored); returns how many
+        were held."""
+        return sum(self._episodes.pop(k, None) is not None for k in keys)
+
+    @property
+    def held_episodes(self) -> list[str]:
+        """Keys of the episodes whose caches the engine keeps (see `generate`'s episodes)."""
+        return list(self._episodes)
+
+    def episode_kv_bytes(self, key: str) -> int:
+        """K/V bytes an episode's kept cache holds between its turns (its retained slots, all layers). Raises
+        KeyError for a key the engine does not hold."""
+        return sum(layer["k"].nbytes + layer["v"].nbytes for layer in self._episodes[key].layers)
 
     def compressor_for(self, budget: int) -> Compressor:
         """The compressor of `compressor_cfg` with kv_budget = budget (cached). Raises ValueError naming the
@@ -174,8 +210,9 @@ class TorchEngine:
                 budget_tiers="off"))
         return self._compressors[budget]
 
-    def _generate(self, prompts: list[list[int]], params: SamplingParams, compressor: Compressor) -> list[list[Sample]]:
-        """`generate` of one batch with one compressor (one budget)."""
+    def _generate(self, prompts: list[list[int]], params: SamplingParams, compressor: Compressor,
+                  keys: list[str] | None = None) -> list[list[Sample]]:
+        """`generate` of one batch with one compressor (one budget); `keys`: the rows' episodes (n = 1), or None."""
         cc = compressor.cfg
         compress = cc.method != "full"
         n_layers, hkv, hd = self.num_layers, self.kv_heads, self.head_dim
@@ -183,34 +220,32 @@ class TorchEngine:
         G, max_new = params.n, params.max_new_tokens
 
         rows = [p for p in prompts for _ in range(G)]
-        R, P = len(rows), max(len(p) for p in rows)
-        pad = torch.tensor([P - len(p) for p in rows], device=dev)
-        ids = torch.zeros(R, P, dtype=torch.long, device=dev)
-        for r, p in enumerate(rows):
-            ids[r, P - len(p):] = torch.tensor(p, dtype=torch.long)
-        cols = torch.arange(P, device=dev)
-        key_valid = cols[None, :] >= pad[:, None]                                          # [R, P]
-        positions = (cols[None, :] - pad[:, None]).clamp(min=0)                            # [R, P]
+        states = [self._episodes.pop(k, None) for k in keys] if keys is not None else [None] * len(rows)
+        # the ids this call prefills: a kept episode's last sampled token (never fed) first, then the given ids
+        new_ids = [([st.pending] if st else []) + list(p) for p, st in zip(rows, states)]
+        R, M = len(rows), max(len(p) for p in new_ids)
+        done = torch.tensor([st.length if st else 0 for st in states], device=dev)   # tokens already in the cache
+        lens = torch.tensor([len(p) for p in new_ids], device=dev)
+        P = int((done + lens).max())                     # layout width: row r's tokens end at column P - 1
+        pad = P - done - lens                            # layout column = episode token index + pad
+        ids = torch.zeros(R, M, dtype=torch.long, device=dev)
+        for r, p in enumerate(new_ids):
+            ids[r, M - len(p):] = torch.tensor(p, dtype=torch.long)
+        cols = torch.arange(M, device=dev)
+        key_valid = cols[None, :] >= (M - lens)[:, None]                                   # [R, M]
+        positions = (cols[None, :] - (M - lens)[:, None] + done[:, None]).clamp(min=0)     # [R, M] true positions
+        old = max((st.slots for st in states if st), default=0)    # kept slots, left-padded to one width
 
         budget = cc.kv_budget                           # the start budget; budget_schedule length grows it per step
         grows = compress and self.compressor_cfg.budget_schedule == "length"
         largest = length_budget(self.compressor_cfg, budget, max_new) if grows else budget
-        capacity = min(largest + cc.interval, min(P, budget) + max_new) if compress else P + max_new
-        # Per layer, every tensor [rows, kv_heads, capacity, ...]: the slots of that layer's cache.
-        cache = []
-        for _ in range(n_layers):
-            layer = {"k": torch.zeros(R, hkv, capacity, hd, dtype=dtype, device=dev),
-                     "v": torch.zeros(R, hkv, capacity, hd, dtype=dtype, device=dev),
-                     "valid": torch.zeros(R, hkv, capacity, dtype=torch.bool, device=dev)}
-            if compressor.needs_attention_mass:
-                layer["mass"] = torch.zeros(R, hkv, capacity, device=dev)
-            if self.record_evictions:
-                layer["col"] = torch.full((R, hkv, capacity), -1, dtype=torch.long, device=dev)
-            cache.append(layer)
+        protect = old > 0 and self.compressor_cfg.protect_observation      # the new ids are not candidates now
+        compress_now = compress and (old > budget if protect else old + M > budget)
+        n = (budget + M if protect else budget) if compress_now else old + M       # filled slots after the prefill
+        capacity = min(max(n, largest) + cc.interval, n + max_new) if compress else n + max_new
+        capacity = max(capacity, old + M if old else 0)            # a kept cache is extended in place
+        cache, qwin, evicted_at = self._batch_cache(states, R, old, capacity, pad, P + max_new, compressor)
         buffer_bytes = sum(c["k"].nbytes + c["v"].nbytes for c in cache) // R      # per sequence, all layers
-        qwin: list[torch.Tensor | None] = [None] * n_layers     # last <= window post-RoPE queries per layer
-        evicted_at = [torch.full((R, hkv, P + max_new), torch.iinfo(torch.long).max, dtype=torch.long, device=dev)
-                      for _ in range(n_layers)] if self.record_evictions else None
 
         gen = torch.Generator(device=dev)
         if params.seed is None:
@@ -218,14 +253,14 @@ class TorchEngine:
         else:
             gen.manual_seed(params.seed)
 
-        # ---- prefill: dense causal attention over the prompt (a pad query sees itself, so no row is empty);
-        # a prompt longer than the budget is compressed layer by layer right after.
-        eye = torch.eye(P, dtype=torch.bool, device=dev)
-        visible = ((cols[None, :] <= cols[:, None]) & (key_valid[:, None, :] | eye))[:, None]   # [R, 1, P, P]
-        logits, transient_bytes = self._forward(ids, positions, cache, qwin, evicted_at, n=0, col=P - 1,
-                                                prefill=(visible, key_valid), compress_now=compress and P > budget,
-                                                row_ids=torch.arange(R, device=dev), compressor=compressor)
-        n = min(P, budget) if compress else P                               # filled slots, equal for every row
+        # ---- prefill: dense causal attention over the new ids (a pad query sees itself, so no row is empty) and
+        # the kept cache; a prompt longer than the budget (a kept cache: its older part) is compressed right after.
+        eye = torch.eye(M, dtype=torch.bool, device=dev)
+        visible = ((cols[None, :] <= cols[:, None]) & (key_valid[:, None, :] | eye))[:, None]   # [R, 1, M, M]
+        logits, transient_bytes = self._forward(ids, positions, cache, qwin, evicted_at, n=old, col=P - 1,
+                                                prefill=(visible, key_valid), compress_now=compress_now,
+                                                row_ids=torch.arange(R, device=dev), compressor=compressor,
+                                                candidates=old if protect else None)
         # Peak K/V bytes per sequence: the buffers plus the largest transient beside them (one layer's prompt
         # K/V at prefill, or one compaction chunk). Validity and scores are not K/V and are not counted.
         chunk_bytes = 2 * min(COMPACT_CHUNK, largest) * hkv * hd * cache[0]["k"].element_size() if compress else 0
@@ -261,6 +296,10 @@ class TorchEngine:
                                         logp_sparse=np.asarray(logps[r], dtype=np.float32), finish_reason=reason,
                                         kv_retained_tokens=int(cache[0]["valid"][i, 0, :n].sum()),
                                         kv_peak_bytes=int(peak_bytes), **_stacked_topk(topks[r]))
+                    if keys is not None:
+                        self._episodes[keys[r]] = _kept_episode(cache, qwin, i, n, int(pad[r]), states[r], t,
+                                                                int(P - pad[r]) + len(responses[r]) - 1,
+                                                                len(rows[r]))
             if len(finished) == len(row_ids):
                 break
             if finished:                                                     # finished rows leave the batch
@@ -284,15 +323,60 @@ class TorchEngine:
             self.last_eviction_record = {"prompt_width": P, "evicted_at": evicted_at}
             by_row = torch.stack(evicted_at, 1).cpu()                          # [R, layers, Hkv, P + max_new]
             for r, s in enumerate(results):
-                s.eviction_steps = sample_eviction_steps(by_row[r], P, len(s.prompt_ids), len(s.response_ids))
+                first = states[r].prompt_len if states[r] else len(s.prompt_ids)   # the episode's first prompt
+                start, total = int(pad[r]), int(P - pad[r]) + len(s.response_ids)  # its tokens in the layout
+                s.eviction_steps = sample_eviction_steps(by_row[r], start + first, first, total - first)
+                if keys is not None:
+                    self._episodes[keys[r]].evicted_at = _rebased(by_row[r, :, :, start:start + total], -start)
         return [results[i * G:(i + 1) * G] for i in range(len(prompts))]
 
-    def _forward(self, tokens, positions, cache, qwin, evicted_at, n, col, prefill, compress_now, row_ids, compressor):
+    def _batch_cache(self, states: list, R: int, old: int, capacity: int, pad: torch.Tensor, columns: int,
+                     compressor: Compressor):
+        """The call's cache: per layer K/V/validity (+ H2O mass, + record columns) [R, Hkv, capacity, ...] with each
+        kept episode's slots in [old - its slots, old) (layout columns: + pad); the last queries per layer
+        [R, Hq, w, D] (zeros before a row's own; None without kept state); with record_evictions, evicted_at per
+        layer [R, Hkv, columns] (int64 max = never) holding each kept episode's record so far."""
+        dev, dtype, hkv, hd = self.device, self.model.dtype, self.kv_heads, self.head_dim
+        never = torch.iinfo(torch.long).max
+        cache, qwin, evicted_at = [], [None] * self.num_layers, None
+        for _ in range(self.num_layers):
+            layer = {"k": torch.zeros(R, hkv, capacity, hd, dtype=dtype, device=dev),
+                     "v": torch.zeros(R, hkv, capacity, hd, dtype=dtype, device=dev),
+                     "valid": torch.zeros(R, hkv, capacity, dtype=torch.bool, device=dev)}
+            if compressor.needs_attention_mass:
+                layer["mass"] = torch.zeros(R, hkv, capacity, device=dev)
+            if self.record_evictions:
+                layer["col"] = torch.full((R, hkv, capacity), -1, dtype=torch.long, device=dev)
+            cache.append(layer)
+        if self.record_evictions:
+            evicted_at = [torch.full((R, hkv, columns), never, dtype=torch.long, device=dev)
+                          for _ in range(self.num_layers)]
+        if old == 0:
+            return cache, qwin, evicted_at
+        width = max(st.qwin[0].shape[1] for st in states if st)
+        qwin = [torch.zeros(R, self.q_heads, width, hd, dtype=dtype, device=dev) for _ in range(self.num_layers)]
+        for r, st in enumerate(states):
+            if st is None:
+                continue
+            for li, (c, kept) in enumerate(zip(cache, st.layers)):
+                for name, t in kept.items():
+                    c[name][r, :, old - st.slots:old] = t + int(pad[r]) if name == "col" else t
+                qwin[li][r, :, width - st.qwin[li].shape[1]:] = st.qwin[li]
+                if evicted_at is not None:
+                    evicted_at[li][r, :, int(pad[r]):int(pad[r]) + st.evicted_at.shape[2]] = \
+                        _rebased(st.evicted_at[li], int(pad[r]))
+        return cache, qwin, evicted_at
+
+    def _forward(self, tokens, positions, cache, qwin, evicted_at, n, col, prefill, compress_now, row_ids, compressor,
+                 candidates=None):
         """One forward of `tokens` [R, q] at true `positions` [R, q] through the model and our cache (in place).
 
-        prefill: (visible bool [R, 1, q, q], key_valid bool [R, q]) for the prompt, whose K/V then go to slots
-            [0, q) or, with compress_now, straight to the kept slots; None for a decode step (q = 1), whose K/V
-            go to slot n, after which, with compress_now, each layer is compacted to kv_budget slots.
+        prefill: (visible bool [R, 1, q, q], key_valid bool [R, q]) for the new ids. With no kept slots (n = 0) their
+            K/V then go to slots [0, q) or, with compress_now, straight to the kept slots; after n kept slots they go
+            to slots [n, n + q), which the queries see with the kept ones, and compress_now compacts the layer to
+            kv_budget slots, or, with `candidates` = n, its first n slots to kv_budget and the new ones after them.
+            None for a decode step (q = 1), whose K/V go to slot n, after which, with compress_now, each layer is
+            compacted to kv_budget slots.
         col: column of the last token (left-padded layout); row_ids: original row of each of the R rows.
         Returns (logits float32 [R, vocab] at the last position, bytes of the largest transient K/V tensor).
         """
@@ -313,8 +397,14 @@ class TorchEngine:
                 visible, key_valid = prefill
                 slots = {"k": ks, "v": vs, "valid": key_valid[:, None, :].expand(R, self.kv_heads, q)}
                 if "col" in c:
-                    slots["col"] = torch.arange(q, device=ks.device).expand(R, self.kv_heads, q)
+                    slots["col"] = (col + 1 - q + torch.arange(q, device=ks.device)).expand(R, self.kv_heads, q)
                 transient = max(transient, ks.nbytes + vs.nbytes)
+                if n:                                        # extend the kept cache in place
+                    for name, t in slots.items():
+                        c[name][:, :, n:n + q] = t
+                    old_seen = c["valid"][:, :, None, :n] & key_valid[:, None, :, None]   # pad queries see only themselves
+                    visible = torch.cat([old_seen, visible.expand(R, self.kv_heads, q, q)], -1)
+                    slots = {name: t[:, :, :n + q] for name, t in c.items() if name != "mass"}
             else:
                 c["k"][:, :, n], c["v"][:, :, n], c["valid"][:, :, n] = ks[:, :, 0], vs[:, :, 0], True
                 if "col" in c:
@@ -326,25 +416,23 @@ class TorchEngine:
             h = h + layer.mlp(layer.post_attention_layernorm(h))
 
             if "mass" in c:                                                  # H2O: accumulated attention
-                slots["mass"] = accumulate_attention(c["mass"][:, :, :n] if prefill is None else
-                                                     c["mass"][:, :, :0], probs)
-            if prefill is not None:                                          # window: last queries, pads zeroed
+                slots["mass"] = accumulate_attention(c["mass"][:, :, :n], probs)
+            if prefill is not None and qwin[li] is None:                     # window: last queries, pads zeroed
                 w = min(cc.window, q)
                 qwin[li] = qs[:, :, -w:] * key_valid[:, None, -w:, None]
             else:
-                qwin[li] = torch.cat([qwin[li], qs], dim=2)[:, :, -cc.window:]
+                new_q = qs if prefill is None else qs * key_valid[:, None, :, None]
+                qwin[li] = torch.cat([qwin[li], new_q], dim=2)[:, :, -cc.window:]
 
             if not compress_now:
-                if prefill is not None:
+                if prefill is not None and not n:
                     for name, t in slots.items():
                         c[name][:, :, :q] = t
                 elif "mass" in c:
-                    c["mass"][:, :, :n + 1] = slots["mass"]
+                    c["mass"][:, :, :slots["mass"].shape[2]] = slots["mass"]
                 continue
             if keep is None or cc.selection != "shared":
-                keep = compressor.select(slots["k"], qwin[li], slots["valid"], slots.get("mass"))
-                if not bool((keep[..., 1:] > keep[..., :-1]).all()):
-                    raise RuntimeError("compressor.select returned slot indices that are not strictly ascending")
+                keep = self._select(compressor, slots, qwin[li], candidates)
             if evicted_at is not None:                                       # record what this compaction drops
                 kept = torch.zeros_like(slots["valid"]).scatter_(2, keep, True)
                 r, hh, s = (slots["valid"] & ~kept).nonzero(as_tuple=True)
@@ -358,6 +446,64 @@ class TorchEngine:
 
         h = m.norm(h[:, -1])
         return self.model.lm_head(h).float(), transient
+
+    @staticmethod
+    def _select(compressor: Compressor, slots: dict, queries: torch.Tensor, candidates: int | None) -> torch.Tensor:
+        """The slots of one layer to keep, int64 [R, Hkv, k] ascending: compressor.select over every slot, or over
+        the first `candidates` only, the later ones all kept after them. Raises RuntimeError if the compressor's
+        indices are not strictly ascending."""
+        end = slots["k"].shape[2] if candidates is None else candidates
+        mass = slots.get("mass")
+        keep = compressor.select(slots["k"][:, :, :end], queries, slots["valid"][:, :, :end],
+                                 None if mass is None else mass[:, :, :end])
+        if end < slots["k"].shape[2]:
+            rest = torch.arange(end, slots["k"].shape[2], device=keep.device)
+            keep = torch.cat([keep, rest.expand(*keep.shape[:2], rest.shape[0])], -1)
+        if not bool((keep[..., 1:] > keep[..., :-1]).all()):
+            raise RuntimeError("compressor.select returned slot indices that are not strictly ascending")
+        return keep
+
+
+@dataclasses.dataclass
+class _Episode:
+    """What the engine keeps of an episode between its turns. layers: per layer {k, v [Hkv, slots, D]; valid
+    [Hkv, slots]; mass (H2O) [Hkv, slots]; col (record_evictions): episode token index of each slot}, the
+    retained slots in time order; qwin: per layer the last <= window queries [Hq, w, D]; length: tokens whose
+    K/V were computed (the next position); pending: the last sampled token (its K/V not yet computed); prompt_len:
+    the first prompt's tokens; evicted_at (record_evictions): int64 [layers, Hkv, length + 1] episode token index
+    of the first query that no longer saw each key (int64 max = never)."""
+    layers: list
+    qwin: list
+    length: int
+    pending: int
+    prompt_len: int
+    evicted_at: torch.Tensor | None = None
+
+    @property
+    def slots(self) -> int:
+        return self.layers[0]["k"].shape[1]
+
+
+def _kept_episode(cache: list, qwin: list, i: int, n: int, pad: int, before: "_Episode | None", pending: int,
+                  length: int, prompt_len: int) -> _Episode:
+    """Live row i of the batch cache (its first n slots) as a kept episode: its valid slots only, in time order,
+    record columns re-based from the layout (- pad) to the episode's token index."""
+    count = max(int(c["valid"][i, :, :n].sum(-1).max()) for c in cache)
+    layers = []
+    for c in cache:
+        order = torch.sort((~c["valid"][i, :, :n]).to(torch.int8), dim=-1, stable=True).indices[:, :count]
+        kept = {name: gather_kv(t[i:i + 1, :, :n], order[None])[0] for name, t in c.items()}
+        if "col" in kept:
+            kept["col"] = kept["col"] - pad
+        layers.append(kept)
+    return _Episode(layers, [w[i].clone() for w in qwin], length, pending,
+                    before.prompt_len if before is not None else prompt_len)
+
+
+def _rebased(evicted_at: torch.Tensor, shift: int) -> torch.Tensor:
+    """Column values of an eviction record shifted by `shift` (int64 max, never, stays)."""
+    never = torch.iinfo(torch.long).max
+    return torch.where(evicted_at == never, never, evicted_at + shift)
 
 
 def sample_eviction_steps(evicted_at: torch.Tensor, prompt_width: int, prompt_len: int, response_len: int) -> np.ndarray:

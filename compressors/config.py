@@ -39,6 +39,15 @@ class CompressorConfig:
     selection: str = "per_head"
     """per_head (R-KV reference: one kept set per layer and KV head) | shared (one set per sequence, chosen
     from layer 0 and used by every layer and head, as the authors' SGLang fork)."""
+    protect_observation: bool = True
+    """Multi-turn, torch engine (an episode's cache kept across turns): the tokens a turn prefills into the kept
+    cache (the previous turn's last sampled token, the template boundary, the environment's observation, the next
+    assistant header) are never eviction candidates at that prefill: only the older cache is compressed there (to
+    kv_budget, scored by the last `window` queries, the observation's), and the observation is first scored at the
+    turn's first compression event, its `interval`-th generated token, when the last `window` generated queries
+    have attended to it. So every generated token of the turn's first `interval` sees the whole observation, and
+    an episode's peak holds kv_budget + interval + the longest prefill slots. false: the observation is compressed
+    with the rest at its prefill, as a prompt longer than the budget is (the measured baseline, bench/multiturn_kv.py)."""
 
 
     # --- budget control (issue 13; seed 002 §5.2; Sparrow, arXiv 2606.08446) -------------------------------
