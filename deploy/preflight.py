@@ -15,6 +15,10 @@ A config whose sparse batch does not fit fails (PreflightError, a ConfigError: e
 and the numbers; one whose dense batch does not fit but sparse does starts (that is what compression is for);
 a budget at or above prompt + response gets a warning (nothing would ever be evicted), and so does a prompt
 longer than the smallest budget (it is compressed at prefill: the long-context regime, not the paper's).
+Multi-turn on the torch engine (the episode's cache kept across turns, actors/episode.py): the sparse peak is
+kv_budget + interval + the longest turn prefill (`longest_turn_prefill`: an observation of env.max_obs_tokens in
+its template, + the last sampled id), whatever env.max_turns; the dense one the whole episode (prompt +
+env.max_total_tokens); actors.kv_memory.episode_kv_peak_bytes_per_sequence.
 
 It also sizes the broker's queue: one group's wire bytes (broker.schema.group_wire_bytes: 8 bytes per response
 token, + 6 K with actors.sampling.topk_logprobs = K, 120 at K = 20) times the groups the stream can hold
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from actors.kv_memory import ModelShape, kv_peak_bytes_per_sequence
+from actors.kv_memory import ModelShape, episode_kv_peak_bytes_per_sequence, kv_peak_bytes_per_sequence
 from broker.schema import group_wire_bytes
 from deploy.config import ConfigError, RunConfig
 
@@ -152,16 +156,25 @@ def longest_prompt(cfg: RunConfig, model_path: str) -> int:
     return max(len(p.prompt_ids) for p in prompts)
 
 
-def check_chat_template(model_path: str) -> None:
+def check_chat_template(model_path: str):
     """Multi-turn rollouts keep sampled ids verbatim (actors/turns.py): the model's chat template must be
-    append-only. Raises ConfigError (one line naming the template) when it is not."""
+    append-only. Returns the ChatTemplate; raises ConfigError (one line naming the template) when it is not."""
     from transformers import AutoTokenizer
 
     from actors.turns import ChatTemplate, TemplateNotAppendOnly
     try:
-        ChatTemplate.build(AutoTokenizer.from_pretrained(model_path))
+        return ChatTemplate.build(AutoTokenizer.from_pretrained(model_path))
     except TemplateNotAppendOnly as e:
         raise ConfigError(f"actors.env.factory: {e}") from None
+
+
+def longest_turn_prefill(env, template) -> int:
+    """The most ids a later turn of an episode prefills into its kept cache (torch engine): the last sampled id,
+    the template's end-of-turn (a cut turn) and boundary, one observation of env.max_obs_tokens content tokens in
+    the template of its role (tool or user, the longer), the next assistant header; at most env.max_total_tokens."""
+    overhead = max(len(template.observation_ids([{"role": role, "content": ""}], closed=False))
+                   for role in ("tool", "user"))
+    return min(1 + overhead + env.max_obs_tokens, env.max_total_tokens)
 
 
 def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: int | None = None) -> PreflightReport:
@@ -183,13 +196,18 @@ def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: i
     shape = ModelShape.from_hf_config(hf, a.engine.dtype)
     prompt = prompt_tokens or longest_prompt(cfg, model_path)
     new = a.sampling.max_new_tokens
-    if a.env.factory:   # multi-turn: each turn re-prefills the history, up to env.max_total_tokens after the prompt
-        new = max(new, a.env.max_total_tokens)
-        check_chat_template(model_path)
     low, high = c.budget_range()
     compress = c.method != "full"
+    if a.env.factory:   # multi-turn: up to env.max_total_tokens after the prompt, over every turn
+        turn_new, new = min(new, a.env.max_total_tokens), max(new, a.env.max_total_tokens)
+        template = check_chat_template(model_path)
     dense = kv_peak_bytes_per_sequence(shape, prompt, new, high, c.interval, compress=False)
     sparse = kv_peak_bytes_per_sequence(shape, prompt, new, high, c.interval, compress=compress)
+    if a.env.factory and a.engine.backend == "torch":   # the episode's cache kept across turns (actors/episode.py)
+        longest = longest_turn_prefill(a.env, template)
+        dense, sparse = (episode_kv_peak_bytes_per_sequence(shape, prompt, turn_new, a.env.max_total_tokens, longest,
+                                                            high, c.interval, compress=kind)
+                         for kind in (False, compress))
     n_params = _parameter_count(hf)
     weight_bytes = n_params * shape.dtype_bytes
     memory, source = _available_memory(cfg, weight_bytes)

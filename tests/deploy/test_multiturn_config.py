@@ -48,3 +48,27 @@ def test_a_template_that_is_not_append_only_fails_the_preflight(tmp_path):
     with pytest.raises(ConfigError) as err:
         preflight(cfg, model_path=str(bad), prompt_tokens=120)
     assert "not append-only" in str(err.value) and str(bad) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_preflight_sizes_a_kept_episode_by_its_longest_observation():
+    """Torch engine, multi-turn: the sparse peak per episode is kv_budget + interval + the longest turn prefill
+    (whatever actors.env.max_total_tokens), the dense one grows with the episode."""
+    from actors.kv_memory import ModelShape, episode_kv_peak_bytes_per_sequence
+    from actors.turns import ChatTemplate
+    from deploy.preflight import longest_turn_prefill
+    from transformers import AutoConfig, AutoTokenizer
+
+    model = resolve_model(TINY_LLAMA)
+    reports = [preflight(load_config("tiny-lookup", ["actors.engine.compressor.method=rkv",
+                                                     "actors.engine.compressor.kv_budget=64",
+                                                     "actors.engine.compressor.interval=16",
+                                                     f"actors.env.max_total_tokens={total}"]),
+                         model_path=model, prompt_tokens=120) for total in (512, 4096)]
+    cfg = load_config("tiny-lookup", [])
+    longest = longest_turn_prefill(cfg.actors.env, ChatTemplate.build(AutoTokenizer.from_pretrained(model)))
+    assert longest > cfg.actors.env.max_obs_tokens + 1
+    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(model), cfg.actors.engine.dtype)
+    expected = episode_kv_peak_bytes_per_sequence(shape, 120, cfg.actors.sampling.max_new_tokens, 512, longest, 64,
+                                                  16, compress=True)
+    assert reports[0].sparse_per_seq == reports[1].sparse_per_seq == expected
+    assert reports[1].dense_per_seq > 4 * reports[0].dense_per_seq // 2 > reports[0].sparse_per_seq
