@@ -10,6 +10,9 @@ observation, then a value.
 - `lookup_items(size, seed, keys, hops)`: the item generator (`actors.data.function: actors.lookup_env:lookup_items`).
 - `LookupEnv(tool_disabled, call_reward, require_lookup, obs_role)`: the environment (`actors.env.factory:
   actors.lookup_env:LookupEnv`). `tool_disabled` is the control: the tool answers nothing useful.
+- `lookup_demonstration(item, use_tool, rng)`: an episode's assistant and tool messages, and
+  `demonstration_stream(template, item, use_tool, rng)` the same as the token stream a rollout actor builds,
+  for a supervised warm-up (deploy/model_cache.py: smollm2-135m-lookup-warm).
 """
 from __future__ import annotations
 
@@ -114,3 +117,35 @@ class LookupEnv:
         else:
             content = f"{key}: no such key"
         return [{"role": self.obs_role, "content": content}], 0.0, False, {"tool_call": True, "key": key}
+
+
+def lookup_demonstration(item: dict, use_tool: bool, rng: random.Random, obs_role: str = "tool") -> list[dict]:
+    """The messages after the question of one demonstration episode of `item` (a lookup_items dict): with
+    `use_tool`, for each hop an assistant call (`<lookup>K7</lookup>`) and the tool's entry as LookupEnv writes
+    it, then the answer (the value alone); without, a guessed answer alone (a value drawn from 10..99 with `rng`,
+    right 1 time in 90). A warm-up on a mix of both leaves the model with a choice RL can settle: look up or
+    guess."""
+    if not use_tool:
+        return [{"role": "assistant", "content": str(rng.randint(10, 99))}]
+    table, key, out = item["metadata"]["table"], item["metadata"]["target"], []
+    for _ in range(item["metadata"]["hops"]):
+        out += [{"role": "assistant", "content": f"<lookup>{key}</lookup>"},
+                {"role": obs_role, "content": f"{key} = {table[key]}"}]
+        key = table[key]
+    return out + [{"role": "assistant", "content": item["answer"]}]
+
+
+def demonstration_stream(template, item: dict, use_tool: bool, rng: random.Random) -> tuple[list, list, list]:
+    """`lookup_demonstration` as the rollout actor's token stream (actors/turns.py): (prompt_ids, ids,
+    trainable) with `template` an actors.turns.ChatTemplate; a call ends on its stop string `</lookup>` (the
+    template's end-of-turn then opens the observation, trainable 0), the answer on the end-of-turn id."""
+    from actors.turns import Rollout
+
+    tok, rollout = template.tokenizer, Rollout(template, max_total_tokens=1 << 16, max_obs_tokens=1 << 16)
+    for m in lookup_demonstration(item, use_tool, rng):
+        if m["role"] != "assistant":
+            rollout.add_observation([m])
+            continue
+        ids = tok(m["content"], add_special_tokens=False)["input_ids"]
+        rollout.add_sampled(ids if m["content"].endswith("</lookup>") else ids + [template.eot_id])
+    return template.prompt_ids([{"role": "user", "content": item["question"]}]), rollout.ids, rollout.trainable

@@ -21,6 +21,12 @@ COUNT_WARMUP = {"size": 64, "seed": 1234, "restate_share": 0.625, "start_low": 5
 preset's range (starts 1-50), so no training or held-out problem is seen; a `restate_share` of the answers, spread
 evenly (example i restates when floor((i + 1) * share) > floor(i * share)), in the restating format ("25 of 46"),
 the others plain (actors.tasks.count_demonstration)."""
+SMOLLM2_LOOKUP_WARM = "smollm2-135m-lookup-warm"
+LOOKUP_WARMUP = {"size": 64, "seed": 4321, "tool_share": 0.375, "keys": 8, "hops": 1}
+"""The lookup warm-up's demonstrations (actors.lookup_env.lookup_demonstration): `size` lookup_items episodes of
+their own seed (their tables are named after it, so no training or held-out question is seen), a `tool_share`
+of them, spread evenly as in COUNT_WARMUP, calling the tool and answering with the value, the others guessing at
+once. Loss on the assistant's tokens only."""
 TINY_LLAMA = "tiny-llama"
 TINY_CHAR = "tiny-char"
 CHAR_VOCAB = "0123456789abcdefghijklmnopqrstuvwxyz \n.,:;+-=#?"
@@ -130,6 +136,29 @@ def _warm_smollm2_count(out: Path) -> None:
     supervised_warmup(base, out, examples)
 
 
+def _warm_smollm2_lookup(out: Path) -> None:
+    """SmolLM2-135M-Instruct after the lookup task's supervised warm-up (`LOOKUP_WARMUP`): it either calls the
+    lookup tool and answers with the value read, or guesses at once, so that RL through the multi-turn pipeline
+    has a choice to settle (issue 35 item 5). The demonstrations are token streams as the rollout actor builds
+    them (actors/turns.py: the prompt rendered, a call ended by its stop string, the tool's observation with the
+    template's boundary, the answer ended by the end-of-turn id)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from actors.lookup_env import demonstration_stream, lookup_items
+    from actors.turns import ChatTemplate
+    from learner.warmup import supervised_warmup
+
+    base = resolve_model(SMOLLM2)
+    template, w = ChatTemplate.build(AutoTokenizer.from_pretrained(base)), LOOKUP_WARMUP
+    rng = random.Random(w["seed"])
+    examples = [demonstration_stream(template, item, int((i + 1) * w["tool_share"]) > int(i * w["tool_share"]), rng)
+                for i, item in enumerate(lookup_items(w["size"], w["seed"], keys=w["keys"], hops=w["hops"]))]
+    print(f"warming up {SMOLLM2} on {len(examples)} lookup demonstrations (once; cached in {out})", flush=True)
+    supervised_warmup(base, out, examples)
+
+
 def resolve_model(name_or_path: str) -> str:
     """Return a local Hugging Face directory for a preset model name, building and caching it once;
     any other value is returned unchanged (a path or a hub id the user provides). Processes that resolve the same
@@ -138,7 +167,7 @@ def resolve_model(name_or_path: str) -> str:
     Raises FileNotFoundError when the files a preset needs are not installed.
     """
     builders = {SMOLLM2: _convert_smollm2, TINY_LLAMA: _make_tiny_llama, TINY_CHAR: _make_tiny_char,
-                SMOLLM2_COUNT_WARM: _warm_smollm2_count}
+                SMOLLM2_COUNT_WARM: _warm_smollm2_count, SMOLLM2_LOOKUP_WARM: _warm_smollm2_lookup}
     if name_or_path not in builders:
         return name_or_path
     out = cache_dir() / name_or_path

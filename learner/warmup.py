@@ -29,12 +29,13 @@ class WarmupConfig:
     learned by the transformer blocks."""
 
 
-def supervised_warmup(model_dir: str, out: Path, examples: list[tuple[list[int], list[int]]],
-                      cfg: WarmupConfig = WarmupConfig()) -> dict:
+def supervised_warmup(model_dir: str, out: Path, examples: list[tuple], cfg: WarmupConfig = WarmupConfig()) -> dict:
     """Fine-tune the causal LM in `model_dir` on `examples` and save model + tokenizer to `out`.
 
-    examples: (prompt_ids, response_ids) pairs of token ids (the response ends with EOS); the loss is the mean
-    cross-entropy over response tokens (prompt positions are labelled -100). fp32 on the CPU or the default
+    examples: (prompt_ids, response_ids) pairs of token ids (the response ends with EOS), or (prompt_ids,
+    response_ids, trainable) triples with a 0/1 flag per response token (a multi-turn episode: environment and
+    template tokens 0); the loss is the mean cross-entropy over response tokens (flagged 1), every other position
+    labelled -100. fp32 on the CPU or the default
     device. `out` is written to a temporary sibling first, then renamed (never half-written).
     Returns {"steps", "loss_first", "loss_last", "seconds"} from the trainer's log. Raises ValueError when
     `examples` is empty.
@@ -46,8 +47,7 @@ def supervised_warmup(model_dir: str, out: Path, examples: list[tuple[list[int],
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if cfg.freeze_embeddings:
         model.get_input_embeddings().weight.requires_grad_(False)
-    rows = [{"input_ids": p + r, "attention_mask": [1] * (len(p) + len(r)), "labels": [-100] * len(p) + r}
-            for p, r in examples]
+    rows = [_row(*e) for e in examples]
     tmp = out.with_name(out.name + ".tmp")
     args = TrainingArguments(
         output_dir=str(tmp / "trainer"), per_device_train_batch_size=cfg.batch_size, num_train_epochs=cfg.epochs,
@@ -65,3 +65,10 @@ def supervised_warmup(model_dir: str, out: Path, examples: list[tuple[list[int],
     tmp.rename(out)
     return {"steps": result.global_step, "loss_first": losses[0], "loss_last": losses[-1],
             "seconds": result.metrics["train_runtime"]}
+
+
+def _row(prompt: list[int], response: list[int], trainable: list[int] | None = None) -> dict:
+    """One Trainer example: labels -100 on the prompt and on response tokens flagged 0."""
+    flags = [1] * len(response) if trainable is None else trainable
+    return {"input_ids": prompt + response, "attention_mask": [1] * (len(prompt) + len(response)),
+            "labels": [-100] * len(prompt) + [t if f else -100 for t, f in zip(response, flags)]}

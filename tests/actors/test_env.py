@@ -8,6 +8,7 @@ reads the context, and the tool-disabled control scores nothing. Real workers, r
 from __future__ import annotations
 
 import os
+import random
 import re
 import time
 
@@ -17,9 +18,10 @@ from transformers import AutoTokenizer
 
 from actors.data import Prompt
 from actors.env import EnvConfig, EnvPool, check_env_factory, run_episode
-from actors.lookup_env import DISABLED, LookupEnv, answer_key, lookup_items
+from actors.lookup_env import DISABLED, LookupEnv, answer_key, demonstration_stream, lookup_items
 from actors.turns import ChatTemplate
 from deploy.model_cache import SMOLLM2, resolve_model
+from learner.warmup import _row
 
 SCRIPTED = "scripted_envs:ScriptedEnv"
 LOOKUP = "actors.lookup_env:LookupEnv"
@@ -237,3 +239,36 @@ def test_episodes_end_at_max_turns_and_max_total_tokens(template):
     small = EnvPool(EnvConfig(factory=LOOKUP, step_timeout_s=0, max_turns=10, max_total_tokens=40))
     ep = run_episode(small, template, "tokens", item, always_call, 16)
     assert ep.finish == "max_total_tokens" and len(ep.rollout.ids) <= 40 and ep.turns == 2
+
+
+def test_warmup_demonstrations_are_the_streams_an_episode_builds(template):
+    """The lookup warm-up's demonstrations (deploy/model_cache.py) replayed as a policy through LookupEnv: the
+    episode's prompt, ids and trainable flags are the demonstration's to the token, a tool demonstration earns 1.0
+    (1- and 2-hop), a guess 0; the warm-up trains on the sampled tokens alone."""
+    pool = EnvPool(EnvConfig(factory=LOOKUP, step_timeout_s=30))
+    for hops in (1, 2):
+        for use_tool, item in zip((True, False, True), lookup_items(3, seed=11, hops=hops)):
+            prompt, ids, trainable = demonstration_stream(template, item, use_tool, random.Random(0))
+            sampled = _sampled_turns(ids, trainable)
+            replay = iter(sampled)
+            ep = run_episode(pool, template, f"demo-{hops}-{use_tool}-{item['answer']}",
+                             Prompt("d", item["question"], item["answer"], metadata=item["metadata"]),
+                             lambda _ids, _n: next(replay), max_new_tokens=16)
+            assert (ep.prompt_ids, ep.rollout.ids, ep.rollout.trainable) == (prompt, ids, trainable)
+            assert len(sampled) == (hops + 1 if use_tool else 1)
+            assert ep.reward == (1.0 if use_tool else 0.0)         # a guess is never read through the tool
+            labels = _row(prompt, ids, trainable)["labels"]
+            assert [t for t in labels if t != -100] == [t for t, f in zip(ids, trainable) if f]
+    pool.shutdown()
+
+
+def _sampled_turns(ids, trainable) -> list[list[int]]:
+    """The runs of trainable ids: one per sampled turn."""
+    out, prev = [], 0
+    for t, f in zip(ids, trainable):
+        if f and not prev:
+            out.append([])
+        if f:
+            out[-1].append(t)
+        prev = f
+    return out
