@@ -154,7 +154,7 @@ class LocalRedis:
                 try:
                     self.version = c.info("server")["redis_version"]
                     return
-                except redis.ConnectionError:
+                except (redis.ConnectionError, redis.TimeoutError):  # not listening yet / too busy to answer in 1 s
                     if self._proc.poll() is not None or time.monotonic() > deadline:
                         break
                     time.sleep(0.02)
