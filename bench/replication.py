@@ -190,13 +190,35 @@ def missing_budgets(name: str, record: dict, budgets: list[int]) -> list[int]:
 
 
 def with_dense_evals(args, name: str, record: dict) -> dict:
-    """`record`, with the dense model scored at any budget it lacks (from its final weights, kept in <out>/runs)."""
+    """`record`, with the dense model scored at any budget it lacks, from its final weights (kept in <out>/runs);
+    where those are gone (a record made on another machine), from a replicate: the same dense run trained again
+    here as `<name>-replicate` (recorded under record["replicate"], with its own score at the record's budgets so
+    the two models can be compared). With --only-report nothing is trained or scored: a budget stays missing."""
     missing = missing_budgets(name, record, args.budgets)
-    if missing:
+    if missing and not args.only_report:
         seed = int(name.rsplit("-s", 1)[1])
-        record["evals"].update({str(b): dense_sparse_eval(args, seed, b, record["summary"]) for b in missing})
+        summary = record["summary"]
+        if not (Path(summary["run_dir"]) / "final").is_dir():
+            summary = replicate_summary(args, seed)
+            scored = sorted(int(b) for b in record["evals"])
+            record["replicate"] = {
+                "name": f"{name}-replicate", "run_dir": summary["run_dir"],
+                "why": "the original's final weights are absent (trained on another machine)",
+                "final_reward": summary.get("final_reward"),
+                "evals": {str(b): dense_sparse_eval(args, seed, b, summary) for b in scored}}
+        record["evals"].update({str(b): dense_sparse_eval(args, seed, b, summary) for b in missing})
         save_record(args, name, record)
     return record
+
+
+def replicate_summary(args, seed: int) -> dict:
+    """The summary of dense seed `seed` trained again in <out>/runs (run now unless a replicate finished earlier)."""
+    name = f"dense-s{seed}-replicate"
+    done = sorted((args.out / "runs").glob(f"{name}-2*/summary.json"))
+    if not done:
+        run_one(args, "dense", None, seed, name=name)
+        done = sorted((args.out / "runs").glob(f"{name}-2*/summary.json"))
+    return json.loads(done[-1].read_text())
 
 
 def record_of_run(args, name: str) -> dict | None:
@@ -234,9 +256,10 @@ def compressor_overrides(args, budget: int) -> list[str]:
     return [f"eval.sparse_compressor.{k}={v}" for k, v in asdict(sparse).items()]
 
 
-def run_one(args, arm: str, budget: int | None, seed: int) -> None:
-    """One `sparse-rl train` in a subprocess (a fresh Ray and Redis per run); its console goes to a log file."""
-    out, name = args.out, run_name(arm, budget, seed)
+def run_one(args, arm: str, budget: int | None, seed: int, name: str | None = None) -> None:
+    """One `sparse-rl train` in a subprocess (a fresh Ray and Redis per run); its console goes to a log file. A
+    `name` other than the run's (a replicate) is trained and timed but gets no record."""
+    out, replicate, name = args.out, name is not None, name or run_name(arm, budget, seed)
     overrides = [*args.overrides, *ARMS[arm], f"seed={seed}", f"learner.seed={seed}", f"name={name}",
                  f"run_dir={out / 'runs'}", f"mlflow.tracking_uri=sqlite:///{out / 'mlflow.db'}",
                  "mlflow.experiment=replication", f"train.steps={args.steps}", "eval.enabled=true",
@@ -259,7 +282,8 @@ def run_one(args, arm: str, budget: int | None, seed: int) -> None:
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed (exit {proc.returncode}); see {log}")
     record_wall(out, name, wall)
-    record_of_run(args, name)
+    if not replicate:
+        record_of_run(args, name)
     print(f"[{time.strftime('%H:%M:%S')}] {name}: done in {wall:.0f} s", flush=True)
 
 
@@ -272,9 +296,9 @@ def record_wall(out: Path, name: str, wall: float) -> None:
 
 def dense_sparse_eval(args, seed: int, budget: int, summary: dict) -> dict:
     """The dense-trained model of `seed` scored with sparse inference at `budget`: {"sparse/reward": ...}. The
-    first budget's score is in the dense run's own summary (eval.sparse_compressor); the others are scored here,
-    from the run's final model, in this process."""
-    if budget == args.budgets[0]:
+    score at the budget of the run's own sparse evaluation (its config's eval.sparse_compressor) is in the run's
+    summary; the others are scored here, from the run's final model, in this process."""
+    if budget == own_eval_budget(summary):
         return {k[len("eval/"):]: v for k, v in summary.items() if k.startswith("eval/sparse/")}
     from deploy.config import load_config
     from deploy.evaluate import evaluate_model
@@ -282,8 +306,19 @@ def dense_sparse_eval(args, seed: int, budget: int, summary: dict) -> dict:
                                     f"eval.limit={args.eval_limit}", *compressor_overrides(args, budget)])
     start = time.monotonic()
     scores = evaluate_model(cfg, str(Path(summary["run_dir"]) / "final"), ["sparse"])
-    record_wall(args.out, f"eval-dense-s{seed}-b{budget}", time.monotonic() - start)
+    record_wall(args.out, f"eval-{Path(summary['run_dir']).name}-b{budget}", time.monotonic() - start)
     return {k[len("eval/"):]: v for k, v in scores.items()}
+
+
+def own_eval_budget(summary: dict) -> int | None:
+    """The kv_budget of a run's own sparse evaluation, from the config.yaml in its run_dir (None when absent)."""
+    from omegaconf import OmegaConf
+
+    config = Path(summary["run_dir"]) / "config.yaml"
+    if not config.exists():
+        return None
+    sparse = OmegaConf.load(config).get("eval", {}).get("sparse_compressor")
+    return None if sparse is None else int(sparse["kv_budget"])
 
 
 def histories(out: Path, summary: dict) -> dict[str, list[float]]:

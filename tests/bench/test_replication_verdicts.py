@@ -116,6 +116,22 @@ def test_missing_budgets_of_a_dense_record():
     assert replication.missing_budgets("naive_sparse-b48-s0", {"evals": {}}, [48, 64]) == []
 
 
+def test_a_dense_model_is_scored_at_another_budget_from_its_weights_not_its_own_score(tmp_path):
+    """With --budgets 72 alone, a dense run evaluated under R-KV 48 had its R-KV 48 score recorded as its 72 one
+    (the budget was the invocation's first). The run's own evaluation budget is its config's; any other budget
+    needs the weights, and with --only-report stays missing rather than borrowing the 48 score."""
+    run_dir = tmp_path / "dense-s0-20261204-000000-abcd"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("eval:\n  sparse_compressor:\n    method: rkv\n    kv_budget: 48\n")
+    summary = {"run_dir": str(run_dir), "eval/sparse/reward": 0.9}
+    assert replication.own_eval_budget(summary) == 48
+    assert replication.own_eval_budget({"run_dir": str(tmp_path / "gone")}) is None
+    assert replication.dense_sparse_eval(None, 0, 48, summary) == {"sparse/reward": 0.9}
+    args = replication.parse_args(["--budgets", "72", "--only-report", "--out", str(tmp_path / "out")])
+    record = {"summary": summary, "evals": {"48": {"sparse/reward": 0.9}}}
+    assert replication.with_dense_evals(args, "dense-s0", record)["evals"] == {"48": {"sparse/reward": 0.9}}
+
+
 def test_runs_table_has_a_row_per_run_and_budget_with_the_dense_model_under_each_cache():
     dense = {"final_reward": 0.9, "peak_reward": 1.0, "response_truncated_fraction": 0.1, "kv_retained_ratio": 1.0,
              "mismatch_kl": 0.0, "rejection_rate": 0.0, "grad_norm_spike": 14.0, "grad_norm_spike_with_gradient": 6.5,
