@@ -92,15 +92,16 @@ SPIKE = 10.0
 ROOT = Path(__file__).resolve().parent.parent
 CPU_DEFAULT = {"config": "smollm2-count-warm",
                "overrides": ["train.learner_num_cpus=2", "learner.norm_adv_by_std=true", "actors.prompts_per_batch=2",
-                             "learner.fuse_logp_old=false"],
+                             "learner.fuse_logp_old=false", "learner.policy_target=dense"],
                "budgets": "48,72", "steps": 20, "seeds": 3, "eval_limit": 64}
 """The default (CPU-scale) comparison: the main job's decode-regime task and model (docs/results.md 6.2, amended
 for 6.7, and a third time for the second budget); budgets 48 and 72 keep about 0.3 and 0.5 of the rollouts' KV
 (72 replaced 96, measured to keep 0.56-0.87: docs/results.md 6.4); 20 steps (~22-30 min a run with its evaluations
-alone on 2 cores, 18 runs ~7-9 h); a learner with 2 torch threads (with max_staleness 0 the actors are idle while it steps). The last three overrides keep the grid as
+alone on 2 cores, 18 runs ~7-9 h); a learner with 2 torch threads (with max_staleness 0 the actors are idle while it steps). The last overrides keep the grid as
 pre-registered (commit b1c3cb8) after the main job's preset moved on (advantages not divided by the group std,
 batches of 4 prompts: docs/results.md 6.8) and the learner's step gained the single-pass on-policy step (the same
-update, other rounding: the runs started on the two-pass step stay on it). Overrides on the command line follow."""
+update, other rounding: the runs started on the two-pass step stay on it), and policy_target=dense keeps the
+arms the paper's after the preset switched to eviction replay (6.12). Overrides on the command line follow."""
 QUICK = {"config": "tiny-decode", "overrides": [], "budgets": "", "steps": 16, "seeds": 2, "eval_limit": 16}
 
 

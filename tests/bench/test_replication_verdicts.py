@@ -82,7 +82,7 @@ def test_default_grid_runs_the_pre_registered_config(argv, tmp_path):
     args = replication.parse_args([*argv, "--out", str(tmp_path)])
     cfg = load_config(args.config, args.overrides, check_files=False)
     assert cfg.learner.norm_adv_by_std and cfg.learner.loss_agg_mode == "seq-mean-token-mean"
-    assert not cfg.learner.fuse_logp_old
+    assert not cfg.learner.fuse_logp_old and cfg.learner.policy_target == "dense"   # the preset replays since 6.12
     assert cfg.actors.prompts_per_batch == 2 and cfg.train.learner_num_cpus == 2 and cfg.learner.lr == 2e-5
     assert args.budgets == [48, 72] and args.steps == 20 and args.seeds == 3 and args.eval_limit == 64
     assert args.records is not None and args.records.name == "replication-decode"
