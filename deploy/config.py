@@ -339,11 +339,9 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
 
 
 def check_multiturn(run: RunConfig) -> None:
-    """What multi-turn rollouts (actors.env.factory set) cannot do yet, refused in one line naming both settings."""
-    if run.learner.policy_target == "sparse":
-        raise ConfigError("learner.policy_target=sparse with actors.env.factory set: a multi-turn episode re-prefills "
-                          "its history each turn (actors/episode.py), so no one eviction record describes it; use "
-                          "policy_target=dense (replay across turns needs the compressed cache kept, issue 36)")
+    """What multi-turn rollouts (actors.env.factory set) cannot do yet, refused in one line naming both settings.
+    Eviction replay (learner.policy_target=sparse) is allowed: the torch engine keeps each episode's compressed
+    cache across turns and its record covers the whole episode (issue 36); SGLang is refused for sparse runs."""
     if run.actors.engine.backend == "sglang" and run.actors.engine.compressor.method != "full":
         raise ConfigError(f"actors.engine.backend=sglang with actors.env.factory set and actors.engine.compressor."
                           f"method={run.actors.engine.compressor.method}: sparse multi-turn runs on the torch engine "

@@ -26,13 +26,16 @@ ENV = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
 @pytest.mark.timeout(900)
 def test_multi_turn_episodes_train_through_the_pipeline(tmp_path):
     """ScriptedEnv answers each turn with a tool message (reward 0.25 a step), so each episode has max_turns = 3
-    turns and 3 rewarded steps (0.75), sparse (the preset's R-KV 48: the history compressed at each turn's
-    prefill): the run trains its 3 steps with exact accounting; MLflow has 3 turns per episode, a non-zero
-    environment share of the response tokens, KV bytes at the end of turns 1-3 (growing: every turn adds the
-    observation to the history), and no environment error; the held-out evaluation, dense and sparse, before and
-    after, runs episodes too (3 turns, reward 0.75)."""
+    turns and 3 rewarded steps (0.75), sparse (the preset's R-KV 48, the episode's compressed cache kept across
+    turns) with eviction replay (learner.policy_target=sparse: each episode's record covers every turn;
+    max_staleness 0, so every step's rows are fresh): the run trains its 3 steps with exact accounting and
+    replayed log-probs equal to the rollouts' logp_sparse (<= 1e-4, every step); MLflow has 3 turns per episode,
+    a non-zero environment share of the response tokens, KV bytes at the end of turns 1-3 (growing: every turn
+    adds the observation), and no environment error; the held-out evaluation, dense and sparse, before and after,
+    runs episodes too (3 turns, reward 0.75)."""
     done = subprocess.run([CLI, "train", "--config", "tiny-lookup", "run_dir=runs", "train.steps=3",
-                           "eval.before=true", "actors.env.factory=scripted_envs:ScriptedEnv"],
+                           "eval.before=true", "actors.env.factory=scripted_envs:ScriptedEnv",
+                           "learner.policy_target=sparse", "broker.max_staleness=0"],
                           cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=800)
     assert done.returncode == 0, done.stdout
@@ -46,6 +49,7 @@ def test_multi_turn_episodes_train_through_the_pipeline(tmp_path):
 
     assert values("turns_per_episode") and set(values("turns_per_episode")) == {3.0}
     assert values("reward_mean") == [0.75] * 3
+    assert len(values("replay_logp_max_abs")) == 3 and max(values("replay_logp_max_abs")) <= 1e-4
     assert all(0 < f < 1 for f in values("env_token_fraction")), values("env_token_fraction")
     kv = [values(f"kv_bytes_turn_{k}")[0] for k in (1, 2, 3)]
     assert kv[0] < kv[1] < kv[2], kv

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.config import ConfigError, load_config
+from deploy.config import ConfigError, load_config, rollout_config
 from deploy.model_cache import TINY_LLAMA, resolve_model
 from deploy.preflight import preflight
 
@@ -15,7 +15,6 @@ TEMPLATES = Path(__file__).resolve().parents[1] / "actors" / "templates"
 
 
 @pytest.mark.parametrize("overrides,names", [
-    (["learner.policy_target=sparse"], ["learner.policy_target=sparse", "actors.env.factory"]),
     (["actors.engine.backend=sglang", "eval.enabled=false"], ["actors.engine.backend=sglang", "actors.env.factory",
                                                              "actors.engine.compressor.method=rkv"]),
     (["eval.data=gsm8k_test"], ["eval.data='gsm8k_test'", "actors.env.factory"]),
@@ -26,6 +25,15 @@ def test_what_multi_turn_cannot_do_is_refused_in_one_line(overrides, names):
     with pytest.raises(ConfigError) as err:
         load_config("tiny-lookup", overrides, check_files=False)
     assert all(name in str(err.value) for name in names) and "\n" not in str(err.value), str(err.value)
+
+
+def test_eviction_replay_of_episodes_is_allowed_on_the_torch_engine_only():
+    """learner.policy_target=sparse with an environment (issue 36 item 2): the torch engine records each episode's
+    evictions (its cache kept across turns); SGLang stays refused for sparse multi-turn, naming both settings."""
+    assert rollout_config(load_config("tiny-lookup", ["learner.policy_target=sparse"], check_files=False)).record_evictions
+    with pytest.raises(ConfigError, match=r"actors\.engine\.backend=sglang"):
+        load_config("tiny-lookup", ["learner.policy_target=sparse", "actors.engine.backend=sglang",
+                                    "eval.enabled=false"], check_files=False)
 
 
 def test_an_environment_that_cannot_be_made_is_refused_at_the_check():
