@@ -20,12 +20,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 from actors.rollout_config import ActorsConfig, EvalConfig, RolloutConfig
 from broker.config import BrokerConfig
-from deploy.model_cache import SMOLLM2, SMOLLM2_COUNT_WARM, SMOLLM2_LOOKUP_WARM, TINY_CHAR, TINY_LLAMA
+from deploy.model_cache import (SMOLLM2, SMOLLM2_COUNT_WARM, SMOLLM2_LOOKUP_STRESS_WARM, SMOLLM2_LOOKUP_WARM, TINY_CHAR,
+                                TINY_LLAMA)
 from learner.config import LearnerConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 """The YAML presets, shipped inside the package (the repository's top-level `configs` links here)."""
-PRESET_MODELS = (SMOLLM2, SMOLLM2_COUNT_WARM, SMOLLM2_LOOKUP_WARM, TINY_LLAMA, TINY_CHAR)
+PRESET_MODELS = (SMOLLM2, SMOLLM2_COUNT_WARM, SMOLLM2_LOOKUP_WARM, SMOLLM2_LOOKUP_STRESS_WARM, TINY_LLAMA, TINY_CHAR)
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 

@@ -27,6 +27,13 @@ LOOKUP_WARMUP = {"size": 64, "seed": 4321, "tool_share": 0.375, "keys": 8, "hops
 their own seed (their tables are named after it, so no training or held-out question is seen), a `tool_share`
 of them, spread evenly as in COUNT_WARMUP, calling the tool and answering with the value, the others guessing at
 once. Loss on the assistant's tokens only."""
+SMOLLM2_LOOKUP_STRESS_WARM = "smollm2-135m-lookup-stress-warm"
+LOOKUP_STRESS_WARMUP = {"size": 64, "seed": 4322, "tool_share": 0.375, "keys": 8, "hops": 1, "asked": 2,
+                        "pad_entries": 4}
+"""The lookup KV-stress variant's warm-up (issue 36 item 4), built as LOOKUP_WARMUP's: each item asks `asked`
+keys, a tool demonstration calls each in turn (every tool answer the entry among `pad_entries` decoys, as
+LookupEnv(pad_entries=4) writes it) and answers both values in order; a guess is two values at once. An episode
+of it is ~215 SmolLM2 tokens (~125 after the prompt), 2-3x a KV budget of 64."""
 TINY_LLAMA = "tiny-llama"
 TINY_CHAR = "tiny-char"
 CHAR_VOCAB = "0123456789abcdefghijklmnopqrstuvwxyz \n.,:;+-=#?"
@@ -136,12 +143,13 @@ def _warm_smollm2_count(out: Path) -> None:
     supervised_warmup(base, out, examples)
 
 
-def _warm_smollm2_lookup(out: Path) -> None:
-    """SmolLM2-135M-Instruct after the lookup task's supervised warm-up (`LOOKUP_WARMUP`): it either calls the
-    lookup tool and answers with the value read, or guesses at once, so that RL through the multi-turn pipeline
-    has a choice to settle (issue 35 item 5). The demonstrations are token streams as the rollout actor builds
-    them (actors/turns.py: the prompt rendered, a call ended by its stop string, the tool's observation with the
-    template's boundary, the answer ended by the end-of-turn id)."""
+def _warm_smollm2_lookup(out: Path, w: dict = LOOKUP_WARMUP) -> None:
+    """SmolLM2-135M-Instruct after the lookup task's supervised warm-up (`w`: LOOKUP_WARMUP, or
+    LOOKUP_STRESS_WARMUP with its `asked` and `pad_entries`): it either calls the lookup tool and answers with the
+    value read, or guesses at once, so that RL through the multi-turn pipeline has a choice to settle (issue 35
+    item 5). The demonstrations are token streams as the rollout actor builds them (actors/turns.py: the prompt
+    rendered, a call ended by its stop string, the tool's observation with the template's boundary, the answer
+    ended by the end-of-turn id)."""
     import random
 
     from transformers import AutoTokenizer
@@ -151,10 +159,11 @@ def _warm_smollm2_lookup(out: Path) -> None:
     from learner.warmup import supervised_warmup
 
     base = resolve_model(SMOLLM2)
-    template, w = ChatTemplate.build(AutoTokenizer.from_pretrained(base)), LOOKUP_WARMUP
-    rng = random.Random(w["seed"])
-    examples = [demonstration_stream(template, item, int((i + 1) * w["tool_share"]) > int(i * w["tool_share"]), rng)
-                for i, item in enumerate(lookup_items(w["size"], w["seed"], keys=w["keys"], hops=w["hops"]))]
+    template = ChatTemplate.build(AutoTokenizer.from_pretrained(base))
+    rng, share = random.Random(w["seed"]), w["tool_share"]
+    items = lookup_items(w["size"], w["seed"], keys=w["keys"], hops=w["hops"], asked=w.get("asked", 1))
+    examples = [demonstration_stream(template, item, int((i + 1) * share) > int(i * share), rng,
+                                     pad_entries=w.get("pad_entries", 0)) for i, item in enumerate(items)]
     print(f"warming up {SMOLLM2} on {len(examples)} lookup demonstrations (once; cached in {out})", flush=True)
     supervised_warmup(base, out, examples)
 
@@ -167,7 +176,8 @@ def resolve_model(name_or_path: str) -> str:
     Raises FileNotFoundError when the files a preset needs are not installed.
     """
     builders = {SMOLLM2: _convert_smollm2, TINY_LLAMA: _make_tiny_llama, TINY_CHAR: _make_tiny_char,
-                SMOLLM2_COUNT_WARM: _warm_smollm2_count, SMOLLM2_LOOKUP_WARM: _warm_smollm2_lookup}
+                SMOLLM2_COUNT_WARM: _warm_smollm2_count, SMOLLM2_LOOKUP_WARM: _warm_smollm2_lookup,
+                SMOLLM2_LOOKUP_STRESS_WARM: lambda out: _warm_smollm2_lookup(out, LOOKUP_STRESS_WARMUP)}
     if name_or_path not in builders:
         return name_or_path
     out = cache_dir() / name_or_path

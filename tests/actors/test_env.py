@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from actors.data import Prompt
 from actors.env import EnvConfig, EnvPool, check_env_factory, run_episode
-from actors.lookup_env import DISABLED, LookupEnv, answer_key, demonstration_stream, lookup_items
+from actors.lookup_env import DISABLED, LookupEnv, answer_key, demonstration_stream, lookup_items, tool_answer
 from actors.turns import ChatTemplate
 from deploy.model_cache import SMOLLM2, resolve_model
 from learner.warmup import _row
@@ -272,3 +272,126 @@ def _sampled_turns(ids, trainable) -> list[list[int]]:
             out[-1].append(t)
         prev = f
     return out
+
+
+# -- the KV-stress variant (issue 36 item 4) -----------------------------------------------------------------------
+PAD = 4
+
+
+def stress_prompts(n: int, seed: int = 0, asked: int = 2) -> list[Prompt]:
+    return [Prompt(f"stress-{i}", d["question"], d["answer"], metadata=d["metadata"])
+            for i, d in enumerate(lookup_items(n, seed, asked=asked))]
+
+
+def test_asked_1_keeps_every_item_to_the_byte_and_asked_2_asks_two_keys_in_order():
+    """The committed results depend on lookup_items' default items: their hash, computed before `asked` existed."""
+    import hashlib
+    import json
+    pinned = {1: "2ecce2ba981194493377f85858f57631831d4dc1f1ecda03d3a9100a6d561d39",
+              2: "4789e77844fa39b0e5686ddab1719c20b1abb15ac05e342de272fe9b8cfbde0d"}
+    for hops, digest in pinned.items():
+        items = lookup_items(64, 4321, hops=hops)
+        assert items == lookup_items(64, 4321, hops=hops, asked=1)
+        assert hashlib.sha256(json.dumps(items, sort_keys=True).encode()).hexdigest() == digest
+    for item in lookup_items(50, 0, asked=2):
+        table, targets = item["metadata"]["table"], item["metadata"]["targets"]
+        assert len(set(targets)) == 2 and item["metadata"]["target"] == targets[0]
+        assert item["answer"] == f"{table[targets[0]]} {table[targets[1]]}"
+        assert f"What are the values of {targets[0]} and {targets[1]}?" in item["question"]
+        assert not any(v in item["question"] for v in item["answer"].split())
+    for kwargs in ({"asked": 0}, {"asked": 9}, {"asked": 2, "hops": 2}):
+        with pytest.raises(ValueError, match=f"asked={kwargs['asked']}"):
+            lookup_items(1, 0, **kwargs)
+    with pytest.raises(ValueError, match="pad_entries=-1"):
+        LookupEnv(pad_entries=-1)
+
+
+def test_a_padded_observation_holds_the_entry_once_among_its_decoys():
+    positions = set()
+    for item in stress_prompts(40, seed=3):
+        env = LookupEnv(pad_entries=PAD)
+        env.reset(item)
+        for key, value in item.metadata["table"].items():
+            (message,), reward, done, info = env.step(f"<lookup>{key}</lookup>")
+            entries = message["content"].split("; ")
+            assert (reward, done, info["key"], len(entries)) == (0.0, False, key, PAD + 1)
+            real = [e for e in entries if e.split(" = ")[0] in item.metadata["table"]]
+            assert real == [f"{key} = {value}"]
+            decoys = [e.split(" = ") for e in entries if e != real[0]]
+            assert sorted(k for k, _ in decoys) == sorted(f"K{k}" for k in range(9, 9 + PAD))
+            assert all(10 <= int(v) <= 99 for _, v in decoys)
+            again = LookupEnv(pad_entries=PAD)
+            again.reset(item)
+            assert again.step(f"<lookup>{key}</lookup>")[0] == [message]   # deterministic per item and key
+            positions.add(entries.index(real[0]))
+    assert positions == set(range(PAD + 1))                            # the entry is anywhere among the decoys
+
+
+def test_a_stress_episode_exceeds_the_budget_and_its_first_value_is_read_turns_before_the_answer(template):
+    """Rendered through SmolLM2's tokenizer with the preset's own options: the whole episode is > 3x the preset's
+    KV budget, more than a budget of tokens lie between the first value read and the answer, and no observation
+    is cut (env.max_obs_tokens, max_total_tokens)."""
+    from deploy.config import load_config
+    cfg = load_config("smollm2-lookup-stress", check_files=False)
+    a, tok = cfg.actors, template.tokenizer
+    budget, pad = a.engine.compressor.kv_budget, a.env.options["pad_entries"]
+    for item in lookup_items(8, 5, **a.data.function_options):
+        prompt, ids, trainable = demonstration_stream(template, item, True, random.Random(0), pad_entries=pad)
+        assert len(prompt) + len(ids) > 3 * budget and len(ids) <= a.env.max_total_tokens
+        for key in item["metadata"]["targets"]:
+            content = tool_answer(item, key, pad)
+            assert len(tok(content, add_special_tokens=False)["input_ids"]) <= a.env.max_obs_tokens
+        first = item["metadata"]["table"][item["metadata"]["targets"][0]]
+        text = tok.decode(ids)
+        read_at = len(tok(text[:text.index(f"{item['metadata']['targets'][0]} = {first}") + 10],
+                          add_special_tokens=False)["input_ids"])
+        assert len(ids) - read_at > budget and _sampled_turns(ids, trainable)[-1] == tok(
+            item["answer"], add_special_tokens=False)["input_ids"] + [template.eot_id]
+
+
+def test_stress_demonstrations_replay_through_the_padded_env_to_the_token(template, monkeypatch):
+    """A stress demonstration (each asked key called in turn, both values answered) replayed through
+    LookupEnv(pad_entries=4) gives its stream to the token and 1.0, a guess 0; an environment that writes its
+    answers differently (entries joined by ", ") gives another stream: the demonstrations must be the env's."""
+    options = {"pad_entries": PAD}
+    pool = EnvPool(EnvConfig(factory=LOOKUP, options=options, step_timeout_s=0, max_total_tokens=192,
+                             max_obs_tokens=64))
+
+    def replay(name, item, demo):
+        turns = iter(_sampled_turns(demo[1], demo[2]))
+        return run_episode(pool, template, name, Prompt("d", item["question"], item["answer"], metadata=item["metadata"]),
+                           lambda _ids, _n: next(turns), max_new_tokens=24)
+
+    items = lookup_items(3, seed=12, asked=2)
+    for use_tool, item in zip((True, False, True), items):
+        demo = demonstration_stream(template, item, use_tool, random.Random(0), pad_entries=PAD)
+        ep = replay(f"stress-{use_tool}-{item['answer']}", item, demo)
+        assert (ep.prompt_ids, ep.rollout.ids, ep.rollout.trainable) == demo
+        assert (ep.reward, ep.turns) == ((1.0, 3) if use_tool else (0.0, 1))
+    import actors.lookup_env as lookup_env
+    written = lookup_env.tool_answer
+    monkeypatch.setattr(lookup_env, "tool_answer", lambda *a: written(*a).replace("; ", ", "))
+    demo = demonstration_stream(template, items[0], True, random.Random(0), pad_entries=PAD)
+    monkeypatch.undo()
+    ep = replay("stress-other", items[0], demo)
+    assert ep.rollout.ids != demo[1]
+    pool.shutdown()
+
+
+def test_the_stress_answer_needs_both_values_in_order_each_read_through_the_tool():
+    item = stress_prompts(1, seed=4)[0]
+    (k1, k2), (v1, v2) = item.metadata["targets"], item.answer.split()
+
+    def episode(calls, answer, **options):
+        env = LookupEnv(pad_entries=PAD, **options)
+        env.reset(item)
+        for key in calls:
+            env.step(f"<lookup>{key}</lookup>")
+        return env.step(answer)[1]
+
+    assert episode([k1, k2], f"{v1} {v2}") == episode([k2, k1], f"The values are {v1} and {v2}.") == 1.0
+    assert episode([k1, k2], f"{v2} {v1}") == 0.0 and episode([k1, k2], v2) == 0.0     # order swapped, one value
+    assert episode([k1, k2], f"{v2} {v1}", call_reward=0.1) == 0.1
+    assert episode([k1], f"{v1} {v2}") == episode([k2], f"{v1} {v2}") == 0.0           # one key not read
+    assert episode([k1], f"{v1} {v2}", require_lookup=False) == 1.0
+    assert episode([k1, k2], f"{v1} {v2}", tool_disabled=True) == 0.0

@@ -125,7 +125,8 @@ def test_bad_model_names_the_field(model, reason, tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"")
     model = model.format(empty_dir=tmp_path / "empty", file=tmp_path / "weights.bin")
     with pytest.raises(ConfigError, match=f"^model=.*{reason}.*config.json, or a preset model "
-                                          r"\(smollm2-135m-instruct \| smollm2-135m-count-warm \| smollm2-135m-lookup-warm \| tiny-llama \| tiny-char\)"):
+                                          r"\(smollm2-135m-instruct \| smollm2-135m-count-warm \| smollm2-135m-lookup-warm \| "
+                                          r"smollm2-135m-lookup-stress-warm \| tiny-llama \| tiny-char\)"):
         load_config("tiny", [f"model={model}"])
 
 
