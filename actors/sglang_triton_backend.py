@@ -53,8 +53,17 @@ from actors.sglang_engine import KV_STATS_ENV, rid_budget
 from compressors import CompressorConfig, build_compressor, gather_kv
 
 SELF_CHECK_ENV = "SPARSE_RL_KV_SELF_CHECK"
-"""When "1": every decode step also runs the graph-replay metadata path under a host-sync guard, checks it
-equals the eager path and the host mirror, and serves the forward from the replay buffers (CPU lane)."""
+"""When "1": every decode step runs the graph-replay metadata path instead of the eager one, on a batch padded
+by SGLang 0.5.23's own CUDA-graph padding code (`padded_replay_view`: its decode input buffers and slot registry,
+then `build_replay_fb_view`, padded up to the smallest capture size that holds it, the padded lanes holding
+stale request rows of live requests on two steps in three), under a host-sync guard; checks the result equals
+the eager path and the host mirror, that padded lanes read only the padding slot, have no negative length and
+write no live row's query ring, and serves the forward from the replay buffers (CPU lane)."""
+PAD_ROW = 0
+"""SGLang's padding request row: `ReqToTokenPool` hands out rows from 1, so row 0 is never a live request's;
+padded graph lanes read and write only it (its start stays 0, its `req_to_token` entries point at slot 0)."""
+PAD_TAILS = ("reset", "stale_rows", "stale_all")
+"""The padded tails the self-check replays in turn (`padded_replay_view`)."""
 
 
 class KVBudgetCarrier(CustomLogitProcessor):
@@ -161,16 +170,25 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         """Query ring [layers, rows, window, q_heads, head_dim]: position p of row r at slot p % window."""
         self.start_dev = torch.zeros(rows, dtype=torch.int64, device=self.device)
         """Device copy of each row's live start (positions before it hold no KV)."""
+        self.lane_rows = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        """Persistent [lanes] int64: the request row each decode lane reads and writes (the graph reads it by
+        address): the lane's own row for a real lane, PAD_ROW for a padded lane (`_live_kv_indices`)."""
+        self.lane_ids = torch.arange(rows, dtype=torch.int64, device=self.device)
+        self.pad_row = torch.full((), PAD_ROW, dtype=torch.int64, device=self.device)
+        self.real_bs = 0
+        """Real (unpadded) lanes of the batch whose metadata is being built (host int, from num_padding)."""
         self.alive = np.zeros(rows, dtype=bool)
         self.seq_len, self.start = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
         self.steps, self.budget = np.zeros(rows, dtype=np.int64), np.full(rows, cfg.kv_budget, dtype=np.int64)
         self.pending: set[int] = set()
         self.extend_ring = None
         self.stats = {"peak_used_slots": 0, "freed_slots": 0, "compressions": 0, "pool_slots": self.allocator.size,
-                      "used_at_last_extend": 0, "max_live_by_budget": {}, "self_checks": 0, "decode_steps": 0}
+                      "used_at_last_extend": 0, "max_live_by_budget": {}, "self_checks": 0, "decode_steps": 0,
+                      "graph_replays": 0, "graph_captures": 0, "padded_lanes_checked": 0, "stale_lanes_checked": 0}
         self.stats_path = os.environ.get(KV_STATS_ENV)
         self.self_check = os.environ.get(SELF_CHECK_ENV) == "1"
-        self._ptrs = None
+        self._ptrs, self._pad_buffers = None, None
+        self._runner = runner             # its capture buckets (padded_replay_view)
         self._wrap_pools(runner)
 
     def _wrap_pools(self, runner) -> None:
@@ -199,17 +217,28 @@ class SparseTritonAttnBackend(TritonAttnBackend):
 
     # ------------------------------------------------------------------ between steps (eager)
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        """SGLang's CUDA-graph metadata entry (decode runner: capture with in_capture=True, every replay with
+        False, on the padded replay view): replays first run the between-steps work (eager), then the graph
+        metadata (device ops only). Counts `graph_captures` / `graph_replays` (decode) in the stats."""
+        if forward_batch.forward_mode.is_decode():
+            self.stats["graph_captures" if in_capture else "graph_replays"] += 1
         if not in_capture:
             self._between_steps(forward_batch)
-        super().init_forward_metadata_out_graph(forward_batch, in_capture)
+        self._graph_metadata(forward_batch, in_capture)
+
+    def _graph_metadata(self, fb, in_capture: bool) -> None:
+        """The parent's graph metadata into its persistent buffers, with this batch's real lane count known to
+        `_live_kv_indices` (lanes past it are padding)."""
+        self.real_bs = fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
+        super().init_forward_metadata_out_graph(fb, in_capture)
 
     def init_forward_metadata(self, forward_batch):
-        self._between_steps(forward_batch)
         fb = forward_batch
+        if fb.forward_mode.is_decode() and fb.spec_info is None and self.self_check:
+            return self._self_checked_decode_metadata(fb)
+        self._between_steps(fb)
         if not fb.forward_mode.is_decode() or fb.spec_info is not None:
             return super().init_forward_metadata(fb)
-        if self.self_check:
-            return self._self_checked_decode_metadata(fb)
         self.forward_metadata = self._eager_decode_metadata(fb)
 
     def _between_steps(self, fb) -> None:
@@ -331,12 +360,17 @@ class SparseTritonAttnBackend(TritonAttnBackend):
     # ------------------------------------------------------------------ metadata (device ops only)
     def _live_kv_indices(self, plan, bs: int, seq_lens, req_pool_indices, kv_indptr, kv_indices):
         """Fill kv_indptr[:bs+1] and kv_indices with each request's live suffix [start, seq_len); returns
-        (kv_indptr[:bs+1], live lengths [bs]). Device ops only (graph-safe: no host sync)."""
-        rpi = req_pool_indices[:bs]
-        start = self.start_dev[rpi]
+        (kv_indptr[:bs+1], live lengths [bs] int64). Lanes from `self.real_bs` on are CUDA-graph padding: their
+        request row is replaced by PAD_ROW in `self.lane_rows` (the rows the graph's ring write uses), whatever
+        SGLang left in req_pool_indices there (zeros in 0.5.23; a stale row of a live request if a padded tail
+        is not reset), so a padded lane reads only the padding slot, its length is SGLang's fill value (>= 0)
+        and it never writes a live row's query ring. Device ops only (graph-safe: no host sync)."""
+        rows = self.lane_rows[:bs]
+        torch.where(self.lane_ids[:bs] < self.real_bs, req_pool_indices[:bs], self.pad_row, out=rows)
+        start = self.start_dev[rows]
         live = seq_lens[:bs] - start
         kv_indptr[1:bs + 1] = torch.cumsum(live, dim=0)
-        self.kv_index_translator.pack_read_stream(plan, req_pool_indices=rpi, seq_lens=live,
+        self.kv_index_translator.pack_read_stream(plan, req_pool_indices=rows, seq_lens=live,
                                                   indptr=kv_indptr[:bs + 1], out=kv_indices, kv_start_idx=start)
         return kv_indptr[:bs + 1], live
 
@@ -350,6 +384,7 @@ class SparseTritonAttnBackend(TritonAttnBackend):
     def _eager_decode_metadata(self, fb) -> ForwardMetadata:
         """Decode metadata outside a CUDA graph (fresh work buffers, as the parent's eager path)."""
         bs, dev = fb.batch_size, self.device
+        self.real_bs = bs
         kv_indices = torch.empty(fb.seq_lens_sum if fb.seq_lens_sum is not None else bs * self.max_context_len,
                                  dtype=torch.int64, device=dev)
         kv_indptr, live = self._live_kv_indices(fb.kv_loc_plan, bs, fb.seq_lens, fb.req_pool_indices,
@@ -365,41 +400,120 @@ class SparseTritonAttnBackend(TritonAttnBackend):
             qo_indptr=None, custom_mask=None, mask_indptr=None, window_kv_indptr=self.window_kv_indptr,
             window_kv_indices=None, window_num_kv_splits=None, window_kv_offsets=None, uneven_batch=uneven)
 
+    def padded_replay_view(self, fb):
+        """The replay view SGLang 0.5.23's decode CUDA-graph runner hands `init_forward_metadata_out_graph` for
+        decode batch `fb` (`DecodeCudaGraphRunner.load_batch`), built with the runner's own code: its capture
+        buckets (`get_batch_sizes_to_capture` of this engine's runner), `_pad_to_bucket` (the smallest captured
+        size >= the batch), its `DecodeInputBuffers` + decode slot registry (`fill_from`: the padded tail's
+        req_pool_indices / positions / out_cache_loc reset to 0, seq_lens to the fill value), then
+        `build_replay_fb_view`. Then a fault is injected into the padded tail, in turn by self-check step:
+        `PAD_TAILS[k % 3]` -- "reset": as SGLang leaves it; "stale_rows": each padded lane holds the request
+        row and position (minus 1) of a live request of this batch, seq_lens reset (what a padded tail that is
+        not reset would carry from the previous replay: SGLang's KEEP_PAD policy, its pre-planned load);
+        "stale_all": seq_lens (minus 1) stale too. Returns (view, tail kind, stale lanes), or (None, "eager", 0)
+        for a batch larger than every captured size (SGLang decodes it eagerly). Host side, eager (the
+        self-check's setup, not graph code)."""
+        from sglang.srt.model_executor.cuda_graph_buffer_registry import build_decode_registry
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+        from sglang.srt.model_executor.runner.base_cuda_graph_runner import (BaseCudaGraphRunner,
+                                                                             get_batch_sizes_to_capture)
+        from sglang.srt.model_executor.runner.decode_cuda_graph_runner import build_replay_fb_view
+        from sglang.srt.model_executor.runner_utils.buffers import DecodeInputBuffers
+
+        fill, raw = self.get_cuda_graph_seq_len_fill_value(), fb.batch_size
+        if self._pad_buffers is None:
+            buckets, _ = get_batch_sizes_to_capture(self._runner)
+            max_bs = max(buckets)
+            buffers = DecodeInputBuffers.create(
+                device=self.device, max_bs=max_bs, max_num_token=max_bs, hidden_size=1,
+                next_token_logits_buffer=torch.empty(0, device=self.device), dtype=torch.float32, num_dp_ranks=1,
+                pp_size=1, is_encoder_decoder=False, require_mlp_tp_gather=False, seq_len_fill_value=fill,
+                encoder_len_fill_value=0, num_tokens_per_req=1, cache_loc_dtype=fb.out_cache_loc.dtype,
+                enable_mamba_track=False)
+            registry = build_decode_registry(device=self.device, max_bs=max_bs, max_num_token=max_bs,
+                                             seq_len_fill_value=fill, cache_loc_dtype=fb.out_cache_loc.dtype,
+                                             share_pool=False, source=buffers)
+            self._pad_buffers = (sorted(buckets), buffers, registry)
+        buckets, buffers, registry = self._pad_buffers
+        if raw > buckets[-1]:
+            return None, "eager", 0
+        bs = BaseCudaGraphRunner._pad_to_bucket(raw, buckets)
+        registry.fill_from(fb, raw_bs=raw, padded_bs=bs, raw_num_tokens=raw, padded_num_tokens=bs)
+        tail = PAD_TAILS[self.stats["self_checks"] % len(PAD_TAILS)]
+        stale = bs - raw if tail != "reset" else 0
+        if stale:
+            src = torch.arange(stale, device=self.device) % raw
+            buffers.req_pool_indices[raw:bs] = fb.req_pool_indices[src]
+            buffers.positions[raw:bs] = fb.positions[src] - 1
+            if tail == "stale_all":
+                buffers.seq_lens[raw:bs] = fb.seq_lens[src] - 1
+        view = build_replay_fb_view(forward_batch=fb, buffers=buffers, bs=bs, raw_bs=raw, num_tokens=bs,
+                                    global_num_tokens_cpu=None, seq_len_fill_value=fill,
+                                    capture_forward_mode=ForwardMode.DECODE, is_encoder_decoder=False)
+        return view, tail, stale
+
     def _self_checked_decode_metadata(self, fb) -> None:
-        """SELF_CHECK_ENV: run the replay path under NoHostSync into the persistent graph buffers, check them
-        against the eager path and the host mirror, and serve this forward from them."""
+        """SELF_CHECK_ENV: this decode step's metadata through the replay path on SGLang's padded view
+        (`padded_replay_view`): the between-steps work, then the graph metadata under NoHostSync into the
+        persistent graph buffers; checks them against the eager path and the host mirror (real lanes), that
+        every lane's live length is >= 0, that padded lanes read only the padding slot 0, and that the graph's
+        ring write of the padded lanes leaves every live row's query ring untouched; serves this forward from
+        the graph buffers. Raises RuntimeError naming each failed check."""
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-        bs = fb.batch_size
         if self._ptrs is None:
             self.init_cuda_graph_state(self.req_to_token.shape[0], self.req_to_token.shape[0])
+        view, _, stale = self.padded_replay_view(fb)
+        if view is None:                                # larger than every capture bucket: SGLang runs it eagerly
+            self._between_steps(fb)
+            self.forward_metadata = self._eager_decode_metadata(fb)
+            return
+        raw, bs = fb.batch_size, view.batch_size
+        self._between_steps(view)                       # the replay's eager half, on the padded view
         eager = self._eager_decode_metadata(fb)
+        eager_indptr = eager.kv_indptr.clone()          # the same persistent kv_indptr: keep the eager result
         with NoHostSync():
-            self._apply_cuda_graph_metadata(plan=fb.kv_loc_plan, bs=bs, req_pool_indices=fb.req_pool_indices,
-                                            seq_lens=fb.seq_lens, forward_mode=ForwardMode.DECODE, spec_info=None)
+            self._graph_metadata(view, False)
         graph = self._build_cuda_graph_forward_metadata(bs, ForwardMode.DECODE, None)
         ptrs = (self.kv_indptr.data_ptr(), self.cuda_graph_kv_indices.data_ptr(),
-                self.cuda_graph_num_kv_splits.data_ptr(), self.cuda_graph_attn_logits.data_ptr())
-        nnz = int(eager.kv_indptr[-1])
+                self.cuda_graph_num_kv_splits.data_ptr(), self.cuda_graph_attn_logits.data_ptr(),
+                self.lane_rows.data_ptr())
+        nnz = int(eager_indptr[-1])
         rpi, lens = fb.req_pool_indices.tolist(), fb.seq_lens.tolist()
         want = [self.req_to_token[r, int(self.start[r]):n].long() for r, n in zip(rpi, lens)]
+        lane_lens = graph.kv_indptr[1:] - graph.kv_indptr[:-1]
         problems = []
         if self._ptrs is not None and ptrs != self._ptrs:
             problems.append("persistent buffers moved")
-        if not torch.equal(graph.kv_indptr, eager.kv_indptr):
+        if not torch.equal(graph.kv_indptr[:raw + 1], eager_indptr):
             problems.append("kv_indptr differs from the eager path")
         if not torch.equal(graph.kv_indices[:nnz], eager.kv_indices[:nnz]):
             problems.append("kv_indices differ from the eager path")
-        if not torch.equal(graph.num_kv_splits[:bs], eager.num_kv_splits):
+        if not torch.equal(graph.num_kv_splits[:raw], eager.num_kv_splits):
             problems.append("num_kv_splits differ from the eager path")
         if not torch.equal(eager.kv_indices[:nnz], torch.cat(want)):
             problems.append("kv_indices differ from the host mirror's live suffixes")
+        if bool((lane_lens < 0).any()):
+            problems.append(f"negative live lengths {lane_lens.tolist()} (padded lanes from {raw})")
+        elif bool((graph.kv_indices[nnz:int(graph.kv_indptr[-1])] != 0).any()):
+            problems.append("a padded lane reads a slot other than the padding slot 0")
+        ring = self.qwin[0].clone()
+        w, real_rows = self.cfg.window, self.lane_rows[:raw]
+        q = torch.full((bs, *ring.shape[2:]), float("nan"), dtype=ring.dtype, device=self.device)
+        q[:raw] = ring[real_rows, view.positions[:raw] % w]           # real lanes rewrite what is there
+        self._write_ring(ring, view.positions, q)
+        live_rows = torch.from_numpy(np.flatnonzero(self.alive)).to(self.device)
+        if bool(ring[live_rows].isnan().any()):
+            problems.append("a padded lane wrote into a live row's query ring")
         if problems:
             raise RuntimeError("sparse_rl_kv self-check failed: " + "; ".join(problems))
         self._ptrs = ptrs
+        self.real_bs = raw
         self.stats["self_checks"] += 1
+        self.stats["padded_lanes_checked"] += bs - raw
+        self.stats["stale_lanes_checked"] += stale
         self._write_stats()
-        self.forward_metadata = graph
+        self.forward_metadata = self._build_cuda_graph_forward_metadata(raw, ForwardMode.DECODE, None)
 
     # ------------------------------------------------------------------ attention
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
@@ -407,9 +521,14 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         the ring (device ops only, in the graph)."""
         o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         ring = self.qwin[layer.layer_id - self.start_layer]
-        ring[forward_batch.req_pool_indices, forward_batch.positions % self.cfg.window] = \
-            q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim).to(ring.dtype)
+        self._write_ring(ring, forward_batch.positions, q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim))
         return o
+
+    def _write_ring(self, ring, positions, q) -> None:
+        """Lane i's query q[i] ([lanes, q_heads, head_dim]) into ring[lane_rows[i], positions[i] % window] of one
+        layer's ring [rows, window, q_heads, head_dim]: padded lanes write PAD_ROW (`_live_kv_indices`). In the
+        graph; device ops only."""
+        ring[self.lane_rows[:q.shape[0]], positions % self.cfg.window] = q.to(ring.dtype)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         """The parent's extend (batched prefill), then the prompts' last `window` queries into the ring."""

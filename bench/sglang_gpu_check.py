@@ -10,15 +10,22 @@ Steps (each measured in this run, nothing downloaded):
      tied embeddings), random weights (bf16) and a word-level tokenizer, saved to --model-dir;
   2. dense: SGLangEngine (SGLang's default GPU attention backend, CUDA graphs, prefix cache), batch
      --batch prompts x 1 sample, --response-len new tokens (ignore_eos), temperature 1: tokens/s and KV bytes;
+     dense_triton: the same on SGLang's Triton backend under the sparse engine's scheduler settings (overlap
+     scheduling off, no radix cache, no chunked prefill, page size 1: `SPARSE_REQUIRED`), so sparse vs
+     dense_triton compares the KV handling alone, with the kernels and the scheduler held fixed;
   3. sparse: the same with R-KV (kv_budget --kv-budget, interval 128, window 8) inside SGLang
      (`sparse_rl_kv` backend: SGLang's Triton kernels, CUDA graphs on): tokens/s and the peak of KV slots
      held, measured from SGLang's allocator; then again at the largest batch whose bounded caches fit in the
      dense run's KV pool (same memory: max_total_tokens = batch x (prompt + response));
-  4. equivalence: fp32, --eq-prompts prompts, greedy, --eq-len tokens: SGLang sparse vs TorchEngine with the
-     same compressor (token agreement and max |logp_sparse difference| over the common prefix).
-Prints a table, then ONE JSON object as the last line, with `sparse_vs_dense_tokens_per_s_same_batch`
-(target >= 1.0) and `sparse_vs_dense_tokens_per_s_same_memory` (target >= 2.0); it prints what it measured
-whether or not a target is met. Needs only the `gpu` extra (`pip install -e .[gpu]`).
+  4. equivalence: fp32, --eq-prompts prompts (default 3: an odd batch, padded by SGLang's graph runner to its
+     capture bucket 4, so a padded graph lane runs beside live rows), greedy, --eq-len tokens: SGLang sparse
+     vs TorchEngine with the same compressor (token agreement and max |logp_sparse difference| over the common prefix).
+Prints a table, then ONE JSON object as the last line, with the ratios (`sparse_vs_dense*`, targets: same
+batch >= 1.0, same memory >= 2.0) against both dense rows, each sparse run's `graph_replays` (the backend's count
+of SGLang CUDA-graph replays) and `checks`; it prints what it measured whether or not a target is met. Then it
+exits 1 (after the JSON) naming each failed check: on a GPU every sparse run must have replayed its CUDA graph
+(`graph_replays` > 0), and the equivalence run must reach a compression before the engines' tokens diverge
+(`compression_reached_before_divergence`). Needs only the `gpu` extra (`pip install -e .[gpu]`).
 """
 from __future__ import annotations
 
@@ -52,7 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--kv-budget", type=int, default=512)
     p.add_argument("--interval", type=int, default=128)
     p.add_argument("--window", type=int, default=8)
-    p.add_argument("--eq-prompts", type=int, default=4)
+    p.add_argument("--eq-prompts", type=int, default=3, help="odd: a padded CUDA-graph lane in the check")
     p.add_argument("--eq-len", type=int, default=768, help="equivalence response length (> kv_budget)")
     p.add_argument("--mem-fraction", type=float, default=0.6)
     p.add_argument("--skip-equivalence", action="store_true")
@@ -64,7 +71,7 @@ def parse_args(argv=None):
         # 4 engines x 32-token responses fit the script's timeout on 2 CPU cores (64 did not: 470 s passed).
         # Prompt 20 > budget 16: prefill compression, then decode compressions every 8 steps.
         args.batch, args.prompt_len, args.response_len = 4, 20, 32
-        args.kv_budget, args.interval, args.window, args.eq_prompts, args.eq_len = 16, 8, 4, 2, 24
+        args.kv_budget, args.interval, args.window, args.eq_prompts, args.eq_len = 16, 8, 4, 3, 24
         if args.model_dir.startswith("/tmp/sparse-rl-qwen2.5"):
             args.model_dir = "/tmp/sparse-rl-gpu-check-tiny"
     if args.eq_len <= args.kv_budget and not args.skip_equivalence:
@@ -112,25 +119,43 @@ def build_model(model_dir: Path, tiny: bool, device: str) -> None:
     del model
 
 
-def engine_kwargs(args, dtype: str, dense: bool, batch: int, pool_tokens: int | None = None) -> dict:
+def capture_sizes(batch: int) -> list[int]:
+    """Decode CUDA-graph batch sizes to capture for a run of `batch` requests: the powers of two below it and
+    `batch` rounded up to even (10 graphs at 421 instead of SGLang's ~40, to keep the check short). An odd batch
+    (the equivalence run's 3, the same-memory run's 421) then replays a graph one lane larger: SGLang's runner
+    pads it, and the padded lane runs beside the live rows."""
+    top = batch + batch % 2
+    return sorted({1 << i for i in range(top.bit_length()) if 1 << i < top} | {top})
+
+
+def engine_kwargs(args, dtype: str, dense: bool, batch: int, pool_tokens: int | None = None,
+                  triton: bool = False) -> dict:
     """sglang.Engine settings of one run: `batch` concurrent requests; `pool_tokens` fixes the KV pool size
     (the same-memory run), with an eager admission (schedule_conservativeness 0.05) so SGLang, which budgets
-    max_new_tokens of growth per request, admits what the bounded cache really needs."""
+    max_new_tokens of growth per request, admits what the bounded cache really needs. `triton` (dense only):
+    SGLang's Triton attention backend under the sparse engine's scheduler settings (`SPARSE_REQUIRED`:
+    overlap scheduling off, no radix cache, no chunked prefill, page size 1, no prefill graph)."""
+    from actors.sglang_engine import SPARSE_REQUIRED
+
     if args.tiny:
         kw = dict(device="cpu", max_total_tokens=pool_tokens or 4096, mem_fraction_static=0.5,
                   disable_cuda_graph=True, max_running_requests=batch)
-        if dense:
+        if dense and not triton:
             kw.update(attention_backend="torch_native", disable_overlap_schedule=True)
     else:
-        kw = dict(mem_fraction_static=args.mem_fraction, max_running_requests=max(batch, args.eq_prompts),
-                  cuda_graph_max_bs_decode=max(batch, args.eq_prompts))
+        sizes = capture_sizes(batch)       # SGLang captures up to its request pool: max_running_requests
+        kw = dict(mem_fraction_static=args.mem_fraction, max_running_requests=sizes[-1],
+                  cuda_graph_max_bs_decode=sizes[-1], cuda_graph_bs_decode=sizes)
         if pool_tokens is not None:
             kw.update(max_total_tokens=pool_tokens, schedule_conservativeness=0.05)
+    if triton:
+        kw.update(SPARSE_REQUIRED, attention_backend="triton")
     return dict(kw, dtype=dtype, random_seed=0, log_level="error")
 
 
-def run_engine(args, compressor, dtype: str, prompts, params, pool_tokens: int | None = None):
-    """Start an SGLangEngine, generate once (timed), shut it down. Returns (samples, seconds, pool stats)."""
+def run_engine(args, compressor, dtype: str, prompts, params, pool_tokens: int | None = None, triton: bool = False):
+    """Start an SGLangEngine, generate once (timed), shut it down. Returns (samples, seconds, pool stats of the
+    sparse backend or None, KV bytes per token)."""
     from actors.sglang_engine import KV_STATS_ENV, SGLangEngine
 
     stats_path = Path(args.model_dir) / f"kv_stats_{os.getpid()}.json"
@@ -139,7 +164,7 @@ def run_engine(args, compressor, dtype: str, prompts, params, pool_tokens: int |
     os.environ[KV_STATS_ENV] = str(stats_path)
     eng = SGLangEngine(args.model_dir, compressor, timeout_s=400,
                        **engine_kwargs(args, dtype, dense=compressor.method == "full", batch=len(prompts),
-                                       pool_tokens=pool_tokens))
+                                       pool_tokens=pool_tokens, triton=triton))
     try:
         t0 = time.perf_counter()
         out = eng.generate(prompts, params)
@@ -184,10 +209,13 @@ def main(argv=None) -> dict:
     same_memory_batch = pool_tokens // (max(args.prompt_len, args.kv_budget) + args.interval + 1)
     big = torch.randint(1, vocab, (same_memory_batch, args.prompt_len), generator=g).tolist()
     rows = {}
-    for name, comp, batch_prompts, pool in (("dense", CompressorConfig(method="full"), prompts, pool_tokens),
-                                            ("sparse_rkv", rkv, prompts, None),
-                                            ("sparse_rkv_same_memory", rkv, big, pool_tokens)):
-        samples, seconds, stats, bytes_per_token = run_engine(args, comp, dtype, batch_prompts, params, pool)
+    full = CompressorConfig(method="full")
+    for name, comp, batch_prompts, pool, triton in (("dense", full, prompts, pool_tokens, False),
+                                                    ("dense_triton", full, prompts, pool_tokens, True),
+                                                    ("sparse_rkv", rkv, prompts, None, False),
+                                                    ("sparse_rkv_same_memory", rkv, big, pool_tokens, False)):
+        samples, seconds, stats, bytes_per_token = run_engine(args, comp, dtype, batch_prompts, params, pool,
+                                                              triton=triton)
         tokens = sum(len(s.response_ids) for s in samples)
         if stats is None:   # dense: no eviction, every sequence holds all its tokens at the end (slot counts)
             kv_peak, how = sum(s.kv_peak_bytes for s in samples), "slots held (prompt + response - 1), counted"
@@ -196,7 +224,8 @@ def main(argv=None) -> dict:
         rows[name] = {"batch": len(batch_prompts), "kv_pool_tokens": pool, "tokens": tokens,
                       "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 1),
                       "kv_peak_bytes": int(kv_peak), "kv_peak_how": how,
-                      "freed_slots": None if stats is None else stats["freed_slots"]}
+                      "freed_slots": None if stats is None else stats["freed_slots"],
+                      "graph_replays": None if stats is None else stats["graph_replays"]}
 
     eq = None
     if not args.skip_equivalence:
@@ -206,7 +235,7 @@ def main(argv=None) -> dict:
 
         eq_prompts = prompts[:args.eq_prompts]
         eq_params = SamplingParams(temperature=0.0, max_new_tokens=args.eq_len, ignore_eos=True)
-        got, _, _, _ = run_engine(args, rkv, "float32", eq_prompts, eq_params)
+        got, _, eq_stats, _ = run_engine(args, rkv, "float32", eq_prompts, eq_params)
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).to(device).eval()
         want = [g[0] for g in TorchEngine(model, AutoTokenizer.from_pretrained(args.model_dir), rkv,
                                           device=device).generate(eq_prompts, eq_params)]
@@ -221,27 +250,38 @@ def main(argv=None) -> dict:
         first = 0 if args.prompt_len > args.kv_budget else \
             ((args.kv_budget - args.prompt_len) // args.interval + 1) * args.interval
         eq = {"tokens_agreeing_before_divergence": agree, "eq_len": args.eq_len, "max_abs_logp_diff": max_diff,
-              "first_compression_step": first, "compression_reached_before_divergence": min(agree) > first}
+              "first_compression_step": first, "compression_reached_before_divergence": min(agree) > first,
+              "batch": len(eq_prompts), "graph_replays": eq_stats["graph_replays"]}
         del model
 
-    print(f"{'run':<24}{'batch':>6}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}{'KV peak MiB':>14}  how")
+    print(f"{'run':<24}{'batch':>6}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}{'KV peak MiB':>14}"
+          f"{'graph replays':>15}  how")
     for name, r in rows.items():
         print(f"{name:<24}{r['batch']:>6}{r['tokens']:>10}{r['seconds']:>10}{r['tokens_per_s']:>12}"
-              f"{r['kv_peak_bytes'] / 2**20:>14.1f}  {r['kv_peak_how']}")
+              f"{r['kv_peak_bytes'] / 2**20:>14.1f}{str(r['graph_replays']):>15}  {r['kv_peak_how']}")
     if eq is not None:
         print(f"equivalence (fp32, greedy, {args.eq_prompts} prompts x {args.eq_len}): tokens agreeing "
               f"{eq['tokens_agreeing_before_divergence']}, max |dlogp| {eq['max_abs_logp_diff']:.2e}")
-    result = {"bench": "sglang_gpu_check", **plan, "build_s": round(build_s, 1), "dense": rows["dense"],
-              "sparse_rkv": rows["sparse_rkv"],
-              "sparse_rkv_same_memory": rows["sparse_rkv_same_memory"],
-              "sparse_vs_dense_tokens_per_s_same_batch":
-                  round(rows["sparse_rkv"]["tokens_per_s"] / rows["dense"]["tokens_per_s"], 3),
-              "sparse_vs_dense_tokens_per_s_same_memory":
-                  round(rows["sparse_rkv_same_memory"]["tokens_per_s"] / rows["dense"]["tokens_per_s"], 3),
+    ratio = lambda a, b: round(rows[a]["tokens_per_s"] / rows[b]["tokens_per_s"], 3)  # noqa: E731
+    graphs = device == "cuda"
+    checks = {"graph_replays_sparse_rkv": rows["sparse_rkv"]["graph_replays"] > 0 if graphs else None,
+              "graph_replays_sparse_rkv_same_memory":
+                  rows["sparse_rkv_same_memory"]["graph_replays"] > 0 if graphs else None,
+              "graph_replays_equivalence_odd_batch": (eq["graph_replays"] > 0 if graphs else None) if eq else None,
+              "compression_reached_before_divergence": eq["compression_reached_before_divergence"] if eq else None}
+    result = {"bench": "sglang_gpu_check", **plan, "build_s": round(build_s, 1), **rows,
+              "sparse_vs_dense_tokens_per_s_same_batch": ratio("sparse_rkv", "dense"),
+              "sparse_vs_dense_tokens_per_s_same_memory": ratio("sparse_rkv_same_memory", "dense"),
+              "sparse_vs_dense_triton_tokens_per_s_same_batch": ratio("sparse_rkv", "dense_triton"),
+              "sparse_vs_dense_triton_tokens_per_s_same_memory": ratio("sparse_rkv_same_memory", "dense_triton"),
+              "dense_triton_vs_dense_tokens_per_s": ratio("dense_triton", "dense"),
               "targets": {"same_batch": ">= 1.0", "same_memory": ">= 2.0"},
               "kv_peak_ratio": round(rows["sparse_rkv"]["kv_peak_bytes"] / rows["dense"]["kv_peak_bytes"], 4),
-              "equivalence": eq}
+              "equivalence": eq, "checks": checks}
     print(json.dumps(result))
+    failed = [k for k, ok in checks.items() if ok is False]
+    if failed:
+        raise SystemExit(f"sglang_gpu_check: failed checks {failed} (null = not applicable here; see docs/sglang.md)")
     return result
 
 

@@ -23,7 +23,9 @@ torch.set_num_threads(1)
 PROMPT_LEN, NEW = 20, 40
 PROMPTS = [[(7 * i + j) % 250 + 1 for j in range(PROMPT_LEN)] for i in range(2)]
 PARAMS = SamplingParams(temperature=0, max_new_tokens=NEW, ignore_eos=True)
-KWARGS = dict(CPU_ENGINE_KWARGS, max_running_requests=4)
+KWARGS = dict(CPU_ENGINE_KWARGS, max_running_requests=4, cuda_graph_bs_decode=[1, 2, 4, 8])
+"""cuda_graph_bs_decode: the head of SGLang 0.5.23's GPU decode capture buckets (generate_decode_cuda_graph_batch_sizes:
+1, 2, 4, 8, 12, 16, ...); on the CPU SGLang otherwise captures every size up to 16, so no batch would be padded."""
 
 
 @pytest.fixture(scope="module", params=[
@@ -101,3 +103,27 @@ def test_per_request_budgets_each_bounded_by_their_own(triton_engine, tiny_qwen2
     assert not torch.allclose(torch.from_numpy(got[0].logp_sparse), torch.from_numpy(same[0].logp_sparse), atol=1e-4)
     with pytest.raises(ValueError, match="kv_budgets"):
         eng.generate(PROMPTS, PARAMS, kv_budgets=[cc.window, 16])          # a budget <= window is refused
+
+
+def test_padded_graph_replay_odd_batch_with_stale_lanes(triton_engine, tiny_qwen2_dir):
+    """An odd batch (3 requests) through the replay metadata on SGLang 0.5.23's own padded view (its decode input
+    buffers + slot registry + build_replay_fb_view, padded to a capture bucket, some padded lanes holding stale
+    rows of live requests: SELF_CHECK_ENV): every step checked in the scheduler (no negative length, padded lanes
+    read only slot 0 and write no live row's query ring) and the outputs still equal TorchEngine's."""
+    eng, cc = triton_engine
+    if cc.selection == "shared":
+        pytest.skip("one compressor config is enough for the padded-lane check")
+    prompts = PROMPTS + [[(11 * j + 3) % 250 + 1 for j in range(PROMPT_LEN)]]
+    before = eng.kv_pool_stats() or {}
+    got = [g[0] for g in eng.generate(prompts, PARAMS)]
+    stats = eng.kv_pool_stats()
+    steps = stats["decode_steps"] - before.get("decode_steps", 0)
+    assert stats["self_checks"] - before.get("self_checks", 0) == steps > 0
+    stale = stats["stale_lanes_checked"] - before.get("stale_lanes_checked", 0)
+    padded = stats["padded_lanes_checked"] - before.get("padded_lanes_checked", 0)
+    assert 0 < stale <= padded and padded >= steps, (stale, padded, steps)
+    assert stats["graph_replays"] == 0                    # eager CPU engine: SGLang's graph runner never ran
+    want, _ = torch_references(tiny_qwen2_dir, cc, prompts, PARAMS)
+    for g, w in zip(got, want):
+        assert g.response_ids == w.response_ids
+        assert torch.allclose(torch.from_numpy(g.logp_sparse), torch.from_numpy(w.logp_sparse), atol=2e-5)

@@ -22,7 +22,7 @@ SYNC_METHODS = {"item", "tolist", "cpu", "numpy", "nonzero", "argwhere", "masked
 SYNC_BUILTINS = {"int", "float", "bool"}
 HOST_DATA = {"from_numpy", "tensor", "as_tensor"}      # torch.<f>(host data): a host-to-device copy on a GPU
 REPLAY_PATH = [backend.SparseTritonAttnBackend._live_kv_indices, backend.SparseTritonAttnBackend._update_decode_kv_buffers,
-               backend.SparseTritonAttnBackend.forward_decode]
+               backend.SparseTritonAttnBackend.forward_decode, backend.SparseTritonAttnBackend._write_ring]
 
 
 def host_syncs(source: str) -> list[str]:
