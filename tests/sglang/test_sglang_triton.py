@@ -16,7 +16,8 @@ from actors.sglang_triton_backend import SELF_CHECK_ENV
 from actors.torch_engine import TorchEngine
 from compressors import CompressorConfig
 from tests.sglang.conftest import CPU_ENGINE_KWARGS
-from tests.sglang.tiny import max_logp_shift, torch_references
+from tests.sglang.tiny import (JOIN_MAX_NEW, assert_prefixes_equal, generate_each, join_prompts, max_logp_shift,
+                               torch_references)
 
 pytestmark = pytest.mark.sglang
 torch.set_num_threads(1)
@@ -127,3 +128,29 @@ def test_padded_graph_replay_odd_batch_with_stale_lanes(triton_engine, tiny_qwen
     for g, w in zip(got, want):
         assert g.response_ids == w.response_ids
         assert torch.allclose(torch.from_numpy(g.logp_sparse), torch.from_numpy(w.logp_sparse), atol=2e-5)
+
+
+def test_rows_joining_mid_decode_with_unequal_prompts_equal_torch_engine(triton_engine, tiny_qwen2_dir):
+    """Five prompts of unequal lengths (12..30: the torch engine's compression groups are left-padded, and so are
+    the backend's, to other widths) and per-request max_new_tokens with max_running_requests=4: the fifth
+    request joins the running batch mid-decode, after the first finished, in another phase. With phase
+    `request` each row's schedule runs from its own prefill, which TorchEngine represents with all five
+    prompts in one batch (it cannot admit a row mid-decode: its rows share one step counter, but under
+    `request` no row's outputs depend on when it joined). Every row's ids and logp_sparse equal the prefix of
+    TorchEngine's (atol 2e-5), every decode step through the checked replay path."""
+    eng, cc = triton_engine
+    prompts = join_prompts()
+    before = eng.kv_pool_stats() or {}
+    got = generate_each(eng, prompts, JOIN_MAX_NEW)
+    stats = eng.kv_pool_stats()
+    assert [len(ids) for ids, _ in got] == list(JOIN_MAX_NEW)
+    steps = stats["decode_steps"] - before.get("decode_steps", 0)
+    assert stats["self_checks"] - before.get("self_checks", 0) == steps
+    # the fifth request decoded beside the others (it joined at about step 10 and ended before them): the call
+    # took the longest request's steps, not the 68 of running it after them
+    assert steps == max(JOIN_MAX_NEW) - 1, steps
+    want, dense = torch_references(tiny_qwen2_dir, cc, prompts,
+                                   SamplingParams(temperature=0, max_new_tokens=max(JOIN_MAX_NEW), ignore_eos=True))
+    assert_prefixes_equal(got, want)
+    assert max(float((lp - torch.from_numpy(d.logp_sparse[:len(lp)])).abs().max())
+               for (_, lp), d in zip(got, dense)) > 1e-3           # eviction mattered

@@ -50,3 +50,40 @@ def torch_references(model_dir: Path, compressor_cfg, prompts, params) -> tuple[
     tok = AutoTokenizer.from_pretrained(model_dir)
     return tuple([g[0] for g in TorchEngine(model, tok, cc).generate(prompts, params)]
                  for cc in (compressor_cfg, CompressorConfig(method="full")))
+
+
+JOIN_PROMPT_LENS = (12, 23, 20, 30, 17)
+"""Prompt lengths of the mid-decode join batch (unequal: the torch engine left-pads them to 30, so its
+compression groups hold padding; the SGLang backend's groups are left-padded to the longest due row)."""
+JOIN_MAX_NEW = (10, 40, 40, 40, 30)
+"""Per-request max_new_tokens of that batch: with max_running_requests=4 the fifth request waits and joins the
+running batch once the first (10 tokens) has finished, i.e. mid-decode, in another phase than the others."""
+
+
+def join_prompts() -> list[list[int]]:
+    return [[(13 * i + 5 * j) % 250 + 1 for j in range(n)] for i, n in enumerate(JOIN_PROMPT_LENS)]
+
+
+def generate_each(eng, prompts: list[list[int]], max_new: tuple[int, ...]) -> list[tuple[list[int], "torch.Tensor"]]:
+    """Greedy (ignore_eos) in one SGLang call with one max_new_tokens per request, sampling params otherwise as
+    `SGLangEngine.generate` sends them: [(response ids, logp_sparse float32 tensor)] in prompt order."""
+    from actors.engine import SamplingParams
+    from actors.sglang_engine import sglang_request
+
+    request = sglang_request(SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True), [0] * len(prompts),
+                             None)
+    for sp, m in zip(request["sampling_params"], max_new):
+        sp["max_new_tokens"] = m
+    outs = eng._call(eng.engine.async_generate(input_ids=[list(p) for p in prompts], return_logprob=True,
+                                               **request), "generate")
+    return [(list(o["output_ids"]), torch.tensor([lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]],
+                                                 dtype=torch.float32)) for o in outs]
+
+
+def assert_prefixes_equal(got, want, atol: float = 2e-5) -> None:
+    """Each SGLang row (ids, logps) equals the same-length prefix of its TorchEngine Sample."""
+    for i, ((ids, lp), w) in enumerate(zip(got, want)):
+        n = len(ids)
+        assert ids == w.response_ids[:n], f"row {i}: response ids differ"
+        diff = float((lp - torch.from_numpy(w.logp_sparse[:n])).abs().max())
+        assert diff <= atol, f"row {i}: logp_sparse differs by {diff:.3g} > {atol}"
