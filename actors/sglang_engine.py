@@ -231,6 +231,9 @@ class SGLangEngine:
                                  "engine only; the SGLang engine's budget is fixed per request")
             if sparse_backend not in (SPARSE_BACKEND, TORCH_SPARSE_BACKEND):
                 raise ValueError(f"sparse_backend={sparse_backend!r}: expected {SPARSE_BACKEND} | {TORCH_SPARSE_BACKEND}")
+            if sparse_backend == TORCH_SPARSE_BACKEND and self.compressor_cfg.phase != "request":
+                raise ValueError(f"compressor.phase={self.compressor_cfg.phase!r}: the {TORCH_SPARSE_BACKEND} reference "
+                                 f"backend compresses in phase 'request' only; use {SPARSE_BACKEND}")
             check_sparse_settings(kwargs, sparse_backend)
             os.environ[COMPRESSOR_ENV] = json.dumps(asdict(self.compressor_cfg))
             kwargs.update(sparse_engine_kwargs(sparse_backend))
@@ -343,7 +346,9 @@ class SGLangEngine:
     def _kv_tokens(self, prompt_len: int, response_len: int, budget: int) -> tuple[int, int]:
         """(tokens in this sequence's KV when it ended, peak tokens it held) under the compression schedule of
         the sparse backend (prompt compressed at prefill if longer than kv_budget; at decode step s, after the
-        step's attention, compressed to kv_budget if s % interval == 0 and it holds more)."""
+        step's attention, compressed to kv_budget if s % interval == 0 and it holds more). compressor.phase
+        aligned: as if the request's prefill came at an engine decode step that is a multiple of interval (its
+        real phase is the scheduler's; the counts are then exact up to interval tokens)."""
         held = prompt_len
         if not self.sparse:
             return held + response_len - 1, held + response_len - 1

@@ -4,8 +4,10 @@
 kernels unchanged; it overrides only the metadata building, so CUDA graphs stay on. Schedule as
 `actors.torch_engine.TorchEngine`: a prompt longer than its budget is compressed right after its prefill; at
 decode step s (s = 1 for the forward of the first sampled token), after the step's attention, a request
-holding more than its budget is compressed if s % interval == 0, each layer scored with its last `window`
-queries (post-RoPE).
+holding more than its budget is compressed if s % interval == 0 (`compressor.phase` request; aligned: if this
+engine's decode step count g, the `decode_steps` stat, has g % interval == 0, one phase for every request), each
+layer scored with its last `window` queries (post-RoPE). Each batched compression is one event
+(`compression_events`; `compressions` counts the requests compressed).
 
 Layout (one suffix per request). SGLang keeps token t of request row r in slot `req_to_token[r, t]` of every
 layer's K/V buffer `[slots, kv_heads, head_dim]`. A compression of a row holding L tokens keeps, per layer and
@@ -183,7 +185,7 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         self.pending: set[int] = set()
         self.extend_ring = None
         self.stats = {"peak_used_slots": 0, "freed_slots": 0, "compressions": 0, "pool_slots": self.allocator.size,
-                      "used_at_last_extend": 0, "max_live_by_budget": {}, "self_checks": 0, "decode_steps": 0,
+                      "compression_events": 0, "last_extend_decode_step": 0, "used_at_last_extend": 0, "max_live_by_budget": {}, "self_checks": 0, "decode_steps": 0,
                       "graph_replays": 0, "graph_captures": 0, "padded_lanes_checked": 0, "stale_lanes_checked": 0}
         self.stats_path = os.environ.get(KV_STATS_ENV)
         self.self_check = os.environ.get(SELF_CHECK_ENV) == "1"
@@ -271,9 +273,10 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         for b in np.unique(self.budget[rows]):
             key = str(int(b))
             seen[key] = max(seen.get(key, 0), int(live[self.budget[rows] == b].max()))
-        due = rows[(self.steps[rows] % self.cfg.interval == 0) & (live > self.budget[rows])]
-        self.pending.update(due.tolist())
         self.stats["decode_steps"] += 1
+        step = self.stats["decode_steps"] if self.cfg.phase == "aligned" else self.steps[rows]
+        due = rows[(step % self.cfg.interval == 0) & (live > self.budget[rows])]
+        self.pending.update(due.tolist())
 
     def _enter_extend(self, fb) -> None:
         if fb.extend_prefix_lens_cpu is not None and any(fb.extend_prefix_lens_cpu):
@@ -289,6 +292,7 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         self.start_dev[torch.from_numpy(rows).to(self.device)] = 0
         self.pending.update(rows[lens > self.budget[rows]].tolist())
         self.stats["used_at_last_extend"] = int(self.allocator.size - self.allocator.available_size())
+        self.stats["last_extend_decode_step"] = self.stats["decode_steps"]
         # ring positions of the last `window` prompt queries of each request (token index, row, ring slot)
         w, offsets = self.cfg.window, np.concatenate([[0], np.cumsum(lens)])
         tok = np.concatenate([np.arange(max(0, n - w), n) + o for n, o in zip(lens, offsets[:-1])])
@@ -318,6 +322,7 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         self.allocator.free(freed)
         self.stats["freed_slots"] += int(freed.numel())
         self.stats["compressions"] += len(rows)
+        self.stats["compression_events"] += 1
 
     def _write_stats(self) -> None:
         if self.stats_path:

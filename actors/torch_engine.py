@@ -8,7 +8,8 @@ post_attention_layernorm + MLP; then norm and lm_head. The cache is ours:
   (`full`: prompt + max_new_tokens); a per-(row, KV head) validity mask of the same slots, so padding and
   per-layer, per-head kept sets are exact;
 - keys are stored after RoPE at their true positions, so dropping a slot is the same as masking it out;
-- every `interval` decode steps, if a layer holds more than `kv_budget` slots, `compressors` picks the
+- every `interval` decode steps (compressor.phase request: the call's steps; aligned: the engine's
+  `decode_steps`), if a layer holds more than `kv_budget` slots, `compressors` picks the
   slots to keep from the last `window` queries of that layer and `gather_kv` compacts them in place to the
   front of the buffer (in chunks, so the copy needs no second buffer). A prompt longer than the budget is
   compressed right after its prefill, layer by layer.
@@ -75,6 +76,9 @@ class TorchEngine:
         self.record_evictions = record_evictions
         self.last_eviction_record: dict | None = None
         self.last_eviction_records: list[dict] = []
+        self.decode_steps = 0
+        """Decode forwards this engine has run, all calls and sub-batches (compressor.phase aligned: a row is due
+        when this count is a multiple of interval)."""
         self._compressors: dict[int, Compressor] = {}
         self._episodes: dict[str, _Episode] = {}
         attn = model.model.layers[0].self_attn
@@ -311,8 +315,10 @@ class TorchEngine:
                 row_ids, tok, next_pos = row_ids[keep_rows], tok[keep_rows], next_pos[keep_rows]
 
             step += 1                                        # = tokens generated so far, the same for every row
+            self.decode_steps += 1
             now = length_budget(self.compressor_cfg, budget, step) if grows else budget
-            compress_now = compress and step % cc.interval == 0 and n + 1 > now
+            due_step = self.decode_steps if cc.phase == "aligned" else step
+            compress_now = compress and due_step % cc.interval == 0 and n + 1 > now
             logits, _ = self._forward(tok[:, None], next_pos[:, None], cache, qwin, evicted_at, n=n,
                                       col=P + step - 1, prefill=None, compress_now=compress_now, row_ids=row_ids,
                                       compressor=self.compressor_for(now) if grows else compressor)

@@ -9,6 +9,7 @@ SELECTIONS = ("per_head", "shared")
 SCHEDULES = ("constant", "linear", "cosine", "length")
 CONTROLS = ("off", "mismatch")
 TIERS = ("off", "confidence")
+PHASES = ("request", "aligned")
 BUDGET_METRICS = ("accept_p5", "accept_p1", "accept_p50", "accept_mean", "accept_upper_p5",
                   "xi_p1", "xi_p5", "xi_p50", "xi_sym_p1", "xi_sym_p5", "xi_sym_p50")
 """accept_*: Sparrow's per-token acceptance rate (learner/acceptance.py; needs actors.sampling.topk_logprobs);
@@ -26,6 +27,18 @@ class CompressorConfig:
     """W: observation window; the last W queries score the cache and the last W tokens are always kept."""
     interval: int = 128
     """Decode steps between compressions; the cache moves between kv_budget and kv_budget + interval tokens."""
+    phase: str = "request"
+    """Which decode steps a row is due for compression on (it must also hold more than its budget): request = its
+    own steps s (counted from its prefill, s = 1 for the forward of its first sampled token) with
+    s % interval == 0; aligned = the engine's decode steps g with g % interval == 0, g counting every decode
+    forward the engine has run (all batches and calls: `TorchEngine.decode_steps`, the SGLang backend's
+    `decode_steps` stat), one phase shared by all rows, so rows that joined a continuously batched SGLang batch
+    at different steps are compressed in one event, not one event each. Under aligned a row that joined late
+    may be compressed fewer than `interval` steps after its prefill (still only while it holds more than its
+    budget; it never holds more than budget + interval), a multi-turn turn's first compression may come before
+    its interval-th token (protect_observation), and the SGLang engine's kv_retained_tokens are computed as
+    for a request whose prefill came at g = 0 mod interval (exact up to interval tokens). The SGLang torch
+    reference backend (sparse_rl_kv_torch) takes request only."""
     rkv_lambda: float = 0.1
     """R-KV mixing weight: score = lambda * importance - (1 - lambda) * redundancy."""
     pool_kernel: int = 7
@@ -122,7 +135,7 @@ class CompressorConfig:
     def validate(self) -> None:
         """Raise ValueError naming the field (`compressor.<field>`) for an impossible setting.
 
-        Checked: method and selection names; 1 <= window < kv_budget; interval >= 1; 0 <= rkv_lambda <= 1;
+        Checked: method, selection and phase names; 1 <= window < kv_budget; interval >= 1; 0 <= rkv_lambda <= 1;
         pool_kernel odd and >= 1 (same padding); 0 <= similarity_threshold <= 1; for h2o
         window <= h2o_recent < kv_budget; for streamingllm sinks >= 0 and sinks + window <= kv_budget.
         """
@@ -136,6 +149,8 @@ class CompressorConfig:
             raise ValueError(f"compressor.kv_budget={self.kv_budget} must be > compressor.window={self.window}")
         if self.interval < 1:
             raise ValueError(f"compressor.interval={self.interval} must be >= 1")
+        if self.phase not in PHASES:
+            raise ValueError(f"compressor.phase={self.phase!r} is unknown: expected one of {PHASES}")
         if not 0.0 <= self.rkv_lambda <= 1.0:
             raise ValueError(f"compressor.rkv_lambda={self.rkv_lambda} must be in [0, 1]")
         if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:

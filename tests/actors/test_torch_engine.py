@@ -1,5 +1,8 @@
 """TorchEngine on tiny random Llama and Qwen2 models built here (fp32 / fp64), checked against the HF model's own
 forward: dense equivalence, exact eviction (per layer and head), bounded KV bytes, weight loading, stopping."""
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -396,3 +399,26 @@ def test_smollm2_greedy_matches_hf_generate():
         if tok.eos_token_id in expected:
             expected = expected[:expected.index(tok.eos_token_id) + 1]
         assert s.response_ids == expected
+
+
+def test_aligned_phase_compresses_on_the_engines_decode_steps():
+    """compressor.phase aligned: a row is due on the engine's decode steps (`decode_steps`, counted across calls)
+    that are multiples of interval, not on its own: from engine step 0 the same samples as phase request; from
+    engine step 3 the first decode-time eviction comes at the call's step 2 (5 = 3 + 2), exactly as recorded."""
+    model = tiny_model("llama", layers=2)
+    params = SamplingParams(temperature=1.0, max_new_tokens=30, n=2, seed=3, ignore_eos=True)
+    request = CompressorConfig(method="rkv", kv_budget=12, window=4, interval=5)
+    want = flat(TorchEngine(model, tiny_tokenizer(), request).generate(PROMPTS, params))
+    eng = TorchEngine(model, tiny_tokenizer(), dataclasses.replace(request, phase="aligned"), record_evictions=True)
+    same = flat(eng.generate(PROMPTS, params))
+    assert eng.decode_steps == params.max_new_tokens - 1
+    for a, b in zip(same, want):
+        assert a.response_ids == b.response_ids and np.array_equal(a.logp_sparse, b.logp_sparse)
+    eng.decode_steps = 3
+    shifted = flat(eng.generate(PROMPTS, params))
+    rec = eng.last_eviction_record
+    never = torch.iinfo(torch.long).max
+    first = min(int(e[e != never].min()) for e in rec["evicted_at"])
+    assert first == rec["prompt_width"] + 2                          # evicted by the query of response token 2
+    assert_exact_eviction(model, shifted, rec, request.kv_budget + request.interval)
+    assert any(not np.array_equal(a.logp_sparse, b.logp_sparse) for a, b in zip(shifted, want))

@@ -13,6 +13,7 @@ from compressors import CompressorConfig, accumulate_attention, build_compressor
     (dict(kv_budget=8, window=8), "compressor.kv_budget=8 must be > compressor.window=8"),
     (dict(window=0), "compressor.window"),
     (dict(interval=0), "compressor.interval"),
+    (dict(phase="global"), "compressor.phase='global' is unknown"),
     (dict(rkv_lambda=1.5), "compressor.rkv_lambda"),
     (dict(pool_kernel=4), "compressor.pool_kernel"),
     (dict(similarity_threshold=2.0), "compressor.similarity_threshold"),

@@ -81,6 +81,8 @@ def test_bad_config_names_the_field(override, field):
     ("actors.engine.compressor.kv_budget=8",
      "actors.engine.compressor.kv_budget=8 must be > actors.engine.compressor.window=8"),
     ("eval.sparse_compressor.kv_budget=8", "eval.sparse_compressor.kv_budget=8 must be > eval.sparse_compressor.window=8"),
+    ("actors.engine.compressor.phase=shared",
+     "actors.engine.compressor.phase='shared' is unknown: expected one of ('request', 'aligned')"),
     ("train.wait_report_s=0", "train.wait_report_s=0.0: expected > 0"),
     ("train.group_wait_s=0", "train.group_wait_s=0.0: expected > 0"),
     ("learner.checkpoint_interval=0", "learner.checkpoint_interval=0: expected >= 1"),

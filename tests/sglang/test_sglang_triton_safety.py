@@ -159,6 +159,17 @@ def test_sparse_engine_refuses_budget_schedule_length():
         SGLangEngine("/nonexistent-model", compressor_cfg=grow)
 
 
+def test_torch_reference_backend_refuses_aligned_phase():
+    """compressor.phase aligned is built in sparse_rl_kv only: the reference backend refuses it at start."""
+    import dataclasses
+
+    from actors.sglang_engine import TORCH_SPARSE_BACKEND
+
+    with pytest.raises(ValueError, match="compressor.phase='aligned'"):
+        SGLangEngine("/nonexistent-model", compressor_cfg=dataclasses.replace(SPARSE, phase="aligned"),
+                     sparse_backend=TORCH_SPARSE_BACKEND)
+
+
 def test_refusals_cover_every_required_setting():
     assert {"kv_cache_dtype", "page_size", "disable_radix_cache", "chunked_prefill_size", "tp_size",
             "disable_overlap_schedule"} <= set(SPARSE_REQUIRED)
