@@ -314,13 +314,11 @@ class SparseTritonAttnBackend(TritonAttnBackend):
             return
         rows = np.array(sorted(self.pending), dtype=np.int64)
         self.pending.clear()
-        freed = []
-        for b in np.unique(self.budget[rows]):
-            group = rows[self.budget[rows] == b]
-            freed.append(self._compress_group(group, int(b)))
-        freed = torch.cat(freed)
+        rows = rows[np.argsort(self.budget[rows], kind="stable")]          # grouped by budget, host (mirror)
+        budgets, first = np.unique(self.budget[rows], return_index=True)
+        freed = torch.cat([self._compress_group(group, b) for b, group in zip(budgets, np.split(rows, first[1:]))])
         self.allocator.free(freed)
-        self.stats["freed_slots"] += int(freed.numel())
+        self.stats["freed_slots"] += freed.numel()
         self.stats["compressions"] += len(rows)
         self.stats["compression_events"] += 1
 
@@ -329,21 +327,36 @@ class SparseTritonAttnBackend(TritonAttnBackend):
             with open(self.stats_path, "w") as f:
                 json.dump(self.stats, f)
 
-    def _compress_group(self, rows: np.ndarray, budget: int) -> torch.Tensor:
-        """Compress rows (all holding more than `budget` live tokens) to `budget`; returns the freed slots."""
-        dev, w = self.device, self.cfg.window
+    def _to_device(self, *arrays) -> list[torch.Tensor]:
+        """Host arrays (built from the mirror) as int64 device tensors of their shapes, in one copy: packed into one
+        buffer, pinned and sent with non_blocking=True on an accelerator (the host does not wait; PyTorch's caching
+        host allocator keeps the pinned buffer until the copy has run); on the CPU the packed buffer itself."""
+        flat = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64).ravel() for a in arrays]))
+        if torch.device(self.device).type != "cpu":
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        ends = np.cumsum([np.size(a) for a in arrays])
+        return [flat[e - np.size(a):e].view(np.shape(a)) for a, e in zip(arrays, ends)]
+
+    def _compress_group(self, rows: np.ndarray, budget) -> torch.Tensor:
+        """Compress rows (all holding more than `budget` live tokens) to `budget`; returns the freed slots. The
+        index arrays are built on the host from the mirror (numpy: left-padded live positions, the evicted
+        positions [start, length - budget) of every row) and reach the device in one pinned non-blocking copy
+        (`_to_device`); no per-row loop, nothing read back from the device."""
+        w = self.cfg.window
         length, start = self.seq_len[rows], self.start[rows]
-        n = int((length - start).max())
+        new_start = length - budget
+        n = (length - start).max()
         pos = length[:, None] - n + np.arange(n)[None, :]                       # left-padded live positions
-        valid = torch.from_numpy(pos >= start[:, None]).to(dev)
-        rows_t = torch.from_numpy(rows).to(dev)
-        slots = self.req_to_token[rows_t[:, None], torch.from_numpy(np.maximum(pos, 0)).to(dev)].long()
-        slots = slots.masked_fill(~valid, 0)
-        target = self.req_to_token[rows_t[:, None], torch.from_numpy(
-            length[:, None] - budget + np.arange(budget)[None, :]).to(dev)].long()
-        qpos = torch.from_numpy((length[:, None] - w + np.arange(w)[None, :]) % w).to(dev)
+        live = pos >= start[:, None]
+        evict_row, evict_col = np.where(live & (pos < new_start[:, None]))       # host numpy, the mirror
+        rows_t, pos_t, valid, target_pos, qpos, evict_row, evict_col, new_start_t = self._to_device(
+            rows, np.maximum(pos, 0), live, new_start[:, None] + np.arange(budget)[None, :],
+            (length[:, None] - w + np.arange(w)[None, :]) % w, evict_row, evict_col, new_start)
+        valid = valid.bool()
+        slots = self.req_to_token[rows_t[:, None], pos_t].long().masked_fill(~valid, 0)
+        target = self.req_to_token[rows_t[:, None], target_pos].long()
         compressor, keep = self.compressor_for(budget), None
-        heads = torch.arange(self.kv_pool.head_num, device=dev)[None, :, None]
+        heads = torch.arange(self.kv_pool.head_num, device=self.device)[None, :, None]
         for li in range(self.num_layers):
             k_buf = self.kv_pool.get_key_buffer(li + self.start_layer)
             v_buf = self.kv_pool.get_value_buffer(li + self.start_layer)
@@ -353,14 +366,11 @@ class SparseTritonAttnBackend(TritonAttnBackend):
                 keep = compressor.select(ks, queries, valid)                       # [g, Hkv, budget]
             k_buf[target[:, None, :], heads] = gather_kv(ks, keep)
             v_buf[target[:, None, :], heads] = gather_kv(vs, keep)
-        new_start = length - budget
-        evict = [self.req_to_token[r, s:e].long() for r, s, e in zip(rows, start, new_start)]
-        for r, s, e in zip(rows, start, new_start):
-            self.req_to_token[r, s:e] = 0
+        freed = slots[evict_row, evict_col]                 # live slots of the evicted positions (never slot 0)
+        self.req_to_token[rows_t[evict_row], pos_t[evict_row, evict_col]] = 0
         self.start[rows] = new_start
-        self.start_dev[rows_t] = torch.from_numpy(new_start).to(dev)
-        freed = torch.cat(evict)
-        return freed[freed != 0]
+        self.start_dev[rows_t] = new_start_t
+        return freed
 
     # ------------------------------------------------------------------ metadata (device ops only)
     def _live_kv_indices(self, plan, bs: int, seq_lens, req_pool_indices, kv_indptr, kv_indices):

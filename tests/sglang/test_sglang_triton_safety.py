@@ -57,6 +57,29 @@ def test_replay_path_source_has_no_host_sync(fn):
     assert host_syncs(inspect.getsource(fn)) == []
 
 
+@pytest.mark.parametrize("fn", [backend.SparseTritonAttnBackend.compress_pending,
+                                backend.SparseTritonAttnBackend._compress_group], ids=lambda f: f.__name__)
+def test_compression_source_reads_nothing_back_and_copies_once(fn):
+    """The between-steps compression (issue 38 item 3): no host sync on a device tensor and no per-row loop;
+    its host-to-device copies go through `_to_device` (one pinned, non-blocking copy per group)."""
+    source = inspect.getsource(fn)
+    assert host_syncs(source) == []
+    assert "for r" not in source and ".to(" not in source
+
+
+def test_to_device_packs_the_arrays_into_one_pinned_non_blocking_copy():
+    import types
+
+    import numpy as np
+
+    a, b = np.arange(6).reshape(2, 3), np.array([True, False])
+    x, y = backend.SparseTritonAttnBackend._to_device(types.SimpleNamespace(device="cpu"), a, b)
+    assert x.tolist() == a.tolist() and y.tolist() == [1, 0] and x.dtype == y.dtype == torch.int64
+    assert x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()          # one buffer, one copy
+    source = inspect.getsource(backend.SparseTritonAttnBackend._to_device)        # the accelerator branch
+    assert "pin_memory()" in source and "non_blocking=True" in source
+
+
 @pytest.mark.parametrize("bad,want", [
     ("n = int(x.max())\ny = x[:n].tolist()", ["int()", ".tolist()"]),
     ('y = x.to("cpu")', ['.to("cpu")']), ('y = x.to(device="cpu")', ['.to("cpu")']), ("y = x.cpu()", [".cpu()"]),
