@@ -356,7 +356,7 @@ def run_stats(h: dict[str, np.ndarray], summary: dict) -> dict:
             stats[f"{name}_max"] = float(np.max(values))   # NaN (no fresh rows in a step) propagates: not exact
             stats[f"{name}_steps"] = int(len(values))
     for key, value in summary.items():
-        if key.startswith(("eval/", "eval_before/")) and key.rsplit("/", 1)[-1] in ("reward", "accuracy"):
+        if key.startswith(("eval/", "eval_before/")) and key.rsplit("/", 1)[-1] in ("reward", "accuracy", "kv_peak_bytes"):
             stats[key] = value
     return stats
 
@@ -482,6 +482,54 @@ def replay_verdicts(arms: dict[str, dict[int, dict]], dense: dict[int, dict], de
     return out
 
 
+MARGIN = 0.1
+"""Section 9's margin (docs/results.md): above the spread of a difference of two 64-item held-out means."""
+
+
+def episode_verdicts(arms: dict[str, dict[int, dict]], dense: dict[int, dict], dense_sparse: dict[int, dict],
+                     steps: int) -> dict:
+    """S1-S5 of docs/results.md section 9 (multi-turn KV-stress comparison) for sparse_replay at one budget
+    (arguments as `verdicts`): {"s1".."s5": {"holds" or "verdict", the rule's numbers, "per_seed"}, "switch": S1 and
+    S2 and S5}; {} without the replay arm; a rule whose runs are missing is absent and the switch None."""
+    runs, srl, naive = arms.get("sparse_replay", {}), arms.get("sparse_rl", {}), arms.get("naive_sparse", {})
+    if not runs:
+        return {}
+    seeds = sorted(runs)
+    final, own = mean(runs[s]["final_reward"] for s in seeds), mean(runs[s].get("eval/sparse/reward") for s in seeds)
+    per_seed = {s: runs[s].get("eval/sparse/reward") for s in seeds}
+    v: dict = {}
+    if dense:
+        d_final, d_eval = mean(dense[s]["final_reward"] for s in seeds), mean(dense[s].get("eval/dense/reward") for s in seeds)
+        v["s1"] = {"holds": bool(final >= d_final - MARGIN and own >= d_eval - MARGIN), "final_reward": final,
+                   "dense_final_reward": d_final, "eval_sparse_reward": own, "dense_eval_dense_reward": d_eval,
+                   "per_seed": {s: {"final": runs[s]["final_reward"], "dense_final": dense[s]["final_reward"],
+                                    "eval_sparse": per_seed[s], "dense_eval_dense": dense[s].get("eval/dense/reward")}
+                                for s in seeds}}
+    if srl:
+        other = {s: srl[s].get("eval/sparse/reward") for s in seeds}
+        above = sum(per_seed[s] > other[s] for s in seeds)
+        v["s2"] = {"holds": bool(own > mean(other.values()) + MARGIN and above >= 2), "eval_sparse_reward": own,
+                   "sparse_rl_eval_sparse_reward": mean(other.values()), "seeds_above": int(above),
+                   "per_seed": {s: {"replay": per_seed[s], "sparse_rl": other[s]} for s in seeds}}
+    if naive:
+        n = mean(naive[s].get("eval/sparse/reward") for s in seeds)
+        v["s3"] = {"verdict": "above" if own > n + MARGIN else "below" if own < n - MARGIN else "within",
+                   "eval_sparse_reward": own, "naive_sparse_eval_sparse_reward": n,
+                   "per_seed": {s: {"replay": per_seed[s], "naive": naive[s].get("eval/sparse/reward")} for s in seeds}}
+    if dense_sparse:
+        dm = mean(dense_sparse[s].get("sparse/reward") for s in seeds)
+        v["s4"] = {"holds": bool(own > dm + MARGIN), "eval_sparse_reward": own, "dense_model_eval_sparse_reward": dm,
+                   "per_seed": {s: {"replay": per_seed[s], "dense_model": dense_sparse[s].get("sparse/reward")}
+                                for s in seeds}}
+    worst = {s: runs[s].get("replay_logp_max_abs_max") for s in seeds}
+    every_step = all(runs[s].get("replay_logp_max_abs_steps") == steps for s in seeds)
+    v["s5"] = {"holds": bool(every_step and all(w is not None and w <= 1e-4 for w in worst.values())),
+               "replay_logp_max_abs": worst, "measured_on_every_step": bool(every_step)}
+    v["switch"] = bool(v["s1"]["holds"] and v["s2"]["holds"] and v["s5"]["holds"]) \
+        if all(k in v for k in ("s1", "s2")) else None
+    return v
+
+
 def report(args) -> dict:
     """Gather the finished runs; write the plot; return the JSON object."""
     from deploy.config import load_config
@@ -515,6 +563,8 @@ def report(args) -> dict:
         replay = replay_verdicts(arms, dense, dense_sparse, args.steps)
         if replay:
             block["replay"] = replay
+        if cfg.actors.env.factory:   # a multi-turn config: section 9's rules
+            block["episodes"] = episode_verdicts(arms, dense, dense_sparse, args.steps)
         result[f"budget_{b}"] = block
     for arm, short in (("dense", "dense"), ("sparse_rl", "sparse_rl"), ("naive_sparse", "naive_sparse")):
         gains = [st["reward_gain"] for (a, bb, _), st in stats.items() if a == arm and bb in (None, args.budgets[0])]
@@ -596,6 +646,7 @@ def verdicts_text(result: dict, budgets) -> str:
                            "sparse_rl": "Sparse-RL", "dense_model": "dense-trained"}))
             lines.append(f"- budget {b}, {name.upper()}: **{verdict}**: {why}")
         lines += replay_verdicts_text(block.get("replay", {}), b)
+        lines += episode_verdicts_text(block.get("episodes", {}), b)
     return "\n".join(lines) + "\n"
 
 
@@ -635,10 +686,48 @@ def replay_verdicts_text(replay: dict, budget: int) -> list[str]:
     return lines
 
 
+def episode_verdicts_text(v: dict, budget: int) -> list[str]:
+    """S1-S5 of docs/results.md section 9 for sparse_replay at `budget`, in markdown, with every seed's numbers."""
+    def f(x):
+        return "n/a" if x is None else f"{x:.3g}" if isinstance(x, float) and abs(x) < 1e-2 else f"{x:.3f}" \
+            if isinstance(x, float) else str(x)
+
+    def seeds(per_seed: dict) -> str:
+        return "; ".join(f"seed {s}: " + ", ".join(f"{k} {f(x)}" for k, x in d.items()) for s, d in per_seed.items())
+
+    texts = {
+        "s1": lambda r: f"final {f(r['final_reward'])} vs dense {f(r['dense_final_reward'])} - {MARGIN}; held-out "
+                        f"under the cache {f(r['eval_sparse_reward'])} vs the dense arm's held-out dense "
+                        f"{f(r['dense_eval_dense_reward'])} - {MARGIN}. " + seeds(r["per_seed"]),
+        "s2": lambda r: f"held-out under the cache {f(r['eval_sparse_reward'])} vs Sparse-RL "
+                        f"{f(r['sparse_rl_eval_sparse_reward'])} + {MARGIN}; seeds above {r['seeds_above']} of "
+                        f"{len(r['per_seed'])}. " + seeds(r["per_seed"]),
+        "s3": lambda r: f"held-out under the cache {f(r['eval_sparse_reward'])} vs naive "
+                        f"{f(r['naive_sparse_eval_sparse_reward'])} +- {MARGIN}. " + seeds(r["per_seed"]),
+        "s4": lambda r: f"held-out under the cache {f(r['eval_sparse_reward'])} vs the dense-trained models "
+                        f"{f(r['dense_model_eval_sparse_reward'])} + {MARGIN}. " + seeds(r["per_seed"]),
+        "s5": lambda r: "max replay_logp_max_abs per seed " + ", ".join(f(x) for x in r["replay_logp_max_abs"].values())
+                        + f"; measured on every step: {'yes' if r['measured_on_every_step'] else 'no'}"}
+    if not v:
+        return []
+    lines = []
+    for name, why in texts.items():
+        r = v.get(name)
+        verdict = "not decided (runs missing)" if r is None else f"**{r['verdict']}**" if "verdict" in r \
+            else f"**{'holds' if r['holds'] else 'fails'}**"
+        lines.append(f"- budget {budget}, sparse_replay, {name.upper()}: {verdict}" + ("" if r is None else f": {why(r)}"))
+    switch = v.get("switch")
+    lines.append(f"- budget {budget}, sparse_replay: preset switch rule (S1, S2 and S5) "
+                 f"{'not decided' if switch is None else switch}")
+    return lines
+
+
 def summarize(per_seed: dict[int, dict]) -> dict:
-    """Means over seeds of every figure of run_stats, and the per-seed values."""
+    """Means over seeds of every figure of run_stats ("inf" where a seed's is: spike_ratio's infinite ratio), and
+    the per-seed values."""
     keys = sorted({k for st in per_seed.values() for k in st})
-    out = {k: mean(st.get(k) for st in per_seed.values()) for k in keys if k != "collapse"}
+    out = {k: "inf" if any(st.get(k) == "inf" for st in per_seed.values()) else mean(st.get(k) for st in per_seed.values())
+           for k in keys if k != "collapse"}
     out["per_seed"] = {s: st for s, st in sorted(per_seed.items())}
     return out
 

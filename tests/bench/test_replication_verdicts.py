@@ -215,3 +215,38 @@ def test_replay_rules_r1_to_r4_and_the_preset_switch_by_hand():
     assert not short["sparse_replay"]["r4"]["holds"]                      # a step without the check: not exact
     text = "\n".join(replication.replay_verdicts_text(v, 48))
     assert "sparse_replay, R1: **holds**" in text and "sparse_replay_distill, R4: **fails**" in text
+
+
+def test_summarize_keeps_an_infinite_spike_ratio_of_one_seed():
+    """A seed whose median grad norm is 0 has spike ratio "inf" (a string); its mean over seeds is "inf", not a
+    TypeError (the crash of --only-report on the lookup-stress records, docs/results.md 9)."""
+    out = replication.summarize({0: run(0.1, spike="inf"), 1: run(0.3, spike=2.0)})
+    assert out["grad_norm_spike"] == "inf" and out["final_reward"] == pytest.approx(0.2)
+    assert out["per_seed"][0]["grad_norm_spike"] == "inf"
+
+
+def test_episode_rules_s1_to_s5_and_the_switch_by_hand():
+    """docs/results.md section 9, margin 0.1: replay final 0.70 vs dense 0.75 (S1 needs >= 0.65) and held-out under
+    the cache 0.55 vs the dense arm's held-out dense 0.60 (>= 0.50); Sparse-RL 0.30 (S2 needs > 0.40, 2 of 3
+    seeds above); naive 0.50 (S3 within); dense-trained under the cache 0.40 (S4 needs > 0.50)."""
+    dense = {s: run(0.75, eval_dense=0.60) for s in range(3)}
+    srl = {s: run(0.2, eval_sparse=0.30) for s in range(3)}
+    naive = {s: run(0.5, eval_sparse=0.50) for s in range(3)}
+    dense_sparse = {s: {"sparse/reward": 0.40} for s in range(3)}
+    good = {s: replay_run(0.70, eval_sparse=0.55, steps=8) for s in range(3)}
+    arms = {"sparse_rl": srl, "naive_sparse": naive, "sparse_replay": good}
+    v = replication.episode_verdicts(arms, dense, dense_sparse, steps=8)
+    assert v["s1"]["holds"] and v["s2"]["holds"] and v["s5"]["holds"] and v["switch"] is True
+    assert v["s3"]["verdict"] == "within" and v["s4"]["holds"]        # 0.55 - 0.50 = 0.05; 0.55 > 0.40 + 0.1
+    weak = {s: replay_run(0.60, eval_sparse=0.38, steps=8) for s in range(3)}   # final 0.60 < 0.65; 0.38 < 0.40
+    w = replication.episode_verdicts({**arms, "sparse_replay": weak}, dense, dense_sparse, steps=8)
+    assert not w["s1"]["holds"] and not w["s2"]["holds"] and w["s3"]["verdict"] == "below" and not w["s4"]["holds"]
+    assert w["switch"] is False and w["s2"]["seeds_above"] == 3
+    one = {0: replay_run(0.7, eval_sparse=0.9, steps=8), 1: replay_run(0.7, eval_sparse=0.2, steps=8),
+           2: replay_run(0.7, eval_sparse=0.25, steps=8)}              # mean 0.45 > 0.40 but above Sparse-RL in 1 seed
+    assert not replication.episode_verdicts({**arms, "sparse_replay": one}, dense, dense_sparse, 8)["s2"]["holds"]
+    inexact = {**good, 2: replay_run(0.70, eval_sparse=0.55, worst=2e-4, steps=8)}
+    assert not replication.episode_verdicts({**arms, "sparse_replay": inexact}, dense, dense_sparse, 8)["switch"]
+    text = "\n".join(replication.episode_verdicts_text(w, 64))
+    assert "S1: **fails**" in text and "S3: **below**" in text and "S5: **holds**" in text
+    assert replication.episode_verdicts({"sparse_rl": srl}, dense, dense_sparse, 8) == {}
