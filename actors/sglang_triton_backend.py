@@ -146,6 +146,12 @@ def _inside_triton() -> bool:
     return False
 
 
+def real_lanes(fb) -> int:
+    """Real (unpadded) lanes of forward batch `fb`: its batch_size minus the CUDA-graph padding lanes of a replay
+    view (`num_padding`; 0 or absent on an eager batch). Host int, read from host fields (no device sync)."""
+    return fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
+
+
 class SparseTritonAttnBackend(TritonAttnBackend):
     """SGLang's Triton attention over each request's live KV suffix, compressed with `compressors/`.
 
@@ -231,7 +237,7 @@ class SparseTritonAttnBackend(TritonAttnBackend):
     def _graph_metadata(self, fb, in_capture: bool) -> None:
         """The parent's graph metadata into its persistent buffers, with this batch's real lane count known to
         `_live_kv_indices` (lanes past it are padding)."""
-        self.real_bs = fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
+        self.real_bs = real_lanes(fb)
         super().init_forward_metadata_out_graph(fb, in_capture)
 
     def init_forward_metadata(self, forward_batch):
@@ -259,7 +265,7 @@ class SparseTritonAttnBackend(TritonAttnBackend):
 
     def _advance_decode(self, fb) -> None:
         rows = np.flatnonzero(self.alive)
-        real_bs = fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
+        real_bs = real_lanes(fb)
         self.seq_len[rows] += 1
         self.steps[rows] += 1
         expected = int(self.seq_len[rows].sum())
