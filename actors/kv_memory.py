@@ -11,6 +11,10 @@ bytes (`Sample.kv_peak_bytes`) these buffers plus the largest K/V transient besi
 K/V at prefill (P tokens), or one compaction chunk (min(32, B) tokens) when compressing. This module is that
 formula, so the preflight can size a run before anything starts; tests/actors/test_kv_budget.py checks it
 against the engine's measured buffers.
+
+`compression_event_bytes` bounds the transient device memory of one compression call of the SGLang sparse backend
+(actors/sglang_triton_backend.py), which lives outside SGLang's KV pool; `event_chunk_rows` / `event_calls` split
+an event so that each call stays under `EVENT_BYTES_CAP` (docs/sglang.md, "Limits").
 """
 from __future__ import annotations
 
@@ -91,3 +95,84 @@ def episode_kv_peak_bytes_per_sequence(shape: ModelShape, prompt_tokens: int, ma
     later = shape.layers * per_slot_layer * (kv_budget + interval + longest_prefill) + per_slot_layer * max(
         longest_prefill, min(COMPACT_CHUNK, kv_budget))
     return max(first, later)
+
+
+SIMILARITY_BLOCK = 1 << 24
+"""Entries of one row block of R-KV's key-similarity matrix (compressors.scores._BLOCK_ELEMENTS)."""
+EVENT_METHODS = ("rkv", "snapkv", "streamingllm")
+"""Compressor methods the SGLang sparse backend runs (it refuses h2o at start)."""
+EVENT_BYTES_CAP = 1 << 30
+"""Transient bytes one call of the SGLang sparse backend's compression (`_compress_group`) may allocate: the rows
+of one event are split into `event_calls` near-equal chunks of at most `event_chunk_rows` rows each, so that
+`compression_event_bytes` stays under it."""
+
+
+def compression_event_bytes(rows: int, live: int, budget: int, window: int, q_heads: int, kv_heads: int,
+                            head_dim: int, dtype_bytes: int, method: str = "rkv", selection: str = "per_head") -> int:
+    """Upper bound of the device bytes that one call of the `sparse_rl_kv` backend's compression
+    (actors/sglang_triton_backend.py `_compress_group`) holds at once, outside SGLang's KV pool and so outside
+    `mem_fraction_static`: its index tensors, one layer's gathered K/V and queries, the compressor's float32
+    scores and sort, and the gathered kept K/V. Layers run one after another and free their tensors, so the
+    bound does not grow with the number of layers. Allocator rounding and fragmentation are not counted.
+
+    rows: requests compressed in the call (g); live: tokens of the longest one (n, the rows are left-padded to
+    it); budget: tokens kept (B < n); window: the compressor's window (w); q_heads / kv_heads / head_dim: the
+    model's attention shape; dtype_bytes: bytes per K/V element (2 for bf16); method: rkv | snapkv |
+    streamingllm; selection: per_head | shared. Returns bytes (int). Raises ValueError on a count < 1, B >= n,
+    or another method.
+
+    Terms (bytes; S = g Hkv n score entries; E = g (n - B) evicted positions at most):
+    - index tensors, the whole call: int64 [g] x 3, [g, n] x 2 (packed), [g, B], [g, w], [E] x 2 (packed copy),
+      bool [g, n], int64 slots [g, n], target [g, B];
+    - plus the largest of the phases:
+      building the slots, 12 g n (int32 gather + its int64 copy); after the layers, 24 E (freed slots + the
+      indices that point them at slot 0); in a layer: K and V gathered, 2 g n Hkv D e, and the queries,
+      g w Hq D e, plus the largest of: the kept K (or V) gathered, g Hkv B D (e + 4) (a float32 copy on the
+      CPU for 16-bit dtypes); the window importance (rkv, snapkv), 8 g Hq w D (float32 queries, reshaped) +
+      8 g Hkv n D (float32 keys + matmul's copy) + 4 g Hq w n (logits) + 12 g Hkv w n (max over the group,
+      scaled, masked, softmax); R-KV's redundancy, 4 g Hkv n (the importance) + 4 x 4 g Hkv n D (normalised
+      keys, their flip, matmul's two operand copies) + 5 x the similarity block in float32 + bool (two blocks
+      when there is more than one) + 24 S (first similar key and value per row, and their concatenation);
+      the selection, 36 S (masked scores, flip, sort values + indices, and as much scratch for a device sort).
+    Checked against the CPU allocator's measured peak (tests/sglang/test_sglang_event_memory.py)."""
+    g, n, B, w, hq, hkv, D, e = rows, live, budget, window, q_heads, kv_heads, head_dim, dtype_bytes
+    if min(g, n, B, w, hq, hkv, D, e) < 1 or B >= n:
+        raise ValueError(f"rows={g}, live={n}, budget={B}, window={w}, heads {hq}/{hkv}, head_dim={D}, "
+                         f"dtype_bytes={e}: expected counts >= 1 and budget < live")
+    if method not in EVENT_METHODS:
+        raise ValueError(f"method={method!r}: expected rkv | snapkv | streamingllm")
+    S, E = g * hkv * n, g * (n - B)
+    index = 8 * (3 * g + 2 * g * n + g * B + g * w + 2 * E) + g * n + 8 * g * n + 8 * g * B
+    layer = 2 * g * n * hkv * D * e + g * w * hq * D * e
+    scores = [g * hkv * B * D * (e + 4), 36 * S]
+    if method in ("rkv", "snapkv"):
+        scores.append(8 * g * hq * w * D + 8 * g * hkv * n * D + 4 * g * hq * w * n + 12 * g * hkv * w * n)
+    if method == "rkv":
+        block_rows = min(n, max(1, SIMILARITY_BLOCK // S))
+        block = g * hkv * block_rows * n
+        scores.append(4 * g * hkv * n + 16 * g * hkv * n * D + 5 * block * (1 if block_rows == n else 2) + 24 * S)
+    return index + max(12 * g * n, 24 * E, layer + max(scores))
+
+
+def event_chunk_rows(live: int, budget: int, window: int, q_heads: int, kv_heads: int, head_dim: int,
+                     dtype_bytes: int, method: str = "rkv", selection: str = "per_head",
+                     cap: int = EVENT_BYTES_CAP) -> int:
+    """The most rows one compression call may hold so that `compression_event_bytes` (same arguments) stays at or
+    under `cap` bytes; at least 1 (a single row whose bound exceeds the cap is compressed alone)."""
+    def fits(g: int) -> bool:
+        return compression_event_bytes(g, live, budget, window, q_heads, kv_heads, head_dim, dtype_bytes, method,
+                                       selection) <= cap
+    lo, hi = 1, 1
+    while fits(hi * 2) and hi < 1 << 20:
+        hi *= 2
+    hi *= 2
+    while hi - lo > 1:                    # fits(lo) or lo == 1; not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def event_calls(rows: int, chunk_rows: int) -> int:
+    """Compression calls for `rows` due rows of one budget at most `chunk_rows` rows each (`event_chunk_rows`); the
+    backend splits them evenly (numpy.array_split), so a call holds at most ceil(rows / calls) rows."""
+    return -(-rows // chunk_rows)

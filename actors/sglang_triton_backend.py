@@ -51,6 +51,7 @@ import torch
 from sglang.srt.layers.attention.triton_backend import ForwardMetadata, TritonAttnBackend
 from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
 
+from actors.kv_memory import EVENT_BYTES_CAP, compression_event_bytes, event_calls, event_chunk_rows
 from actors.sglang_engine import KV_STATS_ENV, rid_budget
 from compressors import CompressorConfig, build_compressor, gather_kv
 
@@ -172,8 +173,9 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         self.kv_pool, self.allocator = runner.token_to_kv_pool, runner.token_to_kv_pool_allocator
         self.start_layer, self.num_layers = self.kv_pool.start_layer, self.kv_pool.layer_num
         rows = self.req_to_token.shape[0]
-        head_dim = self.kv_pool.get_key_buffer(self.start_layer).shape[-1]
-        self.qwin = torch.zeros(self.num_layers, rows, cfg.window, self.num_head, head_dim,
+        k0 = self.kv_pool.get_key_buffer(self.start_layer)
+        self.head_dim, self.kv_dtype_bytes = k0.shape[-1], k0.element_size()
+        self.qwin = torch.zeros(self.num_layers, rows, cfg.window, self.num_head, self.head_dim,
                                 dtype=runner.model_config.dtype, device=self.device)
         """Query ring [layers, rows, window, q_heads, head_dim]: position p of row r at slot p % window."""
         self.start_dev = torch.zeros(rows, dtype=torch.int64, device=self.device)
@@ -192,9 +194,12 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         self.extend_ring = None
         self.stats = {"peak_used_slots": 0, "freed_slots": 0, "compressions": 0, "pool_slots": self.allocator.size,
                       "compression_events": 0, "last_extend_decode_step": 0, "used_at_last_extend": 0, "max_live_by_budget": {}, "self_checks": 0, "decode_steps": 0,
-                      "graph_replays": 0, "graph_captures": 0, "padded_lanes_checked": 0, "stale_lanes_checked": 0}
+                      "graph_replays": 0, "graph_captures": 0, "padded_lanes_checked": 0, "stale_lanes_checked": 0,
+                      "compression_calls": 0, "event_bytes_bound": 0}
         self.stats_path = os.environ.get(KV_STATS_ENV)
         self.self_check = os.environ.get(SELF_CHECK_ENV) == "1"
+        self.event_bytes_cap = EVENT_BYTES_CAP
+        """Bytes one compression call may hold outside SGLang's pool (`_event_chunks`)."""
         self._ptrs, self._pad_buffers = None, None
         self._runner = runner             # its capture buckets (padded_replay_view)
         self._wrap_pools(runner)
@@ -322,11 +327,27 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         self.pending.clear()
         rows = rows[np.argsort(self.budget[rows], kind="stable")]          # grouped by budget, host (mirror)
         budgets, first = np.unique(self.budget[rows], return_index=True)
-        freed = torch.cat([self._compress_group(group, b) for b, group in zip(budgets, np.split(rows, first[1:]))])
+        freed = torch.cat([self._compress_group(chunk, b) for b, group in zip(budgets, np.split(rows, first[1:]))
+                           for chunk in self._event_chunks(group, b)])
         self.allocator.free(freed)
         self.stats["freed_slots"] += freed.numel()
         self.stats["compressions"] += len(rows)
         self.stats["compression_events"] += 1
+
+    def _event_chunks(self, group: np.ndarray, budget) -> list[np.ndarray]:
+        """`group` (request rows due at one budget) split into consecutive chunks of at most
+        `actors.kv_memory.event_chunk_rows` rows (`event_calls` chunks of near-equal size), so that each
+        `_compress_group` call's transient device memory, bounded by `compression_event_bytes` (outside SGLang's KV
+        pool), stays under `self.event_bytes_cap` bytes (a single row above it is compressed alone). Host only (the mirror). Counts `compression_calls` and keeps the
+        largest bound of a call, `event_bytes_bound` (bytes), in the stats."""
+        live, budget = int((self.seq_len[group] - self.start[group]).max()), int(budget)
+        shape = (budget, self.cfg.window, self.num_head, self.kv_pool.head_num, self.head_dim, self.kv_dtype_bytes,
+                 self.cfg.method, self.cfg.selection)
+        chunks = np.array_split(group, event_calls(len(group), event_chunk_rows(live, *shape, cap=self.event_bytes_cap)))
+        self.stats["compression_calls"] += len(chunks)
+        self.stats["event_bytes_bound"] = max(self.stats["event_bytes_bound"],
+                                              compression_event_bytes(len(chunks[0]), live, *shape))
+        return chunks
 
     def _write_stats(self) -> None:
         if self.stats_path:
@@ -372,6 +393,7 @@ class SparseTritonAttnBackend(TritonAttnBackend):
                 keep = compressor.select(ks, queries, valid)                       # [g, Hkv, budget]
             k_buf[target[:, None, :], heads] = gather_kv(ks, keep)
             v_buf[target[:, None, :], heads] = gather_kv(vs, keep)
+            del ks, vs                      # freed before the next layer's gather (compression_event_bytes)
         freed = slots[evict_row, evict_col]                 # live slots of the evicted positions (never slot 0)
         self.req_to_token[rows_t[evict_row], pos_t[evict_row, evict_col]] = 0
         self.start[rows] = new_start

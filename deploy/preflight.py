@@ -20,6 +20,12 @@ kv_budget + interval + the longest turn prefill (`longest_turn_prefill`: an obse
 its template, + the last sampled id), whatever env.max_turns; the dense one the whole episode (prompt +
 env.max_total_tokens); actors.kv_memory.episode_kv_peak_bytes_per_sequence.
 
+With `actors.engine.backend=sglang` and a compressor, one compression call of the sparse backend
+(actors/sglang_triton_backend.py) holds index tensors, one layer's gathered K/V and the compressor's float32 scores
+outside SGLang's KV pool, i.e. outside `mem_fraction_static`; its upper bound (actors.kv_memory.
+compression_event_bytes, for the batch's rows at max(prompt, budget + interval) live tokens, split as the backend
+splits them under EVENT_BYTES_CAP) is taken off the actor's memory and shown on its own line.
+
 It also sizes the broker's queue: one group's wire bytes (broker.schema.group_wire_bytes: 8 bytes per response
 token, + 6 K with actors.sampling.topk_logprobs = K, 120 at K = 20) times the groups the stream can hold
 (broker.high_watermark + one actor batch); a group over broker.max_message_bytes fails.
@@ -28,7 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from actors.kv_memory import ModelShape, episode_kv_peak_bytes_per_sequence, kv_peak_bytes_per_sequence
+from actors.kv_memory import (EVENT_METHODS, ModelShape, compression_event_bytes, episode_kv_peak_bytes_per_sequence, event_calls,
+                              event_chunk_rows, kv_peak_bytes_per_sequence)
 from broker.schema import group_wire_bytes
 from deploy.config import ConfigError, RunConfig
 
@@ -63,6 +70,14 @@ class PreflightReport:
     warnings: list[str] = field(default_factory=list)
     record_rows: int = 0
     """layers x KV heads of the eviction records each sample carries (0: none; learner.policy_target=sparse)."""
+    event_bytes: int = 0
+    """actors.engine.backend=sglang, compressing: upper bound of the device bytes one compression call of the
+    sparse backend holds outside SGLang's KV pool (outside mem_fraction_static; `compression_event_bytes`),
+    already taken off `memory_bytes`; 0 otherwise."""
+    event_rows: int = 0
+    """Rows compressed in that call (the batch, or a chunk of it under actors.kv_memory.EVENT_BYTES_CAP)."""
+    event_live: int = 0
+    """Live tokens of the longest row in that call: max(prompt, budget + interval)."""
 
     @property
     def dense_per_batch(self) -> int:
@@ -84,7 +99,8 @@ class PreflightReport:
                   "fits_seqs_dense": self.fits(self.dense_per_seq), "fits_seqs_sparse": self.fits(self.sparse_per_seq),
                   "model_layers": self.shape.layers, "model_kv_heads": self.shape.kv_heads,
                   "model_head_dim": self.shape.head_dim, "kv_dtype_bytes": self.shape.dtype_bytes,
-                  "group_wire_bytes": self.group_bytes, "broker_queue_bytes": self.queue_bytes}
+                  "group_wire_bytes": self.group_bytes, "broker_queue_bytes": self.queue_bytes,
+                  "compression_event_bytes": self.event_bytes}
         return {f"preflight_result.{k}": str(v) for k, v in values.items()}
 
     def table(self) -> str:
@@ -103,6 +119,9 @@ class PreflightReport:
                  f"  prompt {self.prompt_tokens} + response {self.max_new_tokens} tokens; one actor batch = "
                  f"{self.batch_rows} sequences; KV memory per actor: "
                  + ("unknown" if self.memory_bytes is None else f"{self.memory_bytes:,} B") + f" ({self.memory_source})",
+                 *([f"  compression event (SGLang sparse backend, outside mem_fraction_static): {self.event_bytes:,} "
+                    f"B at most per call ({self.event_rows} rows x {self.event_live} live tokens), counted in the KV "
+                    "memory above"] if self.event_bytes else []),
                  f"  {'':<7} {'peak KV B / seq':>16} {'peak KV B / batch':>18} {'seqs that fit':>14}",
                  row("dense", self.dense_per_seq)]
         if self.method != "full":
@@ -211,9 +230,15 @@ def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: i
     n_params = _parameter_count(hf)
     weight_bytes = n_params * shape.dtype_bytes
     memory, source = _available_memory(cfg, weight_bytes)
+    batch_rows = a.prompts_per_batch * a.sampling.samples_per_prompt
+    event = (0, 0, 0)
+    if a.engine.backend == "sglang" and c.method in EVENT_METHODS:      # (the backend refuses h2o at start)
+        event = max(sglang_event(shape, hf.num_attention_heads, c, b, prompt, batch_rows) for b in {low, high})
+        if memory is not None:
+            memory, source = memory - event[0], f"{source} - compression event {event[0]:,} B"
     report = PreflightReport(shape, a.engine.backend, c.method, prompt, new, high, c.interval,
-                             a.prompts_per_batch * a.sampling.samples_per_prompt, dense, sparse, memory, source,
-                             weight_bytes)
+                             batch_rows, dense, sparse, memory, source, weight_bytes)
+    report.event_bytes, report.event_rows, report.event_live = event
     G, topk = a.sampling.samples_per_prompt, a.sampling.topk_logprobs
     record_rows = shape.layers * shape.kv_heads if cfg.learner.replays(c.method) else 0   # eviction replay
     report.group_bytes = group_wire_bytes(G, prompt, new, topk, record_rows)
@@ -255,6 +280,18 @@ def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: i
                 f"B ({a.engine.dtype}). At most {report.fits(need // report.batch_rows)} sequences fit: lower "
                 "prompts_per_batch / samples_per_prompt / max_new_tokens / kv_budget, or raise preflight.kv_memory_gb")
     return report
+
+
+def sglang_event(shape: ModelShape, q_heads: int, c, budget: int, prompt: int, rows: int) -> tuple[int, int, int]:
+    """(bytes, rows per call, live tokens) of the largest compression call of the SGLang sparse backend
+    (actors/sglang_triton_backend.py `_event_chunks`) for `rows` requests due at once at `budget` tokens: live =
+    max(prompt, budget + interval) (a prompt compressed at prefill; a decode row compressed at most interval tokens
+    after it reached its budget), the rows split as the backend does under actors.kv_memory.EVENT_BYTES_CAP;
+    bytes = `compression_event_bytes`. c: the CompressorConfig."""
+    live = max(prompt, budget + c.interval)
+    args = (budget, c.window, q_heads, shape.kv_heads, shape.head_dim, shape.dtype_bytes, c.method, c.selection)
+    per_call = -(-rows // event_calls(rows, event_chunk_rows(live, *args)))
+    return compression_event_bytes(per_call, live, *args), per_call, live
 
 
 def _parameter_count(hf) -> int:

@@ -202,3 +202,55 @@ def test_sglang_engine_accepts_varying_budgets():
     cfg = load_config("tiny", ["actors.engine.backend=sglang", "actors.engine.compressor.budget_tiers=confidence",
                                "eval.enabled=false"], check_files=False)
     assert cfg.actors.engine.compressor.budget_tiers == "confidence"
+
+
+def test_compression_event_bound_by_hand():
+    """Issue 38 item 3: the SGLang sparse backend's transient memory per compression call (outside
+    mem_fraction_static), actors.kv_memory.compression_event_bytes, for Qwen2.5-1.5B (12 query / 2 KV heads, head_dim
+    128, bf16) at budget 512 + interval 128 (640 live tokens), window 8, R-KV, 64 rows."""
+    from actors.kv_memory import EVENT_BYTES_CAP, compression_event_bytes, event_calls, event_chunk_rows
+
+    # S = 64*2*640 = 81,920 scores; E = 64*(640-512) = 8,192 evicted positions
+    # index: 8*(3*64 + 2*64*640 + 64*512 + 64*8 + 2*8,192) = 1,054,208 + 64*640 (bool) 40,960 + 8*64*640 (slots)
+    #        327,680 + 8*64*512 (target) 262,144 = 1,684,992
+    # layer: K+V gathered 2*64*640*2*128*2 = 41,943,040 + queries 64*8*12*128*2 = 1,572,864 = 43,515,904
+    # R-KV redundancy: similarity block rows 2^24 // 81,920 = 204 < 640, so two blocks of 64*2*204*640 = 16,711,680:
+    #   4*81,920 = 327,680 + 16*64*2*640*128 = 167,772,160 + 5*16,711,680*2 = 167,116,800 + 24*81,920 = 1,966,080
+    #   = 337,182,720 (the window importance, 113,770,496, the gather, 50,331,648, and the sort, 2,949,120, are less)
+    # total 1,684,992 + 43,515,904 + 337,182,720 = 382,383,616 (365 MiB)
+    shape = (640, 512, 8, 12, 2, 128, 2)
+    assert compression_event_bytes(64, *shape) == 382_383_616
+    # the bound grows with the rows: 400 rows would need 1,509,257,600 B; under the 1 GiB cap a call holds <= 269 rows
+    assert compression_event_bytes(400, *shape) == 1_509_257_600
+    assert EVENT_BYTES_CAP == 1 << 30 and event_chunk_rows(*shape) == 269
+    assert compression_event_bytes(269, *shape) <= EVENT_BYTES_CAP < compression_event_bytes(270, *shape)
+    assert event_calls(400, 269) == 2 and compression_event_bytes(200, *shape) == 839_108_800     # 2 x 200 rows
+    assert event_chunk_rows(*shape, cap=1) == 1                       # one row over the cap is still compressed
+    with pytest.raises(ValueError, match="budget < live"):
+        compression_event_bytes(4, 512, 512, 8, 12, 2, 128, 2)
+    with pytest.raises(ValueError, match="h2o"):
+        compression_event_bytes(4, 640, 512, 8, 12, 2, 128, 2, method="h2o")
+
+
+def test_sglang_sparse_preflight_counts_the_compression_event():
+    """The preflight takes the event's bound off the KV memory for actors.engine.backend=sglang with a compressor
+    (tiny-llama: 4 query / 2 KV heads x 16, fp32; R-KV 48 + 16, window 8; prompt 101 > budget, so the call
+    compresses 4 prompts of 101 tokens), and a batch that fits without it but not with it fails."""
+    base = ["actors.engine.backend=sglang", "eval.enabled=false", "actors.engine.compressor.kv_budget=48",
+            "actors.engine.compressor.interval=16", "actors.sampling.max_new_tokens=32", "preflight.max_prompt_tokens=101"]
+    # S = 4*2*101 = 808, E = 4*53 = 212; index 8*(12 + 808 + 192 + 32 + 424) + 404 + 3,232 + 1,536 = 16,916;
+    # layer 2*4*101*2*16*4 + 4*8*4*16*4 = 111,616; one similarity block 4*2*101*101 = 81,608: redundancy
+    # 3,232 + 206,848 + 5*81,608 + 19,392 = 637,512 -> 16,916 + 111,616 + 637,512 = 766,044 B
+    report = preflight(load_config("tiny", base + ["preflight.kv_memory_gb=1"], check_files=False),
+                       model_path=resolve_model(TINY_LLAMA))
+    assert (report.event_bytes, report.event_rows, report.event_live) == (766_044, 4, 101)
+    assert report.memory_bytes == (1 << 30) - 766_044
+    assert report.params()["preflight_result.compression_event_bytes"] == "766044"
+    assert "compression event (SGLang sparse backend, outside mem_fraction_static): 766,044 B" in report.table()
+    torch_run = preflight(load_config("tiny", base[2:] + ["preflight.kv_memory_gb=1"]), model_path=resolve_model(TINY_LLAMA))
+    assert torch_run.event_bytes == 0 and torch_run.memory_bytes == 1 << 30
+    # 900,000 B: the sparse batch's 234,496 B fit, with the event's 766,044 B they do not
+    tight = ["preflight.kv_memory_gb=0.00083819"]                      # int(0.00083819 * 2^30) = 899,999 B
+    preflight(load_config("tiny", base[2:] + tight), model_path=resolve_model(TINY_LLAMA))
+    with pytest.raises(PreflightError, match="234,496 B > 133,955 B of KV memory .*compression event 766,044 B"):
+        preflight(load_config("tiny", base + tight, check_files=False), model_path=resolve_model(TINY_LLAMA))
