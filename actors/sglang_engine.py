@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import tempfile
 from dataclasses import asdict, replace
 from datetime import timedelta
 from typing import Iterable
@@ -97,6 +98,10 @@ def sglang_request(params: SamplingParams, budgets: list[int], run_budget: int |
     return request
 KV_STATS_ENV = "SPARSE_RL_KV_STATS"
 """Optional file path: the sparse backend writes its measured KV slot usage there (JSON)."""
+JOINS_ENV = "SPARSE_RL_KV_JOINS"
+"""File path, set by `SGLangEngine` under `compressor.phase: aligned`: at each prefill the `sparse_rl_kv` backend
+appends one line `<request id> <decode_steps>` per request (the engine decode steps run before the request's
+first), from which `generate` counts each request's KV under the shared phase exactly."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -237,6 +242,14 @@ class SGLangEngine:
             check_sparse_settings(kwargs, sparse_backend)
             os.environ[COMPRESSOR_ENV] = json.dumps(asdict(self.compressor_cfg))
             kwargs.update(sparse_engine_kwargs(sparse_backend))
+        self.joins_path = None
+        """`JOINS_ENV`'s file of this engine (compressor.phase aligned, sparse mode), else None."""
+        if self.sparse and self.compressor_cfg.phase == "aligned":
+            fd, self.joins_path = tempfile.mkstemp(prefix="sparse-rl-kv-joins-", suffix=".txt")
+            os.close(fd)
+            os.environ[JOINS_ENV] = self.joins_path
+        else:
+            os.environ.pop(JOINS_ENV, None)       # an earlier engine's file is not this one's
         self.sparse_backend = sparse_backend if self.sparse else None
         kwargs.setdefault("skip_tokenizer_init", False)
         self.engine = sglang.Engine(model_path=model_path, **kwargs)
@@ -286,7 +299,8 @@ class SGLangEngine:
         finish_reason: "stop" (EOS or a stop string; the token completing it is kept) | "length".
         kv_retained_tokens / kv_peak_bytes: dense = prompt + response - 1 tokens (the last token's KV is never
         written); sparse = the same count under the compression schedule (the backend applies exactly this
-        schedule; the measured pool usage of the whole engine is in `kv_pool_stats()`).
+        schedule; under compressor.phase aligned from the engine decode step each request joined at, which the
+        backend records at its prefill; the measured pool usage of the whole engine is in `kv_pool_stats()`).
         Raises ValueError on empty prompts or invalid params; RuntimeError if SGLang aborts a request, the
         call exceeds `timeout_s`, one of this engine's SGLang subprocesses failed, or (sparse mode) SGLang
         retracted a request (`num_retractions` > 0: re-prefilled, its compression history restarted).
@@ -298,6 +312,7 @@ class SGLangEngine:
         request = sglang_request(params, budgets, run_budget)
         outs = self._call(self.engine.async_generate(input_ids=[list(r) for r in rows], return_logprob=True,
                                                      **request), "generate")
+        joined = self._read_joins()
         samples = []
         for j, (row, out) in enumerate(zip(rows, outs)):
             meta = out["meta_info"]
@@ -314,7 +329,8 @@ class SGLangEngine:
             token_logprobs = meta["output_token_logprobs"]
             if [t for _, t, _ in token_logprobs] != response:
                 raise RuntimeError("SGLang output_token_logprobs token ids differ from output_ids")
-            retained, peak = self._kv_tokens(len(row), len(response), budgets[j // params.n])
+            retained, peak = self._kv_tokens(len(row), len(response), budgets[j // params.n],
+                                             self._joined_at(joined, meta.get("id")))
             samples.append(Sample(prompt_ids=list(row), response_ids=response,
                                   logp_sparse=np.asarray([lp for lp, _, _ in token_logprobs], dtype=np.float32),
                                   finish_reason=kind, kv_retained_tokens=retained,
@@ -343,12 +359,33 @@ class SGLangEngine:
             raise ValueError(f"kv_budgets: per-request budgets need sparse_backend={SPARSE_BACKEND!r}")
         return budgets
 
-    def _kv_tokens(self, prompt_len: int, response_len: int, budget: int) -> tuple[int, int]:
+    def _read_joins(self) -> dict[str, int] | None:
+        """compressor.phase aligned: {request id: engine decode steps before its first} from the backend's join
+        file (`JOINS_ENV`), which is then emptied (every request of the call has finished); else None."""
+        if self.joins_path is None:
+            return None
+        with open(self.joins_path, "r+") as f:
+            lines = f.read().split()
+            f.truncate(0)
+        return dict(zip(lines[0::2], map(int, lines[1::2])))
+
+    def _joined_at(self, joined: dict[str, int] | None, rid) -> int:
+        """Engine decode steps run before request `rid`'s first (aligned: its phase; 0 under phase request).
+        Raises RuntimeError when the backend recorded no prefill for it."""
+        if joined is None:
+            return 0
+        if rid not in joined:
+            raise RuntimeError(f"compressor.phase=aligned: the {SPARSE_BACKEND} backend recorded no prefill for "
+                               f"request {rid!r} in {self.joins_path}, so its KV count is unknown")
+        return joined[rid]
+
+    def _kv_tokens(self, prompt_len: int, response_len: int, budget: int, joined_at: int = 0) -> tuple[int, int]:
         """(tokens in this sequence's KV when it ended, peak tokens it held) under the compression schedule of
-        the sparse backend (prompt compressed at prefill if longer than kv_budget; at decode step s, after the
-        step's attention, compressed to kv_budget if s % interval == 0 and it holds more). compressor.phase
-        aligned: as if the request's prefill came at an engine decode step that is a multiple of interval (its
-        real phase is the scheduler's; the counts are then exact up to interval tokens)."""
+        the sparse backend: the prompt compressed at prefill if longer than kv_budget; at decode step s (s = 1
+        for the forward of the first sampled token), after the step's attention, compressed to kv_budget if it
+        holds more and s % interval == 0 (compressor.phase request), or (joined_at + s) % interval == 0 (aligned:
+        `joined_at` = the engine decode steps run before the request's first, recorded by the backend at its
+        prefill, so joined_at + s is the engine step the backend tests). Exact under both phases."""
         held = prompt_len
         if not self.sparse:
             return held + response_len - 1, held + response_len - 1
@@ -358,7 +395,7 @@ class SGLangEngine:
         for step in range(1, response_len):
             held += 1
             peak = max(peak, held)
-            if step % interval == 0 and held > budget:
+            if (joined_at + step) % interval == 0 and held > budget:
                 held = budget
         return held, peak
 
@@ -555,6 +592,8 @@ class SGLangEngine:
         one engine per process, or shut them down together."""
         _LIVE_ENGINES.discard(self)
         self.engine.shutdown()
+        if self.joins_path is not None and os.path.exists(self.joins_path):
+            os.remove(self.joins_path)
 
 
 def _top_logprobs(meta: dict, length: int) -> dict:

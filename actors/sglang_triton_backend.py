@@ -52,7 +52,7 @@ from sglang.srt.layers.attention.triton_backend import ForwardMetadata, TritonAt
 from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
 
 from actors.kv_memory import EVENT_BYTES_CAP, compression_event_bytes, event_calls, event_chunk_rows
-from actors.sglang_engine import KV_STATS_ENV, rid_budget
+from actors.sglang_engine import JOINS_ENV, KV_STATS_ENV, rid_budget
 from compressors import CompressorConfig, build_compressor, gather_kv
 
 SELF_CHECK_ENV = "SPARSE_RL_KV_SELF_CHECK"
@@ -197,6 +197,7 @@ class SparseTritonAttnBackend(TritonAttnBackend):
                       "graph_replays": 0, "graph_captures": 0, "padded_lanes_checked": 0, "stale_lanes_checked": 0,
                       "compression_calls": 0, "event_bytes_bound": 0}
         self.stats_path = os.environ.get(KV_STATS_ENV)
+        self.joins_path = os.environ.get(JOINS_ENV) if cfg.phase == "aligned" else None
         self.self_check = os.environ.get(SELF_CHECK_ENV) == "1"
         self.event_bytes_cap = EVENT_BYTES_CAP
         """Bytes one compression call may hold outside SGLang's pool (`_event_chunks`)."""
@@ -304,6 +305,9 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         self.pending.update(rows[lens > self.budget[rows]].tolist())
         self.stats["used_at_last_extend"] = int(self.allocator.size - self.allocator.available_size())
         self.stats["last_extend_decode_step"] = self.stats["decode_steps"]
+        if self.joins_path and fb.rids is not None:    # each request's phase, for SGLangEngine's KV counts
+            with open(self.joins_path, "a") as f:
+                f.write("".join(f"{rid} {self.stats['decode_steps']}\n" for rid in rids[:len(rows)]))
         # ring positions of the last `window` prompt queries of each request (token index, row, ring slot)
         w, offsets = self.cfg.window, np.concatenate([[0], np.cumsum(lens)])
         tok = np.concatenate([np.arange(max(0, n - w), n) + o for n, o in zip(lens, offsets[:-1])])

@@ -64,3 +64,32 @@ def test_aligned_phase_takes_fewer_compression_events_and_equals_torch_engine(ti
     # (events, requests compressed): the prefill of the first four and of the fifth, step 8, then request: steps
     # 16, 24, 32 for three rows and 17, 25, 33 for the fifth (joined at step 9); aligned: 16, 24, 32 for all four
     assert events == {"request": (9, 20), "aligned": (6, 20)}, events
+
+
+def test_aligned_kv_retained_tokens_equal_torch_engine(tiny_qwen2_dir, tmp_path):
+    """`kv_retained_tokens` of SGLangEngine.generate under phase aligned is exact: it equals TorchEngine's (the valid
+    slots of its cache when the row ended) for the same run, the fifth request joining when the first four end, at
+    engine step 23, not a multiple of interval 8. By hand (budget 16; 23 decode forwards): the first four (prompts
+    12-30, 12 < 16 uncompressed, the others compressed at prefill) are compressed at steps 8 and 16 and end at 16 + 7
+    = 23; the fifth (prompt 17, compressed at prefill) at engine steps 24, 32, 40 = its steps 1, 9, 17, ending at
+    16 + 6 = 22 (its own steps 8 and 16, the request phase's, would give 23)."""
+    cc = CompressorConfig(method="rkv", kv_budget=16, window=4, interval=8, phase="aligned")
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    os.environ[KV_STATS_ENV] = str(tmp_path / "stats.json")
+    eng = SGLangEngine(str(tiny_qwen2_dir), compressor_cfg=cc, timeout_s=600, **KWARGS)
+    try:
+        got = [g[0] for g in eng.generate(join_prompts(), params)]
+        joined_at = eng.kv_pool_stats()["last_extend_decode_step"]
+        assert open(eng.joins_path).read() == ""                          # read and emptied by generate
+    finally:
+        eng.shutdown()
+        del os.environ[KV_STATS_ENV]
+    assert joined_at == 23
+    model = Qwen2ForCausalLM.from_pretrained(tiny_qwen2_dir).eval()
+    ref = TorchEngine(model, AutoTokenizer.from_pretrained(tiny_qwen2_dir), cc)
+    want = [g[0] for g in ref.generate(join_prompts()[:FIRST], params)]
+    ref.decode_steps = joined_at
+    want += [g[0] for g in ref.generate(join_prompts()[FIRST:], params)]
+    assert [s.response_ids for s in got] == [s.response_ids for s in want]
+    assert [s.kv_retained_tokens for s in want] == [23, 23, 23, 23, 22]
+    assert [s.kv_retained_tokens for s in got] == [s.kv_retained_tokens for s in want]
