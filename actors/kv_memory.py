@@ -108,7 +108,7 @@ of one event are split into `event_calls` near-equal chunks of at most `event_ch
 
 
 def compression_event_bytes(rows: int, live: int, budget: int, window: int, q_heads: int, kv_heads: int,
-                            head_dim: int, dtype_bytes: int, method: str = "rkv", selection: str = "per_head") -> int:
+                            head_dim: int, dtype_bytes: int, method: str = "rkv") -> int:
     """Upper bound of the device bytes that one call of the `sparse_rl_kv` backend's compression
     (actors/sglang_triton_backend.py `_compress_group`) holds at once, outside SGLang's KV pool and so outside
     `mem_fraction_static`: its index tensors, one layer's gathered K/V and queries, the compressor's float32
@@ -118,8 +118,10 @@ def compression_event_bytes(rows: int, live: int, budget: int, window: int, q_he
     rows: requests compressed in the call (g); live: tokens of the longest one (n, the rows are left-padded to
     it); budget: tokens kept (B < n); window: the compressor's window (w); q_heads / kv_heads / head_dim: the
     model's attention shape; dtype_bytes: bytes per K/V element (2 for bf16); method: rkv | snapkv |
-    streamingllm; selection: per_head | shared. Returns bytes (int). Raises ValueError on a count < 1, B >= n,
-    or another method.
+    streamingllm. Returns bytes (int). Raises ValueError on a count < 1, B >= n, or another method. The bound is
+    the same for both selections: `shared` scores every head on the first layer as `per_head` does, then sorts
+    g n entries (at most S) and reuses that kept set on the other layers, so it holds no tensor `per_head` does
+    not.
 
     Terms (bytes; S = g Hkv n score entries; E = g (n - B) evicted positions at most):
     - index tensors, the whole call: int64 [g] x 3, [g, n] x 2 (packed), [g, B], [g, w], [E] x 2 (packed copy),
@@ -155,13 +157,12 @@ def compression_event_bytes(rows: int, live: int, budget: int, window: int, q_he
 
 
 def event_chunk_rows(live: int, budget: int, window: int, q_heads: int, kv_heads: int, head_dim: int,
-                     dtype_bytes: int, method: str = "rkv", selection: str = "per_head",
-                     cap: int = EVENT_BYTES_CAP) -> int:
+                     dtype_bytes: int, method: str = "rkv", cap: int = EVENT_BYTES_CAP) -> int:
     """The most rows one compression call may hold so that `compression_event_bytes` (same arguments) stays at or
     under `cap` bytes; at least 1 (a single row whose bound exceeds the cap is compressed alone)."""
     def fits(g: int) -> bool:
-        return compression_event_bytes(g, live, budget, window, q_heads, kv_heads, head_dim, dtype_bytes, method,
-                                       selection) <= cap
+        return compression_event_bytes(g, live, budget, window, q_heads, kv_heads, head_dim, dtype_bytes,
+                                       method) <= cap
     lo, hi = 1, 1
     while fits(hi * 2) and hi < 1 << 20:
         hi *= 2

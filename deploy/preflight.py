@@ -289,7 +289,7 @@ def sglang_event(shape: ModelShape, q_heads: int, c, budget: int, prompt: int, r
     after it reached its budget), the rows split as the backend does under actors.kv_memory.EVENT_BYTES_CAP;
     bytes = `compression_event_bytes`. c: the CompressorConfig."""
     live = max(prompt, budget + c.interval)
-    args = (budget, c.window, q_heads, shape.kv_heads, shape.head_dim, shape.dtype_bytes, c.method, c.selection)
+    args = (budget, c.window, q_heads, shape.kv_heads, shape.head_dim, shape.dtype_bytes, c.method)
     per_call = -(-rows // event_calls(rows, event_chunk_rows(live, *args)))
     return compression_event_bytes(per_call, live, *args), per_call, live
 

@@ -101,7 +101,7 @@ def test_one_call_stays_under_its_computed_bound(case):
     b.compressor_for(budget)
     rows = np.arange(1, g + 1)
     measured = peak_bytes(lambda: b._compress_group(rows, budget))
-    bound = compression_event_bytes(g, n, budget, w, hq, hkv, d, b.kv_dtype_bytes, method, selection)
+    bound = compression_event_bytes(g, n, budget, w, hq, hkv, d, b.kv_dtype_bytes, method)
     assert measured <= bound, f"measured {measured:,} B > bound {bound:,} B"
     assert (b.start[rows] == lens - budget).all()                      # it did compress every row
 
