@@ -6,14 +6,18 @@ once by the torch engine with `record_evictions`, then the same groups are train
 weights, one with learner.policy_target=dense (the paper's step) and one with sparse (replay), steps alternating
 (order swapped each step) after one warm-up step each, every step on the same groups:
 
-    replay_step_time_ratio = median over steps of (replay step s / dense step s)   (goal <= 1.5; the replay step
-        adds one no-grad dense forward per micro-batch for the mismatch metrics, and the mask building)
+    replay_step_time_ratio = (sum of the replay steps' s) / (sum of the dense-target steps' s)   (goal <= 1.5;
+        the replay step adds one no-grad dense forward per micro-batch for the mismatch metrics, and the masks);
+        also the median of the per-step ratios and each step's seconds: on a shared machine one step's ratio
+        swings with its neighbours' load (3 steps beside other jobs gave a median ratio of 1.65, and a ratio of
+        the median step times of 1.37), the totals over interleaved steps average that out; the 1-minute load average before
+        and after the steps says how shared the machine was
     wire_bytes_ratio = encoded group bytes with eviction records / without (mean over the batch's groups)
 
 also the record's bytes per group before zlib (raw uint16) and after, and replay_logp_max_abs (exactness on the
 real model). Prints a table and, as its very last line, one JSON object.
 
-    python bench/replay.py                  # ~5 minutes on 2 cores
+    python bench/replay.py                  # ~10 minutes on 2 cores
     python bench/replay.py --steps 2        # quicker
 """
 from __future__ import annotations
@@ -80,7 +84,7 @@ def wire(groups) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="smollm2-count-warm")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per learner after one warm-up step each")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per learner after one warm-up step each")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -102,6 +106,7 @@ def main() -> None:
         learners[target] = Learner(model_path, lc)
     times = {"dense": [], "sparse": []}
     metrics = {}
+    load_before = os.getloadavg()[0]
     for step in range(args.steps + 1):
         for target in (("dense", "sparse") if step % 2 == 0 else ("sparse", "dense")):
             start = time.perf_counter()
@@ -111,7 +116,11 @@ def main() -> None:
     ratios = [s / d for s, d in zip(times["sparse"], times["dense"])]
     result = {"config": args.config, "sequences": sum(len(g.samples) for g in groups), "steps": args.steps,
               "dense_step_s": statistics.median(times["dense"]), "replay_step_s": statistics.median(times["sparse"]),
-              "replay_step_time_ratio": statistics.median(ratios), "goal_step_time_ratio": 1.5,
+              "replay_step_time_ratio": sum(times["sparse"]) / sum(times["dense"]), "goal_step_time_ratio": 1.5,
+              "replay_step_time_ratio_median_of_steps": statistics.median(ratios),
+              "dense_steps_s": [round(t, 2) for t in times["dense"]],
+              "replay_steps_s": [round(t, 2) for t in times["sparse"]],
+              "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
               **sizes, "replay_logp_max_abs_first_step": None, "generate_s": round(gen_s, 1)}
     first = learners["sparse"]   # exactness of the last step is staleness > 0; re-measure on a fresh learner
     lc = LearnerConfig(**{**vars(cfg.learner), "policy_target": "sparse", "checkpoint_dir": ""})
