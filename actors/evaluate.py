@@ -1,4 +1,8 @@
-"""Score a model on a prompt set with the full KV cache (dense) or a compressor (sparse), with the run's reward."""
+"""Score a model on a prompt set with the full KV cache (dense) or a compressor (sparse), with the run's reward.
+
+`evaluate_run` is the run's held-out evaluation (the rollout actors' `evaluate` and `sparse-rl eval` both call it):
+the rollouts' sampling except eval's temperature, top_p and max_new_tokens, so the stop strings are the rollouts'
+(a multi-turn turn ends at its tool call as in training)."""
 from __future__ import annotations
 
 import numpy as np
@@ -27,17 +31,36 @@ def mode_engine(engine, tokenizer, mode: str, compressor: CompressorConfig):
     return engine
 
 
+def evaluate_run(engine, tokenizer, items: list[Prompt], mode: str, actors, eval_cfg, seed: int, *, reward=None,
+                 envs=None, template=None) -> dict[str, float]:
+    """The run's held-out evaluation of `engine`'s weights on `items` in `mode` (dense | sparse): with `envs` (an
+    EnvPool of actors.env) and `template`, episodes of the run's environment (`evaluate_episodes`), else one
+    response per item scored by `reward` (`evaluate`). Sampling: eval's temperature, top_p, max_new_tokens and
+    batch_size, the rollouts' stop strings (actors.sampling.stop_strings); sparse uses eval.sparse_compressor or
+    the run's compressor. actors / eval_cfg: the run config's `actors` and `eval` sections. Returns the metrics of
+    the function called."""
+    e = eval_cfg
+    common = dict(max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p, batch_size=e.batch_size,
+                  seed=seed, stop_strings=list(actors.sampling.stop_strings))
+    compressor = e.sparse_compressor or actors.engine.compressor
+    if envs is not None:
+        return evaluate_episodes(engine, envs, template, items, mode, compressor, **common)
+    return evaluate(engine, tokenizer, items, mode, compressor, reward=reward, instruction=actors.data.instruction,
+                    **common)
+
+
 def evaluate_episodes(engine, pool, template, items: list[Prompt], mode: str, compressor: CompressorConfig, *,
                       max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 16,
-                      seed: int = 0) -> dict[str, float]:
+                      seed: int = 0, stop_strings: list[str] = ()) -> dict[str, float]:
     """Multi-turn evaluation (actors/episode.py): one episode per item of `pool`'s environment, in `mode` (see
-    mode_engine), each turn at most `max_new_tokens`. Returns n, reward (mean episode reward), accuracy (episodes
+    mode_engine), each turn at most `max_new_tokens` and ended at the first of `stop_strings`. Returns n, reward (mean episode reward), accuracy (episodes
     with reward >= 1), reward_errors (episodes the environment failed), response_length (mean tokens after the
     prompt, observations included), kv_peak_bytes (mean per episode, bytes), turns and tool_calls (means)."""
     from actors.episode import run_episodes
 
     engine = mode_engine(engine, template.tokenizer, mode, compressor)
-    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, n=1, seed=seed)
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, n=1, seed=seed,
+                            stop_strings=list(stop_strings))
     done = []
     for start in range(0, len(items), batch_size):
         done += [s for (s,) in run_episodes(engine.generate, pool, template, items[start:start + batch_size], params,
@@ -57,8 +80,9 @@ def evaluate_episodes(engine, pool, template, items: list[Prompt], mode: str, co
 
 def evaluate(engine, tokenizer, items: list[Prompt], mode: str, compressor: CompressorConfig, *,
              max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 16,
-             seed: int = 0, instruction: str | None = None, reward: RewardScorer | None = None) -> dict[str, float]:
-    """One response per item; `mode` dense uses `full`, sparse uses `compressor`. The weights are the engine's
+             seed: int = 0, instruction: str | None = None, reward: RewardScorer | None = None,
+             stop_strings: list[str] = ()) -> dict[str, float]:
+    """One response per item, ended at the first of `stop_strings`; `mode` dense uses `full`, sparse uses `compressor`. The weights are the engine's
     (a torch engine is re-wrapped around the same model; nothing is copied). `reward`: the scorer (default:
     the math reward).
 
@@ -67,7 +91,8 @@ def evaluate(engine, tokenizer, items: list[Prompt], mode: str, compressor: Comp
     Raises ValueError for a mode other than dense | sparse, or (SGLang) a mode other than the engine's own."""
     engine = mode_engine(engine, tokenizer, mode, compressor)
     items = tokenize_prompts(items, tokenizer, DEFAULT_INSTRUCTION if instruction is None else instruction)
-    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, n=1, seed=seed)
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, n=1, seed=seed,
+                            stop_strings=list(stop_strings))
     reward = reward or RewardScorer(RewardConfig())
     statuses, rewards, lengths, kv = [], [], [], []
     for start in range(0, len(items), batch_size):

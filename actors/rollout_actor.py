@@ -27,7 +27,7 @@ from actors.data import load_train_prompts
 from actors.engine import SamplingParams
 from actors.env import EnvPool
 from actors.episode import EpisodeSample, run_episodes
-from actors.evaluate import evaluate, evaluate_episodes
+from actors.evaluate import evaluate_run
 from actors.reward import RewardResult, RewardScorer
 from actors.rollout_config import RolloutConfig
 from actors.torch_engine import TorchEngine
@@ -438,15 +438,6 @@ class RolloutWorker:
     def evaluate(self, items: list, mode: str) -> dict:
         """Score this actor's weights on `items` with the run's reward, with the full cache (dense) or
         eval.sparse_compressor, by default the run's compressor (sparse); see actors.evaluate. Waits for the current batch (weights stay fixed meanwhile)."""
-        e = self.cfg.eval
-        compressor = e.sparse_compressor or self.cfg.actors.engine.compressor
-        if self.envs is not None:   # multi-turn: episodes of the run's environment
-            with self.generating:
-                return evaluate_episodes(self.engine, self.envs, self.template, items, mode, compressor,
-                                         max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p,
-                                         batch_size=e.batch_size, seed=self.cfg.seed)
-        with self.generating:
-            return evaluate(self.engine, self.tokenizer, items, mode, e.sparse_compressor or self.cfg.actors.engine.compressor,
-                            reward=self.reward,
-                            max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p,
-                            batch_size=e.batch_size, seed=self.cfg.seed, instruction=self.cfg.actors.data.instruction)
+        with self.generating:   # multi-turn (self.envs): episodes of the run's environment
+            return evaluate_run(self.engine, self.tokenizer, items, mode, self.cfg.actors, self.cfg.eval, self.cfg.seed,
+                                reward=self.reward, envs=self.envs, template=self.template)

@@ -1,13 +1,16 @@
 """`sparse-rl eval`: score a model directory (e.g. `runs/<run id>/final`) on the config's eval prompt set,
-dense and/or sparse, in this process (no Ray, no Redis)."""
+dense and/or sparse, in this process (no Ray, no Redis), as the run's own evaluation does (actors.evaluate.
+evaluate_run: the rollouts' stop strings; with actors.env.factory set, episodes of the run's environment)."""
 from __future__ import annotations
 
 import json
 
 from actors.data import load_eval_items
-from actors.evaluate import evaluate
+from actors.env import EnvPool
+from actors.evaluate import evaluate_run
 from actors.reward import RewardScorer
 from actors.rollout_actor import build_engine
+from actors.turns import ChatTemplate
 from compressors import CompressorConfig
 from deploy.config import RunConfig
 from deploy.model_cache import resolve_model
@@ -15,17 +18,20 @@ from deploy.model_cache import resolve_model
 
 def evaluate_model(cfg: RunConfig, model: str, modes: list[str]) -> dict[str, float]:
     """Prints and returns `eval/<mode>/<metric>` for each mode (reward, accuracy, unparseable, response_length,
-    kv_peak_bytes, n)."""
+    kv_peak_bytes, n; multi-turn also turns and tool_calls)."""
     a, e = cfg.actors, cfg.eval
     items = load_eval_items(e.data, e.limit, train=a.data, seed=cfg.seed, draw=e.draw)
     scores = {}
     for mode in modes:  # one engine per mode: SGLang fixes its attention backend when it starts
-        sparse = e.sparse_compressor or a.engine.compressor
-        compressor = CompressorConfig(method="full") if mode == "dense" else sparse
+        compressor = CompressorConfig(method="full") if mode == "dense" else e.sparse_compressor or a.engine.compressor
         engine = build_engine(a.engine, resolve_model(model), compressor, a.torch_threads)
-        result = evaluate(engine, engine.tokenizer, items, mode, sparse, max_new_tokens=e.max_new_tokens,
-                          temperature=e.temperature, top_p=e.top_p, batch_size=e.batch_size, seed=cfg.seed,
-                          instruction=a.data.instruction, reward=RewardScorer(a.reward))
+        envs = EnvPool(a.env) if a.env.factory else None
+        try:
+            result = evaluate_run(engine, engine.tokenizer, items, mode, a, e, cfg.seed, reward=RewardScorer(a.reward),
+                                  envs=envs, template=ChatTemplate.build(engine.tokenizer) if envs else None)
+        finally:
+            if envs is not None:
+                envs.shutdown()
         scores.update({f"eval/{mode}/{k}": float(v) for k, v in result.items()})
         getattr(engine, "shutdown", lambda: None)()  # SGLang: free the GPU before the next mode's engine
     print(json.dumps(scores, indent=1))

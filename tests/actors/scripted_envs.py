@@ -3,6 +3,7 @@ sys.path; the env worker process gets the caller's sys.path). What an env does i
 one pool can hold well-behaved and misbehaving episodes at once."""
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -38,6 +39,24 @@ class ScriptedEnv:
         if action == "bye":
             return [], self.final, True, {"turns": self.turn}
         return [{"role": "tool", "content": f"{os.getpid()} {self.turn} {action}"}], self.step_reward, False, {}
+
+
+class ActionLogEnv:
+    """One turn an episode: reset asks "start <item.question>"; step appends [question, action text] as one JSON
+    line to the file `log` and ends the episode with reward 0 (tests/actors/test_evaluate.py reads what a turn
+    sampled)."""
+
+    def __init__(self, log: str):
+        self.log, self.question = log, None
+
+    def reset(self, item):
+        self.question = item.question
+        return [{"role": "user", "content": f"start {item.question}"}]
+
+    def step(self, action):
+        with open(self.log, "a") as f:
+            f.write(json.dumps([self.question, action]) + "\n")
+        return [], 0.0, True, {}
 
 
 def only_positional(a, b):
