@@ -1,6 +1,7 @@
 """actors.evaluate builds the held-out prompts as training does: an empty `instruction` (the count and copy
 presets) adds nothing to the question (it used to fall back to the GSM8K instruction, so the evaluated prompts were
-~25 tokens longer than the trained ones and, under a 48-token budget, compressed at prefill)."""
+~25 tokens longer than the trained ones and, under a 48-token budget, compressed at prefill); and it samples
+with the rollouts' stop strings (a multi-turn turn ends at its tool call, as in training)."""
 import copy
 import json
 
