@@ -53,9 +53,10 @@ def evaluate_episodes(engine, pool, template, items: list[Prompt], mode: str, co
                       max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 16,
                       seed: int = 0, stop_strings: list[str] = ()) -> dict[str, float]:
     """Multi-turn evaluation (actors/episode.py): one episode per item of `pool`'s environment, in `mode` (see
-    mode_engine), each turn at most `max_new_tokens` and ended at the first of `stop_strings`. Returns n, reward (mean episode reward), accuracy (episodes
-    with reward >= 1), reward_errors (episodes the environment failed), response_length (mean tokens after the
-    prompt, observations included), kv_peak_bytes (mean per episode, bytes), turns and tool_calls (means)."""
+    mode_engine), each turn at most `max_new_tokens` and ended at the first of `stop_strings`. Returns n, reward
+    (mean episode reward), accuracy (episodes with reward >= 1), reward_errors (episodes the environment failed),
+    response_length (mean tokens after the prompt, observations included), kv_peak_bytes (mean per episode,
+    bytes), turns and tool_calls (means)."""
     from actors.episode import run_episodes
 
     engine = mode_engine(engine, template.tokenizer, mode, compressor)
@@ -82,9 +83,9 @@ def evaluate(engine, tokenizer, items: list[Prompt], mode: str, compressor: Comp
              max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 16,
              seed: int = 0, instruction: str | None = None, reward: RewardScorer | None = None,
              stop_strings: list[str] = ()) -> dict[str, float]:
-    """One response per item, ended at the first of `stop_strings`; `mode` dense uses `full`, sparse uses `compressor`. The weights are the engine's
-    (a torch engine is re-wrapped around the same model; nothing is copied). `reward`: the scorer (default:
-    the math reward).
+    """One response per item, ended at the first of `stop_strings`; `mode` dense uses `full`, sparse uses
+    `compressor`. The weights are the engine's (a torch engine is re-wrapped around the same model; nothing is
+    copied). `reward`: the scorer (default: the math reward).
 
     Returns n, reward (mean), accuracy (correct / n), unparseable (fraction with no extractable answer, counted apart from
     wrong ones), response_length (mean tokens) and kv_peak_bytes (mean per sequence, bytes).
