@@ -10,8 +10,8 @@ weights, one with learner.policy_target=dense (the paper's step) and one with sp
         the replay step adds one no-grad dense forward per micro-batch for the mismatch metrics, and the masks);
         also the median of the per-step ratios and each step's seconds: on a shared machine one step's ratio
         swings with its neighbours' load (3 steps beside other jobs gave a median ratio of 1.65, and a ratio of
-        the median step times of 1.37), the totals over interleaved steps average that out; the 1-minute load average before
-        and after the steps says how shared the machine was
+        the median step times of 1.37), the totals over interleaved steps average that out; the 1-minute load
+        average before and after the steps says how shared the machine was
     wire_bytes_ratio = encoded group bytes with eviction records / without (mean over the batch's groups)
 
 also the record's bytes per group before zlib (raw uint16) and after, and replay_logp_max_abs (exactness on the

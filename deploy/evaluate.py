@@ -22,17 +22,18 @@ def evaluate_model(cfg: RunConfig, model: str, modes: list[str]) -> dict[str, fl
     a, e = cfg.actors, cfg.eval
     items = load_eval_items(e.data, e.limit, train=a.data, seed=cfg.seed, draw=e.draw)
     scores = {}
-    for mode in modes:  # one engine per mode: SGLang fixes its attention backend when it starts
-        compressor = CompressorConfig(method="full") if mode == "dense" else e.sparse_compressor or a.engine.compressor
-        engine = build_engine(a.engine, resolve_model(model), compressor, a.torch_threads)
-        envs = EnvPool(a.env) if a.env.factory else None
-        try:
+    envs = EnvPool(a.env) if a.env.factory else None   # multi-turn: one environment worker for every mode
+    try:
+        for mode in modes:  # one engine per mode: SGLang fixes its attention backend when it starts
+            sparse = e.sparse_compressor or a.engine.compressor
+            engine = build_engine(a.engine, resolve_model(model), CompressorConfig(method="full") if mode == "dense"
+                                  else sparse, a.torch_threads)
             result = evaluate_run(engine, engine.tokenizer, items, mode, a, e, cfg.seed, reward=RewardScorer(a.reward),
                                   envs=envs, template=ChatTemplate.build(engine.tokenizer) if envs else None)
-        finally:
-            if envs is not None:
-                envs.shutdown()
-        scores.update({f"eval/{mode}/{k}": float(v) for k, v in result.items()})
-        getattr(engine, "shutdown", lambda: None)()  # SGLang: free the GPU before the next mode's engine
+            scores.update({f"eval/{mode}/{k}": float(v) for k, v in result.items()})
+            getattr(engine, "shutdown", lambda: None)()  # SGLang: free the GPU before the next mode's engine
+    finally:
+        if envs is not None:
+            envs.shutdown()
     print(json.dumps(scores, indent=1))
     return scores

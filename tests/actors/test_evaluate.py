@@ -34,7 +34,7 @@ class _Zero:
     status, reward = "wrong", 0.0
 
 
-def _turn_actions(tmp_path, overrides: list[str], stop_strings: list[str]) -> dict[str, str]:
+def _turn_actions(tmp_path, stop_strings: list[str]) -> dict[str, str]:
     """{question: the text of its episode's one turn} of `sparse-rl eval`'s dense evaluation (deploy.evaluate.
     evaluate_model, which calls actors.evaluate.evaluate_run as the rollout actors do) of the tiny-lookup config
     with the ActionLogEnv environment, greedy, the rollouts' stop strings set to `stop_strings`."""
@@ -44,7 +44,7 @@ def _turn_actions(tmp_path, overrides: list[str], stop_strings: list[str]) -> di
     log = tmp_path / f"actions-{len(list(tmp_path.iterdir()))}.jsonl"
     cfg = load_config("tiny-lookup", ["actors.env.factory=scripted_envs:ActionLogEnv", f"actors.env.options.log={log}",
                                       "actors.env.max_turns=1", "eval.data=train_task", "eval.limit=4",
-                                      "eval.temperature=0", "eval.max_new_tokens=16", *overrides])
+                                      "eval.temperature=0", "eval.max_new_tokens=16"])
     cfg.actors.sampling.stop_strings = stop_strings
     evaluate_model(cfg, cfg.model, ["dense"])
     return dict(json.loads(line) for line in log.read_text().splitlines())
@@ -56,11 +56,11 @@ def test_the_held_out_evaluation_ends_a_turn_at_the_rollouts_stop_strings(tmp_pa
     call, the model's guesses stayed in the history, and held-out rewards were far below the training rewards.
     Greedy, so the turn cut at a stop string S (the first characters of a turn sampled without one) is a strict
     prefix of the uncut turn, for every item whose turn contains S."""
-    uncut = _turn_actions(tmp_path, [], [])
+    uncut = _turn_actions(tmp_path, [])
     question, text = max(uncut.items(), key=lambda kv: len(kv[1]))
     assert len(text) >= 12, f"the tiny model's greedy turn is too short to cut: {text!r}"
     stop = text[:3]
-    cut = _turn_actions(tmp_path, [], [stop])
+    cut = _turn_actions(tmp_path, [stop])
     assert cut.keys() == uncut.keys()
     assert stop in cut[question] and len(cut[question]) < len(text), (cut[question], text)
     for q, full in uncut.items():
