@@ -6,12 +6,15 @@ so every group it makes can still be trained in time.
 
 Threads: `run()` is the generation loop; `receive_weights()` runs concurrently (Ray max_concurrency) and
 receives into a staging copy, which the loop swaps in at the next batch boundary; a heartbeat thread keeps the
-current claim alive while the batch is generated.
+current claim alive while the batch is generated. If Python exits while the loop still runs, the process ends
+at once (end_at_exit_while_running).
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import sys
 import threading
 import time
 import traceback
@@ -55,6 +58,24 @@ def build_engine(engine_cfg, model_path: str, compressor: CompressorConfig, torc
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
     return TorchEngine(model, AutoTokenizer.from_pretrained(model_path), compressor, device=device,
                        record_evictions=record_evictions)
+
+
+def end_at_exit_while_running(thread: threading.Thread) -> None:
+    """Register an interpreter-exit hook: if `thread` (a daemon thread) still runs when Python exits, flush
+    stdout and stderr and end the process at once with status 0, without finalizing the interpreter.
+
+    Ray ends an actor gracefully by exiting Python: when its last handle is dropped (a `ray.kill` whose handle
+    goes out of scope before the kill lands takes this path) or when its job ends. Finalizing kills a daemon
+    thread when it next takes the GIL; one returning from a torch op then unwinds through C++ frames and the
+    process aborts (std::terminate, a native stack trace in the run's console). atexit hooks run before that
+    point (CPython's Py_FinalizeEx: non-daemon threads joined, atexit hooks, then the finalizing flag). A thread
+    that has ended leaves the exit as it was (a scale-down joins the loop before `exit_actor`)."""
+    def hook() -> None:
+        if thread.is_alive():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+    atexit.register(hook)
 
 
 @dataclass
@@ -119,6 +140,7 @@ class RolloutWorker:
         # The loop starts with the process, so an actor restarted by Ray (max_restarts) generates again.
         self.loop = threading.Thread(target=self._run_safely, name="rollout-loop", daemon=True)
         self.loop.start()
+        end_at_exit_while_running(self.loop)
         if self.admission is not None:
             threading.Thread(target=self._heartbeat, name="claim-heartbeat", daemon=True).start()
 
