@@ -40,7 +40,8 @@ def run(mode: str) -> subprocess.CompletedProcess:
 
 def test_an_exit_while_the_loop_is_inside_torch_ends_the_process_cleanly():
     control = run("none")
-    assert control.returncode != 0 and "terminate called" in control.stderr, (control.returncode, control.stderr)
+    if sys.version_info < (3, 14):  # from 3.14 such a thread blocks instead of exiting (no abort to show)
+        assert control.returncode != 0 and "terminate called" in control.stderr, (control.returncode, control.stderr)
     hooked = run("hook")
     assert hooked.returncode == 0, (hooked.returncode, hooked.stderr)
     assert hooked.stdout == "last words" and "terminate" not in hooked.stderr, (hooked.stdout, hooked.stderr)
