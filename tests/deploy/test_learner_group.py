@@ -44,11 +44,31 @@ METRICS = ("pg_loss", "kl_loss", "rejection_rate", "token_mask_fraction", "trunc
            "mismatch_kl_k1", "entropy", "reward_mean", "grad_norm", "optimizer_steps", "num_sequences")
 
 
-@pytest.fixture
-def local_ray():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+@pytest.fixture(scope="module")
+def shared_ray():
+    """The local Ray of the tests that use `local_ray`, shut down at the end of the module (or before a test that
+    starts its own, see own_ray)."""
     yield
-    ray.shutdown()
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture
+def local_ray(shared_ray):
+    """A local Ray (4 CPUs), started once for all the tests that ask for it (ray.init takes seconds, up to half a
+    minute on 2 busy cores); each test shuts its learner group down (ranks killed, placement group freed)."""
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def own_ray(request):
+    """A test that does not use `local_ray` starts its own Ray (train(), or ray.init with the fault in its
+    environment): the shared one is shut down first."""
+    if "local_ray" not in request.fixturenames and ray.is_initialized():
+        ray.shutdown()
+    yield
 
 
 @pytest.fixture(scope="module")
