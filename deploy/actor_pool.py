@@ -62,8 +62,8 @@ class ActorPool:
         self.late_said = False  # a "learner step ... slow" line was printed in the current step
         if learners is not None:
             learners.on_wait = self.learner_waiting
-        address = learner.sync_address.remote()  # (host, port) of the learner's TCPStore
-        self.sync_address = learners.get(address, "the actors were starting") if learners else ray.get(address)
+        self.sync_address = None  # (host, port) of the learner's TCPStore: asked at the first sync (the
+        # learner may still be starting while the actors start)
 
     def _start(self):
         from actors.rollout_actor import RolloutWorker
@@ -312,6 +312,9 @@ class ActorPool:
             self.generation += 1
             self.members = [(i, self.incarnations.get(i)) for i in members]
         world = len(members) + 1
+        if self.sync_address is None:
+            address = self.learner.sync_address.remote()
+            self.sync_address = self.learners.get(address, "it sent the weights") if self.learners else ray.get(address)
         sends = self.learner.send_weights.remote(self.generation, world)
         recvs = {i: self.actors[i].receive_weights.remote(self.sync_address, self.generation, rank, world)
                  for rank, i in enumerate(members, start=1)}

@@ -82,7 +82,6 @@ def _main(argv: list[str] | None = None) -> int:
             from deploy.preflight import preflight  # each command imports what it runs: `scale` stays light
             print(preflight(load_config(args.config, args.overrides)).table())
         elif args.command == "train":
-            from deploy.driver import Interrupted, RunFailed, train as run_train  # Ray: only for `train`
             if args.resume:
                 if args.config:
                     raise ConfigError(f"--config {args.config} with --resume: a resumed run keeps its own config "
@@ -93,6 +92,8 @@ def _main(argv: list[str] | None = None) -> int:
             else:
                 cfg = load_config(args.config or MAIN_JOB, args.overrides)
                 command = ["sparse-rl", "train", "--config", args.config or MAIN_JOB, *args.overrides]
+            # Ray, DeepSpeed: only for `train`, and only once the config is checked (bad input exits 2 sooner)
+            from deploy.driver import Interrupted, RunFailed, train as run_train
             try:
                 run_train(cfg, command, resume=args.resume)
             except Interrupted as e:

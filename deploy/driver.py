@@ -180,11 +180,11 @@ def _train(cfg: RunConfig, progress: dict, resume: str, report=None, command=("s
                                                                         record.start_version))
         # on SIGTERM (after the actors stopped, before the learner does): a checkpoint of the last completed step
         stack.push(lambda kind, *_: received["SIGTERM"] and checkpoint_on_sigterm(cfg, learner))
+        before = cfg.eval.enabled and cfg.eval.before and not record.resumed  # a resumed run evaluated at its start
+        pool = _start_actors(cfg, run_id, learner_group, stack, console, paused=before)
         if record.resumed:  # the log of trained prompts and the metrics of the checkpoint's step, as one record
             resume_logs(run_dir, tracker, record.start_version,
                         learner_group.get(learner.resume_state.remote(), "it loaded the checkpoint"))
-        before = cfg.eval.enabled and cfg.eval.before and not record.resumed  # a resumed run evaluated at its start
-        pool = _start_actors(cfg, run_id, learner_group, stack, console, paused=before)
         version = int(learner_group.get(learner.version.remote(), "it sent the weights"))
         scores_before = tracker.first_values("eval/") if record.resumed else {}
         if before:
@@ -278,12 +278,15 @@ def _open_services(cfg: RunConfig, stack: ExitStack, record, console: Console, r
 def _start_actors(cfg: RunConfig, run_id: str, learner_group, stack: ExitStack, console: Console,
                   paused: bool) -> ActorPool:
     """actors.count rollout actors, shut down by `stack`, started and given the initial weights (the learner
-    group watched meanwhile). `paused`: they start, load the weights and wait (generation_paused) for the
-    evaluation before training; else the key is cleared (a run interrupted while it evaluated may have left it)."""
+    group watched meanwhile). They start while the learner ranks start (both load their models at once); the
+    learner's start is waited for first, so that a rank that fails to start is named as such. `paused`: they
+    start, load the weights and wait (generation_paused) for the evaluation before training; else the key is
+    cleared (a run interrupted while it evaluated may have left it)."""
     rs.set_paused(connect(cfg.broker), run_id, paused)
     pool = ActorPool(cfg, run_id, learner_group.rank0, learner_group)
     stack.callback(pool.shutdown)
     pool.scale(cfg.actors.count)
+    learner_group.wait_started()
     pool.wait_ready(console)  # nothing to train or evaluate with before the first actors have started
     pool.sync_weights()  # initial weights to everyone: one code path for initial and later weights
     return pool
@@ -413,4 +416,4 @@ def start_learner(cfg: RunConfig, run_id: str, hint=None):
     after a rank died."""
     from deploy.learner_group import LearnerGroup
 
-    return LearnerGroup(cfg, run_id, hint)
+    return LearnerGroup(cfg, run_id, hint, wait=False)  # _start_actors waits for it, the actors starting meanwhile

@@ -49,9 +49,11 @@ class LearnerGroup:
     turn a dead rank into RunFailed at once, wherever the driver waits.
 
     Raises TimeoutError when the cluster cannot offer the bundles within PLACEMENT_TIMEOUT_S (naming them);
-    RunFailed when a rank dies while starting (its constructor's error)."""
+    RunFailed when a rank dies while starting (its constructor's error). `wait=False`: return as soon as the ranks
+    are created, their constructors running (the driver starts the rollout actors meanwhile), and call
+    `wait_started()` before the first call that needs them started."""
 
-    def __init__(self, cfg: RunConfig, run_id: str, hint=None):
+    def __init__(self, cfg: RunConfig, run_id: str, hint=None, wait: bool = True):
         n = cfg.learner.ranks
         bundle = {"CPU": cfg.train.learner_num_cpus}
         if cfg.train.learner_num_gpus:
@@ -85,11 +87,17 @@ class LearnerGroup:
         self.watch = {r.watch.options(concurrency_group="watch").remote(): rank for rank, r in enumerate(self.ranks)}
         self.hint = hint  # () -> how to go on, appappended to a death's line
         self.on_wait = None  # (what, seconds) at every poll of get(): the driver's console (ActorPool.learner_waiting)
-        pending = [r.pid.remote() for r in self.ranks]  # answered once a rank has started (joined the group)
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        """Return once every rank has started (its constructor ran: model loaded, group joined) and rank 0 holds
+        its peers. Raises RunFailed ("... died while starting") at once when a rank fails to start, after
+        shutting the group down."""
+        started = [r.pid.remote() for r in self.ranks]  # answered once a rank has started (joined the group)
         try:
-            while pending:  # a rank that fails to start fails the group at once
-                done, pending = ray.wait(pending, num_returns=1)
-                self.get(done[0], "starting")
+            for ref in started:  # get() fails at once when any rank dies meanwhile, and says that it waits
+                self.get(ref, "starting")
             self.get(self.rank0.set_peers.remote(self.ranks[1:]), "starting")
         except BaseException:
             self.shutdown()

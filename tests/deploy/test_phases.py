@@ -112,3 +112,30 @@ def test_a_frozen_learner_gets_a_line_within_wait_report_s(tmp_path):
     if phase == "reading groups":
         assert "the oldest group in the queue unread for" in detail, late.string
     assert re.search(r"^step 4/4 ", run.text, re.M), run.text
+
+
+LEARNER_HELD_S = 30
+"""How long learner rank 0 is held at the start of its constructor, before its model loads, seconds: far longer
+than the actors need to start and load the tiny model on a loaded 2-core machine."""
+
+
+@pytest.mark.timeout(600)
+def test_the_actors_load_their_model_while_the_learner_starts(tmp_path):
+    """The rollout actors start with the learner ranks, not after them, so a run's start takes the longer of the
+    two, not their sum: learner rank 0 held LEARNER_HELD_S at the start of its constructor (fault
+    `learner.init:0=sleep:30`). A line every train.wait_report_s says that the driver waits for the learner to start,
+    and an actor's model load shows on the console before the last of them; the run trains its step."""
+    env = {**ENV, "SPARSE_RL_FAULTS": f"learner.init:0=sleep:{LEARNER_HELD_S}"}
+    run = Run("--config", "tiny", f"run_dir={tmp_path / 'runs'}", "train.steps=1", "eval.enabled=false",
+              f"train.wait_report_s={WAIT_REPORT_S}", env=env)
+    try:
+        rc = run.finish(timeout=500)
+    finally:
+        run.kill()
+    assert rc == 0, run.text
+    waits = [m.start() for m in re.finditer(r"^waiting for the learner for \d+ s \(starting\): learner-0 \(phase not "
+                                            r"known\)$", run.text, re.M)]  # every WAIT_REPORT_S while it is held
+    loads = [m.start() for m in re.finditer(r"\(RolloutWorker pid=\d+\)\S*\s*Loading weights", run.text, re.M)]
+    assert waits and loads, run.text  # (transformers' load bar, relayed by Ray)
+    assert loads[0] < waits[-1], run.text  # an actor loaded its model while the learner was still held
+    assert re.search(r"^step 1/1 ", run.text, re.M), run.text
