@@ -123,6 +123,8 @@ def images(engine):
                          timeout=3600)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     print(f"images built in {time.monotonic() - started:.0f} s")
+    if os.environ.get("SPARSE_RL_DOCKER_DATA_ROOT"):  # a kept data root: drop the images this build untagged
+        subprocess.run(["docker", "image", "prune", "-f"], env=env, capture_output=True, timeout=300)
     return env
 
 
@@ -152,8 +154,12 @@ class Stack:
         """Host pids of every process in the stack's running containers."""
         found = set()
         for cid in self.containers():
-            out = self.docker("top", cid, "-eo", "pid")
-            found.update(int(line) for line in out.split()[1:] if line.isdigit())
+            out = subprocess.run(["docker", "top", cid, "-eo", "pid"], env=self.env, capture_output=True, text=True,
+                                 timeout=120)
+            if out.returncode and ("is not running" in out.stderr or "No such container" in out.stderr):
+                continue  # it ended between `ps` and `top` (the run's end): no process of it is left to check
+            assert out.returncode == 0, f"docker top {cid}: {out.stderr[-2000:]}"
+            found.update(int(line) for line in out.stdout.split()[1:] if line.isdigit())
         return found
 
     def logs(self, service: str) -> str:
