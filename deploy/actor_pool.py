@@ -302,6 +302,11 @@ class ActorPool:
         for _ in range(target - len(live)):
             self._start()
 
+    def _learner_get(self, ref, phase: str):
+        """ray.get of a call on the learner, through the learner group when the pool has one (a dead rank fails
+        it at once, naming `phase`)."""
+        return self.learners.get(ref, phase) if self.learners else ray.get(ref)
+
     def sync_weights(self) -> dict:
         """One sync round: the learner broadcasts its weights to every live actor over the sync group, rebuilt
         (new generation) when membership changed. An actor that fails the round is dropped and replaced at
@@ -314,13 +319,13 @@ class ActorPool:
         world = len(members) + 1
         if self.sync_address is None:
             address = self.learner.sync_address.remote()
-            self.sync_address = self.learners.get(address, "it sent the weights") if self.learners else ray.get(address)
+            self.sync_address = self._learner_get(address, "it sent the weights")
         sends = self.learner.send_weights.remote(self.generation, world)
         recvs = {i: self.actors[i].receive_weights.remote(self.sync_address, self.generation, rank, world)
                  for rank, i in enumerate(members, start=1)}
         failed = 0
         try:
-            stats = self.learners.get(sends, "it sent the weights") if self.learners else ray.get(sends)
+            stats = self._learner_get(sends, "it sent the weights")
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, ValueError):  # manifest mismatch: learner and actor models differ
                 raise e.cause
