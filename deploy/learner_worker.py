@@ -17,7 +17,6 @@ from broker.streams import connect
 from broker.weight_sync import WeightSender
 from deploy.config import RunConfig
 from deploy.rank_calls import AllRanks, on_all_ranks, wait_ranks
-from learner.learner import Learner, init_distributed
 from learner.step import LearnerStep, OneRank, Resume, StepConfig, StepReport
 
 
@@ -37,6 +36,10 @@ class LearnerWorker:
         l = self.cfg.learner
         self.phase = rs.PhaseBoard(connect(self.cfg.broker), run_id, f"learner-{rank}")  # for the driver's console
         self.phase("loading")
+        # here, not at the top: the driver imports this class to start the rank, and the learner's model stack
+        # (transformers' modeling code, DeepSpeed) costs it seconds on the run's start path
+        from learner.learner import Learner, init_distributed
+
         if world_size > 1:
             init_distributed(rank, world_size, master[0], master[1], timeout_s=l.collective_timeout_s)
         self.learner = Learner(self.cfg.model, l)

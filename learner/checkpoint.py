@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from learner.learner import Learner
+if TYPE_CHECKING:  # the driver reads checkpoints (read_client_state) without importing the learner's stack
+    from learner.learner import Learner
 
 
 def save_checkpoint(learner: Learner, ckpt_dir: str | os.PathLike, consumed_group_ids: list[str],

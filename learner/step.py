@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from omegaconf import OmegaConf
 
@@ -29,8 +29,10 @@ from compressors import CompressorConfig
 from learner.budget_control import BudgetController
 from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.config import LearnerConfig
-from learner.learner import Learner
 from learner.loss import zero_variance
+
+if TYPE_CHECKING:  # the driver reads StepReport without importing the learner's model stack
+    from learner.learner import Learner
 
 
 REPORTS_KEPT = 4

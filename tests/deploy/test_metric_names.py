@@ -4,8 +4,10 @@ logs the MLflow names (and keeps the internal ones for the plot), and a bench re
 logged before the table under its old name. (The rollout actors' and the actor pool's names are checked on a real
 run's MLflow store: tests/deploy/test_e2e.py test_tiny_run_end_to_end.)"""
 import importlib.util
+import logging
 from pathlib import Path
 
+import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -92,6 +94,35 @@ def test_the_tracker_logs_mlflow_names_and_plots_internal_ones(tmp_path):
     assert tracker.first_values("eval/") == {"eval/dense/reward": 0.1}
     resumed = Tracker("", "exp", "run", tmp_path, resume_run_id=tracker.run_id)
     assert resumed.history["reward_mean"] == {1: 0.5} and set(PLOTTED) <= set(resumed.history)
+
+
+def test_a_new_run_store_is_a_copy_of_a_migrated_one_not_made_again(tmp_path, monkeypatch):
+    """MLflow's creation of a sqlite store runs every schema migration (seconds of each run's start): the first
+    Tracker makes `<cache>/mlflow-<version>.db` with MLflow, every later new store is a copy of it (no "Creating
+    initial MLflow database tables" from MLflow), and each store keeps its own experiment, runs and metrics."""
+    monkeypatch.setenv("SPARSE_RL_CACHE", str(tmp_path / "cache"))
+    created = []
+    handler = logging.Handler()
+    handler.emit = lambda record: created.append(record.getMessage())
+    logger = logging.getLogger("mlflow.store.db.utils")
+    logger.addHandler(handler)
+    try:
+        runs = {}
+        for name in ("a", "b", "c"):
+            (tmp_path / name).mkdir()
+            runs[name] = Tracker("", "exp", name, tmp_path / name)
+            runs[name].log_metrics({"reward_mean": ord(name) / 100}, 1)
+            if name == "a":
+                assert any("Creating initial" in m for m in created), created  # the template, by MLflow
+                created.clear()
+    finally:
+        logger.removeHandler(handler)
+    assert not any("Creating initial" in m for m in created), created  # b and c: copies
+    assert (tmp_path / "cache" / f"mlflow-{mlflow.__version__}.db").exists()
+    for name, tracker in runs.items():
+        client = MlflowClient(f"sqlite:///{tmp_path / name / 'mlflow.db'}")
+        (run,) = client.search_runs([client.get_experiment_by_name("exp").experiment_id])
+        assert (run.info.run_name, run.data.metrics) == (name, {"rollout/reward_mean": ord(name) / 100})
 
 
 def test_a_bench_reader_finds_a_metric_of_an_old_run_under_its_old_name(tmp_path):
