@@ -58,9 +58,10 @@ class Tracker:
 
     def __init__(self, tracking_uri: str, experiment: str, run_name: str, run_dir: Path, resume_run_id: str = "",
                  tags: dict[str, str] | None = None):
-        self.uri = tracking_uri or f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
-        if not tracking_uri and experiment != "Default" and not (Path(run_dir) / "mlflow.db").exists():
-            new_local_store(Path(run_dir).resolve() / "mlflow.db")
+        local = Path(run_dir).resolve() / "mlflow.db"
+        self.uri = tracking_uri or f"sqlite:///{local}"
+        if not tracking_uri and experiment != "Default" and not local.exists():
+            new_local_store(local)
         mlflow.set_tracking_uri(self.uri)
         exp = mlflow.get_experiment_by_name(experiment)
         exp_id = exp.experiment_id if exp else mlflow.create_experiment(
