@@ -682,7 +682,8 @@ def replay_verdicts_text(replay: dict, budget: int) -> list[str]:
                 lines.append(f"- budget {budget}, {arm}, {name.upper()}: **{'holds' if v['holds'] else 'fails'}**: "
                              f"{why(v)}")
         switch = r.get("switch")
-        lines.append(f"- budget {budget}, {arm}: preset switch rule {'not decided' if switch is None else switch}")
+        lines.append(f"- budget {budget}, {arm}: preset switch rule (R1, R3, R4, R2 not refuted against naive; the "
+                     f"preset reads budget 48's) {'not decided' if switch is None else switch}")
     return lines
 
 
