@@ -328,7 +328,7 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
           "only (actors.engine.backend=torch); the SGLang engine's budget is fixed per request")
     check(not (run.learner.policy_target == "sparse" and run.actors.engine.backend == "sglang"),
           "learner.policy_target=sparse replays eviction records that actors.engine.backend=sglang does not record: "
-          "use the torch engine or policy_target=dense")
+          "use the torch engine or learner.policy_target=dense")
     if run.actors.env.factory:
         check_multiturn(run)
     for mode in run.eval.modes:

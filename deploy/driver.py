@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import signal
@@ -315,6 +316,17 @@ def _accounting(cfg: RunConfig, redis, run_id: str, pool: ActorPool, metrics: di
     return accounting
 
 
+def finite_or_null(value):
+    """`value` with every NaN or infinite float (a metric no token measured this step, e.g. replay exactness on a
+    step whose tokens are all stale) replaced by None, so that summary.json is strict JSON (null) for jq and
+    JSON.parse alike."""
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
 def _finish(cfg: RunConfig, record, tracker: Tracker, console: Console, pool: ActorPool, metrics: dict,
             scores_before: dict, accounting: dict) -> dict:
     """The evaluation of the final weights, the plot, summary.json and the MLflow run FINISHED; returns the
@@ -328,7 +340,7 @@ def _finish(cfg: RunConfig, record, tracker: Tracker, console: Console, pool: Ac
                "mlflow_run_id": tracker.run_id, **metrics, **scores,
                **{k.replace("eval/", "eval_before/", 1): v for k, v in scores_before.items()},
                "accounting": accounting}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    (run_dir / "summary.json").write_text(json.dumps(finite_or_null(summary), indent=1, allow_nan=False))
     tracker.end("FINISHED")
     console.finish(run_dir, tracker.where())
     return summary

@@ -2,6 +2,7 @@
 checkpoints and weight sync."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 REJECTIONS = ("veto", "geometric", "none")
@@ -150,7 +151,7 @@ class LearnerConfig:
         # field as "True"/"False": `learner.correction=on` means "on".
         self.correction = {"True": "on", "False": "off"}.get(str(self.correction), self.correction)
         checks = [
-            (self.lr >= 0, "lr", "expected >= 0"),
+            (math.isfinite(self.lr) and self.lr >= 0, "lr", "expected a finite value >= 0"),
             (self.rejection in REJECTIONS, "rejection", f"expected one of {REJECTIONS}"),
             (self.filter_groups in FILTERS, "filter_groups", f"expected one of {FILTERS}"),
             (self.max_extra_reads >= 0, "max_extra_reads", "expected >= 0"),
@@ -167,16 +168,18 @@ class LearnerConfig:
             (self.ppo_epochs >= 1, "ppo_epochs", "expected >= 1"),
             (self.micro_batch_size >= 1, "micro_batch_size", "expected >= 1"),
             (self.minibatch_size >= 0, "minibatch_size", "expected >= 0"),
-            (self.kl_coef >= 0, "kl_coef", "expected >= 0"),
+            (math.isfinite(self.kl_coef) and self.kl_coef >= 0, "kl_coef", "expected a finite value >= 0"),
             (self.loss_agg_mode in LOSS_AGG_MODES, "loss_agg_mode", f"expected one of {LOSS_AGG_MODES}"),
             (0 < self.eps < 1, "eps", "expected 0 < eps < 1"),
             (self.tis_cap > 0, "tis_cap", "expected > 0"),
             (self.token_mask_bounds[0] < self.token_mask_bounds[1], "token_mask_bounds", "expected low < high"),
             (self.geo_bounds[0] < self.geo_bounds[1], "geo_bounds", "expected low < high"),
             (self.policy_target in POLICY_TARGETS, "policy_target", f"expected one of {POLICY_TARGETS}"),
-            (self.distill_coef >= 0, "distill_coef", "expected >= 0"),
-            (self.distill_coef == 0 or self.policy_target == "sparse", "distill_coef",
-             "the dense-teacher term needs policy_target=sparse (the student is the replayed forward)"),
+            (math.isfinite(self.distill_coef) and self.distill_coef >= 0, "distill_coef",
+             "expected a finite value >= 0"),
+            (not (math.isfinite(self.distill_coef) and self.distill_coef > 0) or self.policy_target == "sparse",
+             "distill_coef", "the dense-teacher term needs learner.policy_target=sparse (the student is the "
+             "replayed forward)"),
         ]
         errors = [f"LearnerConfig.{name}={getattr(self, name)!r}: {rule}" for ok, name, rule in checks if not ok]
         if errors:

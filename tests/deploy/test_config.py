@@ -64,7 +64,7 @@ def test_bad_config_names_the_field(override, field):
 
 @pytest.mark.parametrize("override, message", [
     ("learner.eps=-1", "learner.eps=-1.0: expected 0 < eps < 1"),
-    ("learner.lr=-1e-6", "learner.lr=-1e-06: expected >= 0"),
+    ("learner.lr=-1e-6", "learner.lr=-1e-06: expected a finite value >= 0"),
     ("learner.loss_agg_mode=token-sum", "learner.loss_agg_mode='token-sum': expected one of"),
     ("actors.sampling.temperature=-1", "actors.sampling.temperature=-1.0: expected >= 0"),
     ("actors.sampling.temperature=0", "actors.sampling.temperature=0.0: training rollouts require temperature > 0"),
@@ -247,7 +247,7 @@ def test_yaml_syntax_error_is_one_line_with_file_line_column(tmp_path):
     ("eval.data=/nonexistent.jsonl", "eval.data='/nonexistent.jsonl': no such file"),
     ("broker.url=redis://127.0.0.1:{port}/0", "broker.url='redis://127.0.0.1:{port}/0': Redis does not answer"),
     ("ray.address=127.0.0.1:{port}", "ray.address='127.0.0.1:{port}': cannot connect"),
-    ("learner.lr=-1", "learner.lr=-1.0: expected >= 0"),
+    ("learner.lr=-1", "learner.lr=-1.0: expected a finite value >= 0"),
 ])
 def test_cli_bad_input_exits_2_before_anything_starts(override, message, tmp_path):
     port = closed_port()

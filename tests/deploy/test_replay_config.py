@@ -15,7 +15,7 @@ def test_sglang_backend_with_replay_is_refused_naming_both_fields():
         load_config("tiny", ["learner.policy_target=sparse", "actors.engine.backend=sglang", "eval.modes=[sparse]"],
                     check_files=False)
     assert "learner.policy_target=sparse" in str(err.value) and "actors.engine.backend=sglang" in str(err.value)
-    assert "\n" not in str(err.value)
+    assert "\n" not in str(err.value) and "learner.policy_target=dense" in str(err.value)
 
 
 def test_bad_policy_target_and_distill_without_replay_name_the_field():
@@ -23,6 +23,9 @@ def test_bad_policy_target_and_distill_without_replay_name_the_field():
         load_config("tiny", ["learner.policy_target=compressed"], check_files=False)
     with pytest.raises(ConfigError, match=r"learner\.distill_coef"):
         load_config("tiny", ["learner.distill_coef=0.5"], check_files=False)
+    for value in ("inf", "1e400", ".inf"):   # YAML and Python spellings of infinity: refused, not trained to NaN
+        with pytest.raises(ConfigError, match=r"learner\.distill_coef=inf: expected a finite value >= 0$"):
+            load_config("tiny", ["learner.policy_target=sparse", f"learner.distill_coef={value}"], check_files=False)
 
 
 def test_actors_record_only_when_the_learner_replays():

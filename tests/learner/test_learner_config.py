@@ -7,10 +7,18 @@ from learner.config import LearnerConfig
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(lr=-1e-6), "LearnerConfig.lr=-1e-06: expected >= 0"),
+    (dict(lr=-1e-6), "LearnerConfig.lr=-1e-06: expected a finite value >= 0"),
     (dict(eps=0.0), "LearnerConfig.eps=0.0: expected 0 < eps < 1"),
     (dict(dtype="fp16"), "LearnerConfig.dtype='fp16': expected one of ('fp32', 'bf16')"),
     (dict(geo_bounds=(2.0, 0.5)), "LearnerConfig.geo_bounds=(2.0, 0.5): expected low < high"),
+    (dict(policy_target="sparse", distill_coef=float("inf")),
+     "LearnerConfig.distill_coef=inf: expected a finite value >= 0"),   # trained every weight to NaN, exit 0
+    (dict(kl_coef=float("inf")), "LearnerConfig.kl_coef=inf: expected a finite value >= 0"),
+    (dict(lr=float("nan")), "LearnerConfig.lr=nan: expected a finite value >= 0"),
+    (dict(distill_coef=-0.5), "LearnerConfig.distill_coef=-0.5: expected a finite value >= 0"),  # one error, not two
+    (dict(distill_coef=0.5),
+     "LearnerConfig.distill_coef=0.5: the dense-teacher term needs learner.policy_target=sparse (the student is the "
+     "replayed forward)"),
     (dict(eps=2.0, zero_stage=4),
      "LearnerConfig.zero_stage=4: expected 0, 1, 2 or 3; LearnerConfig.eps=2.0: expected 0 < eps < 1"),
 ])
