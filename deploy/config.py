@@ -271,6 +271,8 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
         if not ok:
             raise ConfigError(message)
 
+    for name, value in non_finite(to_dict(run)):   # e.g. learner.collective_timeout_s=inf, a timedelta overflow later
+        raise ConfigError(f"{name}={value}: expected a finite number")
     if check_files:
         check_model(run.model)
     try:
@@ -337,6 +339,17 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
         own = "dense" if run.actors.engine.compressor.method == "full" else "sparse"
         check(list(run.eval.modes) == [own], f"eval.modes={list(run.eval.modes)}: the SGLang engine's attention backend "
               f"is fixed when it starts, so it evaluates in its own mode only: set eval.modes=[{own}]")
+
+
+def non_finite(tree, prefix: str = ""):
+    """(dotted name, value) of every NaN or infinite float in a nested dict/list of config values."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    for key, value in items:
+        name = f"{prefix}.{key}" if isinstance(key, str) and prefix else f"{prefix}[{key}]" if prefix else str(key)
+        if isinstance(value, float) and not math.isfinite(value):
+            yield name, value
+        else:
+            yield from non_finite(value, name)
 
 
 def check_multiturn(run: RunConfig) -> None:

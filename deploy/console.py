@@ -7,7 +7,8 @@ from rich.console import Console as RichConsole
 from rich.table import Table
 
 COLUMNS = (("reward", "reward_mean", "{:.3f}"), ("rejection", "rejection_rate", "{:.3f}"),
-           ("mismatch_kl", "mismatch_kl", "{:.2e}"), ("accept p5", "accept_p5", "{:.3f}"),
+           ("mismatch_kl", "mismatch_kl", "{:.2e}"), ("replay |dlogp|", "replay_logp_max_abs", "{:.1e}"),
+           ("accept p5", "accept_p5", "{:.3f}"),
            ("accept up p5", "accept_upper_p5", "{:.3f}"),
            ("kv kept", "kv_retained_ratio", "{:.2f}"), ("length-cut", "response_truncated_fraction", "{:.2f}"),
            ("staleness", "staleness_mean", "{:.2f}"),
@@ -17,11 +18,23 @@ COLUMNS = (("reward", "reward_mean", "{:.3f}"), ("rejection", "rejection_rate", 
            ("learner idle", "learner_idle_fraction", "{:.2f}"), ("actor idle", "actor_idle_fraction", "{:.2f}"))
 
 
+def training_target(policy_target: str, distill_coef: float, correction: str, compressor_method: str) -> str:
+    """One line: which policy the learner trains (docs/SPEC.md 2.4) and what the step line's columns compare."""
+    correction = f"the Sparse-RL correction {correction} (learner.correction)"
+    if policy_target != "sparse" or compressor_method == "full":
+        why = " (compressor full: nothing evicted, nothing to replay)" if policy_target == "sparse" else ""
+        return f"training target: the dense policy{why}, {correction}"
+    teacher = f", plus the dense-teacher term x {distill_coef:g} (learner.distill_coef)" if distill_coef > 0 else ""
+    return ("training target: the compressed sampler's policy (learner.policy_target=sparse: each rollout's evictions "
+            f"replayed){teacher}, {correction}; rejection and mismatch_kl compare the sampler with the dense policy, "
+            "replay |dlogp| is the replay's exactness (max |replayed logp - logp_sparse|, fresh tokens)")
+
+
 class Console:
     def __init__(self):
         self.out = RichConsole(soft_wrap=True)  # long URIs and commands stay on one line (copy-pasteable)
 
-    def start(self, run_id, run_dir, redis_url, mlflow_where, record=None) -> None:
+    def start(self, run_id, run_dir, redis_url, mlflow_where, record=None, target: str = "") -> None:
         self.out.rule(f"sparse-rl run [bold]{run_id}[/]")
         if record is not None and record.resumed:
             self.out.print(f"resumed at weight version {record.start_version}: same run directory, MLflow run and "
@@ -30,6 +43,8 @@ class Console:
             self.out.print(f"forked from {record.parent['checkpoint']} (weight version {record.start_version}); "
                            f"parent run {record.parent['run_id'] or '(unknown)'}")
         self.out.print(f"run directory: {run_dir}\nredis: {redis_url}\nMLflow: {mlflow_where}")
+        if target:
+            self.out.print(target)
         self.out.print(f"scale actors while it runs: sparse-rl scale --run {run_id} --actors N "
                        f"--run-dir {Path(run_dir).parent}")
 

@@ -29,7 +29,7 @@ from broker.redis_server import LocalRedis, RedisInUse  # noqa: E402
 from broker.streams import connect, queue_depth, unreachable  # noqa: E402
 from deploy.actor_pool import ActorPool, RunFailed  # noqa: E402
 from deploy.config import RunConfig, to_dict  # noqa: E402
-from deploy.console import Console  # noqa: E402
+from deploy.console import Console, training_target  # noqa: E402
 from deploy.model_cache import resolve_model  # noqa: E402
 from deploy.record import open_record  # noqa: E402
 from deploy.scale import write_run_info  # noqa: E402
@@ -272,7 +272,9 @@ def _open_services(cfg: RunConfig, stack: ExitStack, record, console: Console, r
     if record.resumed:
         tracker.record_resume(record.start_version, changed)
     tracker.log_artifact(run_dir / "config.yaml")
-    console.start(run_id, run_dir, cfg.broker.url, tracker.where(), record)
+    console.start(run_id, run_dir, cfg.broker.url, tracker.where(), record,
+                  training_target(cfg.learner.policy_target, cfg.learner.distill_coef, cfg.learner.correction,
+                                  cfg.actors.engine.compressor.method))
     return tracker
 
 

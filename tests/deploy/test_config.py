@@ -316,3 +316,17 @@ def test_eval_cli_reads_the_eval_data_before_it_scores(rows, reason, tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
     assert proc.stderr.startswith(f"sparse-rl: bad config: eval.data={data}: {reason}"), proc.stderr
+
+
+@pytest.mark.parametrize("override, message", [
+    ("learner.collective_timeout_s=inf", "learner.collective_timeout_s=inf: expected a finite number"),
+    ("learner.tis_cap=.inf", "learner.tis_cap=inf: expected a finite number"),
+    ("train.wait_report_s=nan", "train.wait_report_s=nan: expected a finite number"),
+    ("learner.token_mask_bounds=[0.5,inf]", "learner.token_mask_bounds[1]=inf: expected a finite number"),
+])
+def test_any_non_finite_number_is_refused_naming_the_field(override, message):
+    """No config field takes NaN or infinity: each would fail later in the run (a timeout's timedelta overflows)
+    or train on silently (learner.distill_coef=inf trained every weight to NaN and exited 0)."""
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", [override], check_files=False)
+    assert str(err.value) == message
