@@ -142,6 +142,15 @@ _FIELD_OWNERS["compressor"] = _FIELD_OWNERS["CompressorConfig"]
 _FIELD_OWNER = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, _FIELD_OWNERS)) + r")\.(?=\w)")
 
 
+def section_hint(key: str | None) -> str:
+    """For a top-level key that is a field of a section (`policy_target=sparse`): "; did you mean
+    learner.policy_target?" naming each section that has it; "" otherwise."""
+    if not key or "." in key or key in {f.name for f in dataclasses.fields(RunConfig)}:
+        return ""
+    paths = [f"{path}.{key}" for cls, path in _mount_points().items() if key in {f.name for f in dataclasses.fields(cls)}]
+    return f"; did you mean {' or '.join(paths)}?" if paths else ""
+
+
 def dotted_names(message: str) -> str:
     """A component's error message with its field names as the user types them:
     "LearnerConfig.eps=-1.0: expected 0 < eps < 1" -> "learner.eps=-1.0: expected 0 < eps < 1"."""
@@ -182,7 +191,8 @@ def load_config(name_or_path: str, overrides: list[str] = (), *, check_files: bo
             path = _FIELD_OWNERS[section.group(1)]
             raise ConfigError(f"{path}={section.group(2)}: {path} is a section (set its fields: "
                               f"{path}.<field>=<value>)") from None
-        raise ConfigError(f"config field {key}: {str(getattr(e, 'msg', e)).splitlines()[0]}" if key else f"config: {e}") from None
+        message = f"config field {key}: {str(getattr(e, 'msg', e)).splitlines()[0]}" if key else f"config: {e}"
+        raise ConfigError(message + section_hint(key)) from None
     except ValueError as e:  # a component's __post_init__ check
         raise ConfigError(dotted_names(str(e))) from None
     run.model = os.path.expanduser(run.model)

@@ -330,3 +330,16 @@ def test_any_non_finite_number_is_refused_naming_the_field(override, message):
     with pytest.raises(ConfigError) as err:
         load_config("tiny", [override], check_files=False)
     assert str(err.value) == message
+
+
+def test_a_section_field_given_at_the_top_level_names_the_dotted_field():
+    """`policy_target=sparse` (no section): the error says where the field lives; an unknown key gets no guess."""
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", ["policy_target=sparse"], check_files=False)
+    assert str(err.value).endswith("; did you mean learner.policy_target?"), str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", ["kv_budget=8"], check_files=False)
+    assert str(err.value).endswith("; did you mean actors.engine.compressor.kv_budget?"), str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", ["nonsense=1"], check_files=False)
+    assert "did you mean" not in str(err.value)
