@@ -51,8 +51,9 @@ class Console:
     def step(self, step: int, total: int, version: int, metrics: dict) -> None:
         parts = [f"[bold]step {step}/{total}[/] (version {version})"]
         for label, name, fmt in COLUMNS:
-            if name in metrics:
-                parts.append(f"{label} {fmt.format(metrics[name])}")
+            if name in metrics:   # NaN: nothing measured it this step (replay exactness on all-stale rows)
+                value = metrics[name]
+                parts.append(f"{label} {'n/a' if value != value else fmt.format(value)}")
         self.out.print("  ".join(parts))
 
     def waiting(self, step: int, seconds: float, why: str) -> None:

@@ -33,6 +33,8 @@ def test_a_replaying_step_line_shows_the_exactness_and_a_dense_one_does_not():
     console.out = RichConsole(file=io.StringIO(), width=400)
     console.step(1, 2, 1, {"reward_mean": 0.5, "mismatch_kl": 0.02, "replay_logp_max_abs": 4.6e-5})
     console.step(2, 2, 2, {"reward_mean": 0.5, "mismatch_kl": 0.02})
-    first, second = console.out.file.getvalue().splitlines()
+    console.step(3, 3, 3, {"reward_mean": 0.5, "replay_logp_max_abs": float("nan")})   # every row stale
+    first, second, third = console.out.file.getvalue().splitlines()
     assert "mismatch_kl 2.00e-02  replay |dlogp| 4.6e-05" in first
     assert "replay" not in second
+    assert third.endswith("replay |dlogp| n/a"), third
