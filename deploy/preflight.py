@@ -245,7 +245,9 @@ def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: i
     report.record_rows = record_rows
     if cfg.learner.policy_target == "sparse" and not compress:
         report.warnings.append("learner.policy_target=sparse with actors.engine.compressor.method=full: nothing is "
-                               "evicted, so there is nothing to replay; the run trains the dense policy")
+                               "evicted, so there is nothing to replay; the run trains the dense policy"
+                               + (f" (learner.distill_coef={cfg.learner.distill_coef:g} is not applied: the teacher "
+                                  "and the student are the same forward)" if cfg.learner.distill_coef > 0 else ""))
     report.queue_bytes = report.group_bytes * (cfg.broker.high_watermark + a.prompts_per_batch)
     if report.group_bytes > cfg.broker.max_message_bytes:
         raise PreflightError(

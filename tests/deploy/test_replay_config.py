@@ -47,4 +47,7 @@ def test_preflight_counts_the_records_and_says_a_dense_run_trains_dense():
     dense = preflight(load_config("tiny", base + ["learner.policy_target=sparse", "actors.engine.compressor.method=full"]),
                       model_path=model)
     assert any("nothing to replay" in w for w in dense.warnings)
-    assert not any("nothing to replay" in w for w in replay.warnings)
+    assert not any("nothing to replay" in w for w in replay.warnings) and not any("distill" in w for w in dense.warnings)
+    taught = preflight(load_config("tiny", base + ["learner.policy_target=sparse", "learner.distill_coef=0.5",
+                                                   "actors.engine.compressor.method=full"]), model_path=model)
+    assert any("learner.distill_coef=0.5 is not applied" in w for w in taught.warnings), taught.warnings
