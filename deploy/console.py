@@ -6,6 +6,8 @@ from pathlib import Path
 from rich.console import Console as RichConsole
 from rich.table import Table
 
+from learner.config import LearnerConfig
+
 COLUMNS = (("reward", "reward_mean", "{:.3f}"), ("rejection", "rejection_rate", "{:.3f}"),
            ("mismatch_kl", "mismatch_kl", "{:.2e}"), ("replay |dlogp|", "replay_logp_max_abs", "{:.1e}"),
            ("accept p5", "accept_p5", "{:.3f}"),
@@ -18,13 +20,14 @@ COLUMNS = (("reward", "reward_mean", "{:.3f}"), ("rejection", "rejection_rate", 
            ("learner idle", "learner_idle_fraction", "{:.2f}"), ("actor idle", "actor_idle_fraction", "{:.2f}"))
 
 
-def training_target(policy_target: str, distill_coef: float, correction: str, compressor_method: str) -> str:
+def training_target(learner: LearnerConfig, compressor_method: str) -> str:
     """One line: which policy the learner trains (docs/SPEC.md 2.4) and what the step line's columns compare."""
-    correction = f"the Sparse-RL correction {correction} (learner.correction)"
-    if policy_target != "sparse" or compressor_method == "full":
-        why = " (compressor full: nothing evicted, nothing to replay)" if policy_target == "sparse" else ""
+    correction = f"the Sparse-RL correction {learner.correction} (learner.correction)"
+    if not learner.replays(compressor_method):
+        why = " (compressor full: nothing evicted, nothing to replay)" if learner.policy_target == "sparse" else ""
         return f"training target: the dense policy{why}, {correction}"
-    teacher = f", plus the dense-teacher term x {distill_coef:g} (learner.distill_coef)" if distill_coef > 0 else ""
+    teacher = (f", plus the dense-teacher term x {learner.distill_coef:g} (learner.distill_coef)"
+               if learner.distill_coef > 0 else "")
     return ("training target: the compressed sampler's policy (learner.policy_target=sparse: each rollout's evictions "
             f"replayed){teacher}, {correction}; rejection and mismatch_kl compare the sampler with the dense policy, "
             "replay |dlogp| is the replay's exactness (max |replayed logp - logp_sparse|, fresh tokens)")

@@ -273,8 +273,7 @@ def _open_services(cfg: RunConfig, stack: ExitStack, record, console: Console, r
         tracker.record_resume(record.start_version, changed)
     tracker.log_artifact(run_dir / "config.yaml")
     console.start(run_id, run_dir, cfg.broker.url, tracker.where(), record,
-                  training_target(cfg.learner.policy_target, cfg.learner.distill_coef, cfg.learner.correction,
-                                  cfg.actors.engine.compressor.method))
+                  training_target(cfg.learner, cfg.actors.engine.compressor.method))
     return tracker
 
 

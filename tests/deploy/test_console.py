@@ -12,8 +12,7 @@ from deploy.console import Console, training_target
 
 def target_of(overrides: list[str]) -> str:
     run = load_config("tiny", overrides, check_files=False)
-    return training_target(run.learner.policy_target, run.learner.distill_coef, run.learner.correction,
-                           run.actors.engine.compressor.method)
+    return training_target(run.learner, run.actors.engine.compressor.method)
 
 
 def test_the_training_target_line_names_the_policy_trained():
