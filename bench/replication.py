@@ -79,6 +79,8 @@ ARMS.update({  # eviction replay (issue 34, docs/results.md 6.12): the policy th
     "sparse_replay_distill": [*ARMS["sparse_rl"], "learner.policy_target=sparse", "learner.distill_coef=1.0"],
 })
 SPARSE_ARMS = tuple(a for a in ARMS if a != "dense")
+EVAL_BEFORE = {"dense", "sparse_rl"}
+"""Arms whose runs also score their model before training (the others share those models' starting point)."""
 PLOTTED = ("reward_mean", "grad_norm", "mismatch_kl", "rejection_rate", "response_length_mean", "entropy",
            "token_mask_fraction", "xi_sym_p5", "response_truncated_fraction")
 REPLAY_RECORDED = ("replay_logp_max_abs", "replay_logp_train_max_abs", "replay_dense_gap_max", "accept_exact_p5",
@@ -264,7 +266,7 @@ def run_one(args, arm: str, budget: int | None, seed: int, name: str | None = No
     overrides = [*args.overrides, *ARMS[arm], f"seed={seed}", f"learner.seed={seed}", f"name={name}",
                  f"run_dir={out / 'runs'}", f"mlflow.tracking_uri=sqlite:///{out / 'mlflow.db'}",
                  "mlflow.experiment=replication", f"train.steps={args.steps}", "eval.enabled=true",
-                 f"eval.before={str(arm in ('dense', 'sparse_rl')).lower()}", "eval.data=train_task",
+                 f"eval.before={str(arm in EVAL_BEFORE).lower()}", "eval.data=train_task",
                  # eval.draw=1: the held-out draw the committed records were scored on (repeated questions kept:
                  # 56-60 distinct of the grid's 64); the default draw 2 (distinct) would score other items
                  f"eval.limit={args.eval_limit}", "eval.draw=1", f"broker.max_staleness={args.max_staleness}"]
