@@ -114,6 +114,11 @@ def episode_call(op: str, key: str, *args) -> Any:
 
 
 # -- the actor's side --------------------------------------------------------------------------------------------
+ENV_FAILURES = {"error": "env_errors", "timeout": "env_timeouts", "lost": "env_lost"}
+"""An episode's failure kind (EnvStep.failure, EpisodeSample.finish) -> the run's count of such episodes
+(summary.json's accounting; MLflow rollout/<name>). An episode that fails scores 0 and is counted there only."""
+
+
 @dataclass(frozen=True)
 class EnvStep:
     """What one environment call gave: `messages` (list of {"role", "content"} str dicts), `reward` (float),

@@ -54,9 +54,11 @@ def evaluate_episodes(engine, pool, template, items: list[Prompt], mode: str, co
                       seed: int = 0, stop_strings: list[str] = ()) -> dict[str, float]:
     """Multi-turn evaluation (actors/episode.py): one episode per item of `pool`'s environment, in `mode` (see
     mode_engine), each turn at most `max_new_tokens` and ended at the first of `stop_strings`. Returns n, reward
-    (mean episode reward), accuracy (episodes with reward >= 1), reward_errors (episodes the environment failed),
+    (mean episode reward), accuracy (episodes with reward >= 1), reward_errors (0: no reward function runs),
+    env_errors (episodes the environment failed: errors, timeouts and lost workers),
     response_length (mean tokens after the prompt, observations included), kv_peak_bytes (mean per episode,
     bytes), turns and tool_calls (means)."""
+    from actors.env import ENV_FAILURES
     from actors.episode import run_episodes
 
     engine = mode_engine(engine, template.tokenizer, mode, compressor)
@@ -73,7 +75,7 @@ def evaluate_episodes(engine, pool, template, items: list[Prompt], mode: str, co
         return float(np.mean(values)) if n else 0.0
     return {"n": n, "reward": mean([s.reward for s in done]), "accuracy": sum(s.reward >= 1 for s in done) / max(n, 1),
             "unparseable": 0.0,
-            "reward_errors": float(sum(s.finish in ("error", "timeout", "lost") for s in done)),
+            "reward_errors": 0.0, "env_errors": float(sum(s.finish in ENV_FAILURES for s in done)),
             "response_length": mean([len(s.response_ids) for s in done]),
             "kv_peak_bytes": mean([s.kv_peak_bytes for s in done]), "turns": mean([s.turns for s in done]),
             "tool_calls": mean([s.tool_calls for s in done])}

@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.data import load_train_prompts
 from actors.engine import SamplingParams
-from actors.env import EnvPool
+from actors.env import ENV_FAILURES, EnvPool
 from actors.episode import EpisodeSample, run_episodes
 from actors.evaluate import evaluate_run
 from actors.reward import RewardResult, RewardScorer
@@ -76,6 +76,27 @@ def end_at_exit_while_running(thread: threading.Thread) -> None:
             sys.stderr.flush()
             os._exit(0)
     atexit.register(hook)
+
+
+def episode_reward(s: EpisodeSample, truncated: float | None) -> RewardResult:
+    """A finished episode's reward: the environment's (`truncated` instead where set and the episode ended on
+    its length limit), status correct | wrong; an episode its environment failed (s.finish error, timeout or lost)
+    scores 0 with status env_error, counted in env_* (ENV_FAILURES), never in reward_errors: no reward function
+    ran."""
+    if s.finish in ENV_FAILURES:
+        return RewardResult(0.0, "env_error", "")
+    reward = truncated if truncated is not None and s.finish_reason == "length" else s.reward
+    return RewardResult(float(reward), "correct" if reward >= 1 else "wrong", "")
+
+
+def group_counts(samples: list, statuses: list[str]) -> dict[str, int]:
+    """One published group's additions to the run's actor_counts (broker/run_state.py): rollout_groups 1,
+    reward_errors (samples whose reward function failed: status error), and for multi-turn episodes the
+    environment's failures by kind (env_errors, env_timeouts, env_lost; MLflow rollout/<name>)."""
+    counts = {"rollout_groups": 1, "reward_errors": sum(status == "error" for status in statuses)}
+    if samples and isinstance(samples[0], EpisodeSample):
+        counts.update({name: sum(s.finish == kind for s in samples) for kind, name in ENV_FAILURES.items()})
+    return counts
 
 
 @dataclass
@@ -126,7 +147,8 @@ class RolloutWorker:
         self.staged: tuple[int, list] | None = None
         self.lock = threading.Lock()  # guards `staged`
         self.generating = threading.Lock()  # held while the engine generates or weights are swapped in
-        self.counters = {"samples": 0, "correct": 0, "wrong": 0, "unparseable": 0, "error": 0, "tokens": 0, "gen_s": 0.0,
+        self.counters = {"samples": 0, "correct": 0, "wrong": 0, "unparseable": 0, "error": 0, "env_error": 0,
+                         "tokens": 0, "gen_s": 0.0,
                          "kv_peak_bytes": 0, "staleness_wait_s": 0.0,
                          "queue_wait_s": 0.0, "admission_wait_s": 0.0, "busy_s": 0.0,
                          "kv_budget_sum": 0, "batches": 0, "episodes": 0, "turns": 0, "tool_calls": 0,
@@ -298,8 +320,8 @@ class RolloutWorker:
                                                         batch.tiers):
             scored = [self._record(s, prompt) for s in samples]
             records = [record for record, _ in scored]
-            batch.counts.append({"rollout_groups": 1, "reward_errors": sum(status == "error" for _, status in scored),
-                                 **({f"tier/{tier}/groups": 1} if tier else {}), **self._env_counts(samples)})
+            batch.counts.append({**group_counts(samples, [status for _, status in scored]),
+                                 **({f"tier/{tier}/groups": 1} if tier else {})})
             groups.append(TrajectoryGroup(
                 run_id=self.run_id, group_id=uuid.uuid4().hex, prompt_id=prompt.prompt_id,
                 weight_version=batch.version, temperature=params.temperature, compressor=a.engine.compressor.method,
@@ -314,13 +336,6 @@ class RolloutWorker:
             rs.write_confidences(self.redis, self.run_id, confidences)
         return groups
 
-    @staticmethod
-    def _env_counts(samples) -> dict[str, int]:
-        """A multi-turn group's environment failures (episodes), for the run's actor_counts; {} single-turn."""
-        if not samples or not isinstance(samples[0], EpisodeSample):
-            return {}
-        return {f"env_{kind}s": sum(s.finish == kind for s in samples) for kind in ("error", "timeout", "lost")}
-
     def _episode_reward(self, s: EpisodeSample) -> RewardResult:
         """A finished episode's reward as a RewardResult (the environment's; reward.truncated on a length cut),
         and its statistics counted."""
@@ -330,17 +345,15 @@ class RolloutWorker:
         for k, nbytes in enumerate(s.turn_kv_bytes, 1):
             acc = self.turn_kv.setdefault(k, [0, 0])
             acc[0], acc[1] = acc[0] + nbytes, acc[1] + 1
-        if s.finish in ("error", "timeout", "lost"):
-            if not self.counters["error"]:
-                print(f"{self.actor_id}: {self.envs.last_error}")
-            return RewardResult(0.0, "error", "")
-        truncated = self.cfg.actors.reward.truncated
-        reward = truncated if truncated is not None and s.finish_reason == "length" else s.reward
-        return RewardResult(float(reward), "correct" if reward >= 1 else "wrong", "")
+        result = episode_reward(s, self.cfg.actors.reward.truncated)
+        if result.status == "env_error" and not self.counters["env_error"]:
+            print(f"{self.actor_id}: {self.envs.last_error}")
+        return result
 
     def _record(self, s, prompt) -> tuple[SampleRecord, str]:
         """One scored sample (counted in the rollout metrics) and its reward status (correct | wrong |
-        unparseable | error); a multi-turn episode brings its environment's reward."""
+        unparseable | error, or env_error: an episode its environment failed); a multi-turn episode brings its
+        environment's reward."""
         timeouts = self.reward.timeouts
         if isinstance(s, EpisodeSample):
             reward = self._episode_reward(s)

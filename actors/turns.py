@@ -156,24 +156,40 @@ def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
     return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def truncate_contents(tokenizer, messages: Sequence[Message], max_tokens: int,
-                      side: str = "right") -> tuple[list[Message], int]:
-    """Messages whose contents hold at most `max_tokens` tokens together (each content encoded alone, no special
-    tokens; template tokens around them not counted), and how many tokens were cut. `side` "right" keeps the
-    first tokens (later messages emptied first), "left" keeps the last (earlier messages emptied first). A cut
-    content is the decoded kept ids: environment text, never trainable, so re-encoding it is harmless.
-    Raises ValueError for another `side`."""
+def truncate_contents(template: ChatTemplate, messages: Sequence[Message], max_tokens: int, side: str = "right",
+                      closed: bool = True) -> tuple[list[int], int]:
+    """`template.observation_ids(messages, closed)` with the messages' contents cut to at most `max_tokens` ids
+    together, and how many ids were cut: list[int], int. A content's ids are those the template renders for it
+    (the rendering's difference from the same messages with that content empty: the content's own encoding on an
+    append-only template such as SmolLM2's, merged with a neighbour where the template's text runs into it), and
+    the cut removes ids from the rendering: nothing is decoded and re-encoded, so a cut inside a multi-byte
+    character keeps its partial byte ids (re-encoding would put U+FFFD's id there). Template ids around the
+    contents are not counted. `side` "right" keeps the first ids (later messages emptied first), "left" the
+    last (earlier messages emptied first). Raises ValueError for another `side`, TemplateNotAppendOnly as
+    observation_ids does."""
     if side not in ("left", "right"):
         raise ValueError(f"truncate_contents: side={side!r}: expected left | right")
-    order = list(range(len(messages)))[::-1 if side == "left" else 1]
-    out, left, cut = [dict(m) for m in messages], max_tokens, 0
-    for k in order:
-        ids = tokenizer.encode(str(out[k].get("content", "")), add_special_tokens=False)
-        if len(ids) > left:
-            kept = ids[len(ids) - left:] if side == "left" else ids[:left]
-            out[k]["content"], cut = tokenizer.decode(kept), cut + len(ids) - left
-        left -= min(left, len(ids))
-    return out, cut
+    rendered = template.observation_ids(messages, closed)
+    out, left, cut = list(rendered), max_tokens, 0
+    for k in list(range(len(messages)))[::-1 if side == "left" else 1]:
+        a, b = _content_span(template, messages, k, rendered, closed)
+        if b - a > left:
+            drop = range(a, b - left) if side == "left" else range(a + left, b)
+            out[drop.start:drop.stop] = [None] * len(drop)
+            cut += len(drop)
+        left -= min(left, b - a)
+    return [t for t in out if t is not None], cut
+
+
+def _content_span(template: ChatTemplate, messages: Sequence[Message], k: int, rendered: list[int],
+                  closed: bool) -> tuple[int, int]:
+    """[start, end) of message k's content in `rendered`: what differs from the rendering with that content empty."""
+    empty = template.observation_ids([*messages[:k], {**messages[k], "content": ""}, *messages[k + 1:]], closed)
+    start = _first_difference(rendered, empty)
+    tail = 0
+    while tail < min(len(rendered), len(empty)) - start and rendered[-1 - tail] == empty[-1 - tail]:
+        tail += 1
+    return start, len(rendered) - tail
 
 
 @dataclass
@@ -219,14 +235,14 @@ class Rollout:
         return self._add(Turn(list(ids), [1] * len(ids)))
 
     def add_observation(self, messages: Sequence[Message]) -> Turn | None:
-        """Append the environment's `messages` after the last sampled turn (trainable 0): contents cut to
-        max_obs_tokens, rendered by `ChatTemplate.observation_ids` (closed when the last sampled id is the
-        end-of-turn id). Returns the Turn, or None when it does not fit in `remaining` with at least one token
+        """Append the environment's `messages` after the last sampled turn (trainable 0): rendered by
+        `ChatTemplate.observation_ids` (closed when the last sampled id is the end-of-turn id), their contents'
+        own ids then cut to max_obs_tokens (`truncate_contents`). Returns the Turn, or None when it does not fit in `remaining` with at least one token
         left to generate (nothing is appended: the episode ends on its token limit). Raises
-        TemplateNotAppendOnly as observation_ids does."""
-        messages, cut = truncate_contents(self.template.tokenizer, messages, self.max_obs_tokens, self.obs_truncation)
+        TemplateNotAppendOnly as observation_ids and truncate_contents do."""
         last = self.turns[-1].ids[-1:] if self.turns else []
-        ids = self.template.observation_ids(messages, closed=last == [self.template.eot_id])
+        ids, cut = truncate_contents(self.template, messages, self.max_obs_tokens, self.obs_truncation,
+                                     closed=last == [self.template.eot_id])
         if len(ids) >= self.remaining:
             return None
         self.obs_tokens_cut += cut

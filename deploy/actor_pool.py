@@ -393,6 +393,8 @@ class ActorPool:
                 if all(name in p for p in parts):   # turns, tool_calls: multi-turn episodes only
                     scores[f"eval/{mode}/{name}"] = sum(p[name] * p["n"] for p in parts) / max(n, 1)
             scores[f"eval/{mode}/reward_errors"] = sum(p["reward_errors"] for p in parts)
+            if any("env_errors" in p for p in parts):   # multi-turn: episodes the environment failed
+                scores[f"eval/{mode}/env_errors"] = sum(p.get("env_errors", 0.0) for p in parts)
             scores[f"eval/{mode}/n"] = float(n)
         return scores
 

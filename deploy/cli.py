@@ -93,9 +93,10 @@ def _main(argv: list[str] | None = None) -> int:
                 cfg = load_config(args.config or MAIN_JOB, args.overrides)
                 command = ["sparse-rl", "train", "--config", args.config or MAIN_JOB, *args.overrides]
             # Ray, DeepSpeed: only for `train`, and only once the config is checked (bad input exits 2 sooner)
-            from deploy.driver import Interrupted, RunFailed, train as run_train
+            from deploy.driver import Interrupted, RunFailed, ignore_stops_after_finish, train as run_train
             try:
                 run_train(cfg, command, resume=args.resume)
+                ignore_stops_after_finish()   # the run finished: a stop during the process's exit changes nothing
             except Interrupted as e:
                 print(f"sparse-rl: {e}", file=sys.stderr)
                 return e.exit_code

@@ -67,7 +67,7 @@ def train(cfg: RunConfig, command: tuple[str, ...] = ("sparse-rl", "train"), res
     progress = {"step": 0, "run_dir": None, "trained": False}
     main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
-    received["SIGTERM"] = False
+    received["SIGTERM"], received["after_finish"] = False, False
     if main:
         catch_signals()
     report = None
@@ -90,6 +90,23 @@ def catch_signals() -> None:
     whose native failure handler takes SIGTERM otherwise (a crash dump instead of a clean stop)."""
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _terminate)
+
+
+def ignore_stops_after_finish() -> None:
+    """Once the run has finished (summary.json written, MLflow FINISHED), SIGTERM and Ctrl-C stop nothing: the
+    shutdown goes on and the exit code stays 0; the first one prints one line saying so (README, "Watching a
+    run"). Main thread only; `train` restores the caller's handlers on return and the CLI installs
+    these again for the process's own exit (Ray's and Redis's shutdown at interpreter exit)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _after_finish)
+        signal.signal(signal.SIGINT, _after_finish)
+
+
+def _after_finish(signum, frame):
+    if not received.get("after_finish"):
+        received["after_finish"] = True
+        print(f"sparse-rl: {signal.Signals(signum).name} after the run finished: ignored (its record is complete); "
+              "finishing the shutdown, exit 0", file=sys.stderr, flush=True)
 
 
 def _interrupt(signum, frame):
@@ -343,6 +360,7 @@ def _finish(cfg: RunConfig, record, tracker: Tracker, console: Console, pool: Ac
                "accounting": accounting}
     (run_dir / "summary.json").write_text(json.dumps(finite_or_null(summary), indent=1, allow_nan=False))
     tracker.end("FINISHED")
+    ignore_stops_after_finish()   # from here on a stop would only cut the shutdown short
     console.finish(run_dir, tracker.where())
     return summary
 

@@ -138,14 +138,20 @@ def test_observations_are_cut_to_max_obs_tokens_on_either_side(smol):
     text = "one two three four five six seven eight"
     assert len(tok.encode(text, add_special_tokens=False)) == 8
     msgs = [{"role": "tool", "content": text}]
-    assert truncate_contents(tok, msgs, 3, "right") == ([{"role": "tool", "content": "one two three"}], 5)
-    assert truncate_contents(tok, msgs, 3, "left") == ([{"role": "tool", "content": " six seven eight"}], 5)
+
+    def cut(messages, n, side):
+        ids, cut = truncate_contents(smol, messages, n, side)
+        return tok.decode(ids), cut
+
+    head, tail = "\n<|im_start|>tool\n", "<|im_end|>\n<|im_start|>assistant\n"
+    assert cut(msgs, 3, "right") == (f"{head}one two three{tail}", 5)
+    assert cut(msgs, 3, "left") == (f"{head} six seven eight{tail}", 5)
     two = [{"role": "tool", "content": "one two"}, {"role": "user", "content": "three four"}]
-    assert [m["content"] for m in truncate_contents(tok, two, 3, "right")[0]] == ["one two", "three"]
-    assert [m["content"] for m in truncate_contents(tok, two, 3, "left")[0]] == [" two", "three four"]
-    assert truncate_contents(tok, msgs, 8, "right") == (msgs, 0)
+    assert cut(two, 3, "right")[0] == f"{head}one two<|im_end|>\n<|im_start|>user\nthree{tail}"
+    assert cut(two, 3, "left")[0] == f"{head} two<|im_end|>\n<|im_start|>user\nthree four{tail}"
+    assert cut(msgs, 8, "right") == (f"{head}{text}{tail}", 0)
     with pytest.raises(ValueError, match="side='middle'"):
-        truncate_contents(tok, msgs, 3, "middle")
+        truncate_contents(smol, msgs, 3, "middle")
     rollout = Rollout(smol, max_total_tokens=256, max_obs_tokens=3, obs_truncation="left")
     rollout.add_sampled([smol.eot_id])
     obs = rollout.add_observation(msgs)
@@ -163,3 +169,36 @@ def test_the_rollout_stays_within_max_total_tokens(smol):
         rollout.add_sampled([504] * 6)
     rollout.add_sampled([504] * 5)
     assert rollout.remaining == 0 and len(rollout.ids) == len(rollout.trainable) == 20
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_cut_inside_a_multibyte_character_keeps_the_observations_own_ids(smol, side):
+    # 22 ids; the 16th ends inside 🎉 and the 7th from the end starts inside 二: decoding the kept ids gives U+FFFD,
+    # which the template would re-encode as id 24211 (the defect: 0 of 8 episodes exact on CJK/emoji text)
+    text = "值 = 四十二 🙂 表格 🎉 记住"
+    own = smol.tokenizer.encode(text, add_special_tokens=False)
+    assert len(own) == 22 and 24211 not in own
+    kept = own[:16] if side == "right" else own[-16:]
+    full = Rollout(smol, max_total_tokens=256, max_obs_tokens=64)
+    full.add_sampled([smol.eot_id])
+    whole = full.add_observation([{"role": "tool", "content": text}]).ids
+    at = next(i for i in range(len(whole)) if whole[i:i + len(own)] == own)   # the content among the template's ids
+    rollout = Rollout(smol, max_total_tokens=256, max_obs_tokens=16, obs_truncation=side)
+    rollout.add_sampled([smol.eot_id])
+    obs = rollout.add_observation([{"role": "tool", "content": text}])
+    assert obs.ids == whole[:at] + kept + whole[at + len(own):]
+    assert rollout.obs_tokens_cut == 6
+
+
+def test_a_content_the_template_merges_with_its_header_is_cut_on_the_rendered_ids(smol):
+    # "tool\n" + "\n\none two ..." renders the template's newline and the content's into other ids than the
+    # content encoded alone: the content's ids are the 7 that differ from the same message with an empty content
+    msgs = [{"role": "tool", "content": "\n\none two three four five"}]
+    whole = smol.observation_ids(msgs)
+    own = smol.tokenizer.encode(msgs[0]["content"], add_special_tokens=False)
+    assert not any(whole[i:i + len(own)] == own for i in range(len(whole)))
+    ids, cut = truncate_contents(smol, msgs, 3, "right")
+    empty = smol.observation_ids([{"role": "tool", "content": ""}])
+    assert whole[:3] == empty[:3] and whole[10:] == empty[4:] and len(whole) == 16   # the content: whole[3:10]
+    assert len(whole) - len(ids) == cut == 4 and ids == whole[:6] + whole[10:]
+    assert smol.tokenizer.decode(ids) == "\n<|im_start|>tool\n\n\none<|im_end|>\n<|im_start|>assistant\n"
