@@ -79,11 +79,12 @@ def _letters(n: int) -> str:
 
 
 def _question(target: str, keys: int, hops: int, name: str) -> str:
-    """The prompt; `name` (the seed and the index in letters) makes every item's question its own (the table differs, the text would
-    not): held-out evaluation removes repeated and training questions."""
+    """The prompt; `name` (the seed and the index in letters) makes every item's question its own (the table
+    differs, the text would not): held-out evaluation removes repeated and training questions."""
     follow = (" Its entry is another key: look that key up too, and answer with the value it holds." if hops > 1
               else "")
-    return (f"A hidden table (table {name}) holds the keys K1 to K{keys}. To read an entry, write <lookup>{target}</lookup> and "
+    return (f"A hidden table (table {name}) holds the keys K1 to K{keys}. "
+            f"To read an entry, write <lookup>{target}</lookup> and "
             f"the tool answers. What is the value of {target}?{follow} Answer with the number alone.")
 
 
@@ -105,7 +106,8 @@ def tool_answer(item, key: str, pad_entries: int = 0) -> str:
     order, values drawn from 10..99), joined by "; ", the entry at a position drawn uniformly. Deterministic in the
     item's question and `key`: a key called twice gets the same answer. `item`: a lookup_items dict or an
     actors.data.Prompt of one."""
-    question, metadata = (item["question"], item["metadata"]) if isinstance(item, dict) else (item.question, item.metadata)
+    question, metadata = ((item["question"], item["metadata"]) if isinstance(item, dict)
+                          else (item.question, item.metadata))
     table = metadata["table"]
     entry = f"{key} = {table[key]}"
     if pad_entries <= 0:

@@ -111,9 +111,12 @@ def register_sglang_plugin() -> None:
     torch reference, actors/sglang_kv_backend.py), adds them to SGLang's `--attention-backend` choices and
     to its deterministic-inference list (so `sampling_seed` is honoured). SGLang calls this in every one of its
     processes before parsing server args; it imports nothing heavy until a backend is built."""
-    from sglang.srt.arg_groups.choices import (ATTENTION_BACKEND_CHOICES, DETERMINISTIC_ATTENTION_BACKEND_CHOICES,
-                                               add_attention_backend_choices,
-                                               add_deterministic_attention_backend_choices)
+    from sglang.srt.arg_groups.choices import (
+        ATTENTION_BACKEND_CHOICES,
+        DETERMINISTIC_ATTENTION_BACKEND_CHOICES,
+        add_attention_backend_choices,
+        add_deterministic_attention_backend_choices,
+    )
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
 
     names = [SPARSE_BACKEND, TORCH_SPARSE_BACKEND]
@@ -143,9 +146,10 @@ SPARSE_REQUIRED = {"disable_radix_cache": True, "chunked_prefill_size": -1, "pag
 (a compressed prefix is not the prefix's KV); no chunked prefill or mixed chunks (a prompt is compressed after
 its whole prefill); page size 1 (slots are freed one token at a time); no overlap scheduling (compression
 between steps would race the next step's scheduling); one GPU per engine (tensor/pipeline/data parallel 1);
-KV in the model dtype (no fp8); no speculative decoding; no prefill CUDA graph (SGLang 0.5.23 turns on its breakable, piecewise prefill graph by default on
-CUDA: the prefill's ring write and compression bookkeeping were never run inside one), no torch.compile and no
-breakable decode graph (`debug_cuda_graph`): only eager prefill and SGLang's full decode graph were checked."""
+KV in the model dtype (no fp8); no speculative decoding; no prefill CUDA graph (SGLang 0.5.23 turns on its breakable,
+piecewise prefill graph by default on CUDA: the prefill's ring write and compression bookkeeping were never run inside
+one), no torch.compile and no breakable decode graph (`debug_cuda_graph`): only eager prefill and SGLang's full decode
+graph were checked."""
 
 DECODE_GRAPH_BACKENDS = ("full", "disabled")
 """Decode CUDA-graph backends sparse mode accepts (`cuda_graph_backend_decode`, `cuda_graph_config`)."""
@@ -235,9 +239,11 @@ class SGLangEngine:
                 raise ValueError("compressor.budget_schedule='length' grows the budget within a trajectory: the torch "
                                  "engine only; the SGLang engine's budget is fixed per request")
             if sparse_backend not in (SPARSE_BACKEND, TORCH_SPARSE_BACKEND):
-                raise ValueError(f"sparse_backend={sparse_backend!r}: expected {SPARSE_BACKEND} | {TORCH_SPARSE_BACKEND}")
+                raise ValueError(f"sparse_backend={sparse_backend!r}: "
+                                 f"expected {SPARSE_BACKEND} | {TORCH_SPARSE_BACKEND}")
             if sparse_backend == TORCH_SPARSE_BACKEND and self.compressor_cfg.phase != "request":
-                raise ValueError(f"compressor.phase={self.compressor_cfg.phase!r}: the {TORCH_SPARSE_BACKEND} reference "
+                raise ValueError(f"compressor.phase={self.compressor_cfg.phase!r}: "
+                                 f"the {TORCH_SPARSE_BACKEND} reference "
                                  f"backend compresses in phase 'request' only; use {SPARSE_BACKEND}")
             check_sparse_settings(kwargs, sparse_backend)
             os.environ[COMPRESSOR_ENV] = json.dumps(asdict(self.compressor_cfg))
@@ -321,7 +327,8 @@ class SGLangEngine:
             if kind not in ("stop", "length"):
                 raise RuntimeError(f"SGLang finished a request with finish_reason={reason!r} (expected stop|length)")
             if self.sparse and meta.get("num_retractions"):
-                raise RuntimeError(f"SGLang retracted a request {meta['num_retractions']} time(s) (KV pool full): it was "
+                raise RuntimeError(f"SGLang retracted a request {meta['num_retractions']} time(s) (KV pool full): "
+                                   "it was "
                                    "re-prefilled and compressed from scratch, so its logp_sparse does not follow the "
                                    "compression schedule; give SGLang more KV (mem_fraction_static, max_total_tokens) "
                                    "or admit fewer requests (max_running_requests, schedule_conservativeness)")
@@ -629,8 +636,7 @@ def sglang_sender_group(master_address: str, master_port: int, world_size: int,
     under `PrefixStore(group_name)`, torch's `_new_process_group_helper(group_name=group_name)` -- so both
     ends meet. Returns the ProcessGroup; broadcast with `dist.broadcast(t, src=0, group=pg)`. Depends only on
     torch (the learner needs no SGLang). Call it concurrently with `SGLangEngine.join_weight_group`."""
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
-                                                    rendezvous)
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
     timeout = timedelta(seconds=timeout_s)
     store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size,

@@ -193,7 +193,8 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         self.pending: set[int] = set()
         self.extend_ring = None
         self.stats = {"peak_used_slots": 0, "freed_slots": 0, "compressions": 0, "pool_slots": self.allocator.size,
-                      "compression_events": 0, "last_extend_decode_step": 0, "used_at_last_extend": 0, "max_live_by_budget": {}, "self_checks": 0, "decode_steps": 0,
+                      "compression_events": 0, "last_extend_decode_step": 0, "used_at_last_extend": 0,
+                      "max_live_by_budget": {}, "self_checks": 0, "decode_steps": 0,
                       "graph_replays": 0, "graph_captures": 0, "padded_lanes_checked": 0, "stale_lanes_checked": 0,
                       "compression_calls": 0, "event_bytes_bound": 0}
         self.stats_path = os.environ.get(KV_STATS_ENV)
@@ -342,12 +343,14 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         """`group` (request rows due at one budget) split into consecutive chunks of at most
         `actors.kv_memory.event_chunk_rows` rows (`event_calls` chunks of near-equal size), so that each
         `_compress_group` call's transient device memory, bounded by `compression_event_bytes` (outside SGLang's KV
-        pool), stays under `self.event_bytes_cap` bytes (a single row above it is compressed alone). Host only (the mirror). Counts `compression_calls` and keeps the
-        largest bound of a call, `event_bytes_bound` (bytes), in the stats."""
+        pool), stays under `self.event_bytes_cap` bytes (a single row above it is compressed alone). Host only (the
+        mirror). Counts `compression_calls` and keeps the largest bound of a call, `event_bytes_bound` (bytes), in the
+        stats."""
         live, budget = int((self.seq_len[group] - self.start[group]).max()), int(budget)
         shape = (budget, self.cfg.window, self.num_head, self.kv_pool.head_num, self.head_dim, self.kv_dtype_bytes,
                  self.cfg.method)
-        chunks = np.array_split(group, event_calls(len(group), event_chunk_rows(live, *shape, cap=self.event_bytes_cap)))
+        chunks = np.array_split(group,
+                                event_calls(len(group), event_chunk_rows(live, *shape, cap=self.event_bytes_cap)))
         self.stats["compression_calls"] += len(chunks)
         self.stats["event_bytes_bound"] = max(self.stats["event_bytes_bound"],
                                               compression_event_bytes(len(chunks[0]), live, *shape))
@@ -462,8 +465,10 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         self-check's setup, not graph code)."""
         from sglang.srt.model_executor.cuda_graph_buffer_registry import build_decode_registry
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
-        from sglang.srt.model_executor.runner.base_cuda_graph_runner import (BaseCudaGraphRunner,
-                                                                             get_batch_sizes_to_capture)
+        from sglang.srt.model_executor.runner.base_cuda_graph_runner import (
+            BaseCudaGraphRunner,
+            get_batch_sizes_to_capture,
+        )
         from sglang.srt.model_executor.runner.decode_cuda_graph_runner import build_replay_fb_view
         from sglang.srt.model_executor.runner_utils.buffers import DecodeInputBuffers
 

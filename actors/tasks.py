@@ -6,10 +6,10 @@
   about half the time at the start, so GRPO has a signal (docs/results.md).
 - `count_numbers` / `count_reward`: list the numbers from a to b, one per line. The decode-regime task (the
   Sparse-RL paper's setting: the prompt, ~45 tokens with SmolLM2's chat template, fits the KV budget; the
-  response, 3-4 tokens a number and 31-46 numbers, is 3-4x longer; 800 distinct problems): what the model must keep is two facts of
-  the prompt (where to start, where to stop) and its own recent output, and what a decode-time eviction
-  loses is the stopping number, so compressed rollouts overshoot. The reward reads the whole response:
-  every missing, wrong, repeated or extra number and every word that is not a number costs.
+  response, 3-4 tokens a number and 31-46 numbers, is 3-4x longer; 800 distinct problems): what the model must
+  keep is two facts of the prompt (where to start, where to stop) and its own recent output, and what a decode-time
+  eviction loses is the stopping number, so compressed rollouts overshoot. The reward reads the whole response: every
+  missing, wrong, repeated or extra number and every word that is not a number costs.
 - `digits` / `digits_reward`: write as many digit characters as possible. Learnable by a tiny random model in
   a few dozen steps (tiny-char preset model): the learning test's task (tests/deploy/test_learning.py).
 - The multi-turn lookup task (a hidden key/value table read through a `<lookup>K7</lookup>` tool) lives in

@@ -31,12 +31,14 @@ import torch
 import torch.nn.functional as F
 
 from actors.engine import Sample, SamplingParams, check_sampling
+
+# COMPACT_CHUNK: slots moved per step of the in-place compaction (the only extra K/V memory an eviction needs);
+# actors/kv_memory.py predicts this engine's KV bytes.
+from actors.kv_memory import COMPACT_CHUNK
 from compressors import Compressor, CompressorConfig, accumulate_attention, build_compressor, gather_kv
 from compressors.budget import length_budget
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
-from actors.kv_memory import COMPACT_CHUNK  # noqa: E402  slots moved per step of the in-place compaction
-# (the only extra K/V memory an eviction needs); actors/kv_memory.py predicts this engine's KV bytes.
 
 
 class TorchEngine:
@@ -145,10 +147,10 @@ class TorchEngine:
         kv_budgets: one budget (tokens) per prompt, or None for `compressor_cfg.kv_budget` everywhere (issue 13:
             schedules, controller, difficulty tiers). With `compressor_cfg.budget_schedule` length (issue 22) it
             is the start budget: after t generated tokens every compression keeps
-            compressors.budget.length_budget(cfg, start, t) slots, and the cache is allocated for the largest. Prompts with equal budgets are decoded together; each
-            distinct budget gets its own sub-batch with its own cache of `budget + interval` slots, so every
-            row is exact for, and its KV bytes bounded by, its own budget (sub-batches run one after another;
-            with several, sub-batch k samples with seed `params.seed + k`).
+            compressors.budget.length_budget(cfg, start, t) slots, and the cache is allocated for the largest.
+            Prompts with equal budgets are decoded together; each distinct budget gets its own sub-batch with its own
+            cache of `budget + interval` slots, so every row is exact for, and its KV bytes bounded by, its own budget
+            (sub-batches run one after another; with several, sub-batch k samples with seed `params.seed + k`).
         episodes: one key per prompt (params.n must be 1): multi-turn, the episode's cache is kept after the call
             (compressed or dense, as it is when the turn ends) until `release_episodes`. For a key the engine does
             not hold the prompt starts the episode; for a key it holds the prompt is the ids appended since the
@@ -177,7 +179,8 @@ class TorchEngine:
         records = []
         for k, budget in enumerate(distinct):
             index = [i for i, b in enumerate(kv_budgets) if int(b) == budget]
-            sub = params if len(distinct) == 1 or params.seed is None else dataclasses.replace(params, seed=params.seed + k)
+            sub = (params if len(distinct) == 1 or params.seed is None
+                   else dataclasses.replace(params, seed=params.seed + k))
             keys = None if episodes is None else [episodes[i] for i in index]
             for i, samples in zip(index, self._generate([prompts[i] for i in index], sub, self.compressor_for(budget),
                                                         keys)):
@@ -219,8 +222,8 @@ class TorchEngine:
         """`generate` of one batch with one compressor (one budget); `keys`: the rows' episodes (n = 1), or None."""
         cc = compressor.cfg
         compress = cc.method != "full"
-        n_layers, hkv, hd = self.num_layers, self.kv_heads, self.head_dim
-        dev, dtype = self.device, self.model.dtype
+        hkv, hd = self.kv_heads, self.head_dim
+        dev = self.device
         G, max_new = params.n, params.max_new_tokens
 
         rows = [p for p in prompts for _ in range(G)]
@@ -408,7 +411,8 @@ class TorchEngine:
                 if n:                                        # extend the kept cache in place
                     for name, t in slots.items():
                         c[name][:, :, n:n + q] = t
-                    old_seen = c["valid"][:, :, None, :n] & key_valid[:, None, :, None]   # pad queries see only themselves
+                    # pad queries see only themselves
+                    old_seen = c["valid"][:, :, None, :n] & key_valid[:, None, :, None]
                     visible = torch.cat([old_seen, visible.expand(R, self.kv_heads, q, q)], -1)
                     slots = {name: t[:, :, :n + q] for name, t in c.items() if name != "mass"}
             else:
@@ -512,7 +516,8 @@ def _rebased(evicted_at: torch.Tensor, shift: int) -> torch.Tensor:
     return torch.where(evicted_at == never, never, evicted_at + shift)
 
 
-def sample_eviction_steps(evicted_at: torch.Tensor, prompt_width: int, prompt_len: int, response_len: int) -> np.ndarray:
+def sample_eviction_steps(evicted_at: torch.Tensor, prompt_width: int, prompt_len: int,
+                          response_len: int) -> np.ndarray:
     """One row's eviction record cut to its own tokens and re-based: `evicted_at` int64 [layers, Hkv, P + max_new]
     (column of the first query that no longer sees each key column, int64 max = never) -> uint16 [layers, heads,
     prompt_len + response_len], the response tokens generated when each key was evicted (a prompt compressed at

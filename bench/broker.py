@@ -30,8 +30,8 @@ sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(
 
 from broker.config import BrokerConfig
 from broker.redis_server import LocalRedis
-from broker.schema import SampleRecord, TrajectoryGroup, decode_group, encode_group
 from broker.run_state import key
+from broker.schema import SampleRecord, TrajectoryGroup, decode_group, encode_group
 from broker.streams import GroupConsumer, GroupProducer, connect
 
 SIZES = {"16KB": 16 << 10, "256KB": 256 << 10, "2MB": 2 << 20}

@@ -112,7 +112,7 @@ def bench_shape(name: str, batch: int, kv_budget: int, interval: int, window: in
         compressor = build_compressor(CompressorConfig(method=method, kv_budget=kv_budget, window=window,
                                                        interval=interval))
 
-        def event():
+        def event(compressor=compressor):  # bound: timed in this iteration
             with torch.inference_mode():
                 keep_idx = compressor.select(keys, queries, valid, attn_mass)
                 out = [gather_kv(t, keep_idx) for t in (keys, values, valid)]
@@ -127,7 +127,8 @@ def bench_shape(name: str, batch: int, kv_budget: int, interval: int, window: in
             k576 = keys[:, :, :kv_budget + interval // 2]
             mass576 = attn_mass[:, :, :kv_budget + interval // 2 - 1]
 
-            def h2o_step():  # the probabilities sdpa does not return, and their accumulation
+            # the probabilities sdpa does not return, and their accumulation (defaults bind this iteration's tensors)
+            def h2o_step(q1=q1, k576=k576, mass576=mass576):
                 with torch.inference_mode():
                     logits = torch.matmul(q1.view(batch, kv_heads, -1, head_dim), k576.transpose(-1, -2))
                     probs = (logits / math.sqrt(head_dim)).softmax(-1).view(batch, q_heads, 1, -1)

@@ -12,9 +12,9 @@ with the length (the copy task compresses its prompt at prefill instead). Temper
 1. Preflight: for several configs, the preflight's predicted peak KV bytes per sequence (deploy/preflight.py,
    actors/kv_memory.py) against the torch engine's measured peak (`Sample.kv_peak_bytes`).
 2. Exact vs top-k: the fixed arm's batch of step --exact-step (same prompts and seed), sampled dense and under
-   R-KV --kv-budget, each with the whole vocabulary's log-probs (topk_logprobs = vocab size); the exact alpha_t = sum_x min(p, q) against the bounds from its first K
-   entries (K = the actors' top-k and --exact-k): p5 of exact and of each bound, max per-token gap of each bound,
-   the mean mass outside the top K.
+   R-KV --kv-budget, each with the whole vocabulary's log-probs (topk_logprobs = vocab size); the exact alpha_t =
+   sum_x min(p, q) against the bounds from its first K entries (K = the actors' top-k and --exact-k): p5 of exact
+   and of each bound, max per-token gap of each bound, the mean mass outside the top K.
 3. Controller vs fixed: each step samples prompts_per_step prompts x G samples with the real torch engine at the
    step's budget and the actors' top-k log-probs (20: what the project sends with the controller on), recomputes
    the dense log-probs teacher-forced (pi_old; the weights are frozen here, so the mismatch is compression only,
@@ -36,9 +36,10 @@ Prints tables, then ONE JSON object as the last line:
   accept_exact_vs_topk_max_abs             R-KV batch: max over tokens of |exact alpha - lower bound from the top K|
                                            (K = the actors' 20); _upper_max_abs the same for the upper bound
   accept_exact_p5, _p5_lower, _p5_upper    R-KV batch: p5 of the exact alpha and of the two bounds (K = 20)
-  replay_accept_exact_p5 / _mean           R-KV batch: the learner's accept_exact (issue 34: q from a forward that replays
-                                           each sample's eviction record), and _max_abs_vs_engine, its largest
-                                           per-token gap to the engine's own whole-vocabulary alpha (exact: ~1e-6)
+  replay_accept_exact_p5 / _mean           R-KV batch: the learner's accept_exact (issue 34: q from a forward that
+                                           replays each sample's eviction record), and _max_abs_vs_engine, its
+                                           largest per-token gap to the engine's own whole-vocabulary alpha
+                                           (exact: ~1e-6)
   accept_controller_target_met_fraction    controlled arm: steps after warm-up with the metric >= target (>= 0.8)
   accept_controller_kv_bytes_vs_fixed      controlled / fixed arm, mean KV bytes per sequence (peak given too)
   length_schedule_accept_p5_spread         max - min across position buckets of accept_p5 (lower bound), length
@@ -68,6 +69,7 @@ from actors.torch_engine import TorchEngine  # noqa: E402
 from compressors.budget import length_budget  # noqa: E402
 from learner.acceptance import acceptance_bounds, acceptance_metrics  # noqa: E402
 from learner.budget_control import BudgetController  # noqa: E402
+
 
 def dense_topk(model, samples, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Teacher-forced dense log-probs (pi_old) at each sample's top-k tokens: (logq, logp, mask) with
@@ -176,7 +178,8 @@ def run_arm(name, engine, model, prompts, reward, *, steps, prompts_per_step, G,
         b = controller.budget if controller is not None else budget
         params = SamplingParams(temperature=temperature, max_new_tokens=max_new, n=G, seed=seed + step,
                                 topk_logprobs=topk)
-        groups = engine.generate([p.prompt_ids for p in batch], params, kv_budgets=None if b is None else [b] * len(batch))
+        groups = engine.generate([p.prompt_ids for p in batch], params,
+                                 kv_budgets=None if b is None else [b] * len(batch))
         record = engine.last_eviction_record if b is None else engine.last_eviction_records[0]
         samples = [s for g in groups for s in g]
         rewards = [reward(engine.tokenizer.decode(s.response_ids, skip_special_tokens=True), s.response_ids, p).reward
@@ -407,7 +410,8 @@ def main() -> None:
                   target=args.target, kv_bytes_per_token=per_token, metric=metric)
 
     ks = sorted({topk, *(int(k) for k in args.exact_k.split(","))})
-    print(f"2. exact vs top-K (K = {ks}): the fixed arm's step-{args.exact_step} batch of {cfg.model} on {a.data.function}, dense and {compressor.method} "
+    print(f"2. exact vs top-K (K = {ks}): the fixed arm's step-{args.exact_step} batch of {cfg.model} "
+          f"on {a.data.function}, dense and {compressor.method} "
           f"budget {args.kv_budget}, temperature {temperature}, {max_new} new tokens", flush=True)
     dense_engine = TorchEngine(model, tok, dataclasses.replace(compressor, method="full"))
     step = args.exact_step
@@ -436,7 +440,8 @@ def main() -> None:
     schedule = dataclasses.replace(compressor, budget_schedule="length", budget_growth=args.growth,
                                    kv_budget_final=args.length_cap)
     schedule.validate()
-    print(f"4. length schedule {args.kv_budget} + {args.growth}/token up to {args.length_cap} vs the constant budget of "
+    print(f"4. length schedule {args.kv_budget} + {args.growth}/token up to {args.length_cap} "
+          f"vs the constant budget of "
           f"its mean over the tokens it generated: {args.length_steps} steps; p5 per {args.bucket}-token bucket of "
           "response positions", flush=True)
     length_rows, length_buckets, lengths = run_arm("length", TorchEngine(model, tok, schedule, record_evictions=True),

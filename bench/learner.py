@@ -3,9 +3,9 @@
 Same random Llama (hidden 256, 4 layers, vocab 8192, fp32, CPU, 1 thread) and the same batch (2 groups x 4
 samples, prompt 32 + response 64 tokens) for both:
 
-    ours:     Learner.step (DeepSpeed, ZeRO stage of LearnerConfig or --zero-stage, gloo): collate, no-grad recompute of logp_old over micro-batches
-              of 4, Sparse-RL correction, GRPO loss, forward/backward per micro-batch, gradient clipping,
-              AdamW step, metrics
+    ours:     Learner.step (DeepSpeed, ZeRO stage of LearnerConfig or --zero-stage, gloo): collate, no-grad
+              recompute of logp_old over micro-batches of 4, Sparse-RL correction, GRPO loss, forward/backward per
+              micro-batch, gradient clipping, AdamW step, metrics
     baseline: plain torch: no-grad recompute forward over micro-batches of 4, forward/backward per
               micro-batch with a policy-gradient loss on the same tokens, clip_grad_norm_, torch AdamW step
 
@@ -136,7 +136,7 @@ def main() -> None:
           f"1 thread, median of {steps}")
     print(f"{'':>30} {'tokens/s':>10}")
     print(f"{f'ours (ZeRO-{args.zero_stage}), two-pass':>30} {tps['ours']:>10.1f}")
-    print(f"{f'ours, fused logp_old' + ('' if fused_on else ' (not fusable)'):>30} {tps['fused']:>10.1f}")
+    print(f"{'ours, fused logp_old' + ('' if fused_on else ' (not fusable)'):>30} {tps['fused']:>10.1f}")
     print(f"{'plain torch':>30} {tps['plain']:>10.1f}")
     result = {"bench": "learner", "zero_stage": args.zero_stage, "tokens_per_step": tokens,
               "ours_tokens_per_s": round(tps["ours"], 2), "plain_torch_tokens_per_s": round(tps["plain"], 2),
@@ -186,9 +186,11 @@ def compare_ranks(groups: list[TrajectoryGroup], steps: int, tokens: int) -> dic
     per_rank = max(s["total"] for s in state[2])
     speed = statistics.median(a / b for a, b in zip(times[1], times[2]))
     two = " / ".join(f"{s['total'] / 2**20:.1f}" for s in state[2])
-    print(f"ZeRO-3 fp32, state bytes per rank (parameters + gradients + optimizer state): 1 rank {one / 2**20:.1f} MiB, "
+    print(f"ZeRO-3 fp32, state bytes per rank (parameters + gradients + optimizer state): "
+          f"1 rank {one / 2**20:.1f} MiB, "
           f"2 ranks {two} MiB")
-    print(f"step tokens/s: 1 rank {tokens / statistics.median(times[1]):.1f}, 2 ranks {tokens / statistics.median(times[2]):.1f}")
+    print(f"step tokens/s: 1 rank {tokens / statistics.median(times[1]):.1f}, "
+          f"2 ranks {tokens / statistics.median(times[2]):.1f}")
     return {"zero3_state_bytes_rank1": one, "zero3_state_bytes_per_rank_ranks2": per_rank,
             "zero3_state_bytes_per_rank_ratio": round(per_rank / one, 4), "zero3_state_bytes_target": 0.55,
             "rank1_tokens_per_s": round(tokens / statistics.median(times[1]), 2),

@@ -67,7 +67,8 @@ def value_span(template, item: dict, obs: list[int]) -> tuple[int, int]:
     tok = template.tokenizer
     for start in range(len(obs)):
         for end in range(start + 1, min(len(obs), start + 6) + 1):
-            if tok.decode(obs[start:end]).strip() == item["answer"] and tok.decode(obs[max(0, start - 3):start]).rstrip().endswith("="):
+            if (tok.decode(obs[start:end]).strip() == item["answer"]
+                    and tok.decode(obs[max(0, start - 3):start]).rstrip().endswith("=")):
                 return start, end
     raise RuntimeError("the value is not in the first observation")
 
@@ -75,7 +76,7 @@ def value_span(template, item: dict, obs: list[int]) -> tuple[int, int]:
 def run(engine, prompts, obs, params, kept: bool) -> dict:
     """Every episode of the batch through all its turns: per turn the peak KV bytes (per episode), sampled tokens,
     seconds; the last turn's samples (their eviction records)."""
-    R, keys = len(prompts), [f"e{i}" for i in range(len(prompts))]
+    keys = [f"e{i}" for i in range(len(prompts))]
     history = [list(p) for p in prompts]
     peaks, tokens, secs, starts, last = [], 0, 0.0, [], None
     for k in range(len(obs[0]) + 1):
@@ -169,7 +170,8 @@ def main() -> None:
     for name in results:
         print(f"{name:>12}: {results[name]['tokens_per_s']:8.1f} sampled tokens/s")
     for name, (seen, kept) in vis.items():
-        print(f"{name:>12}: value tokens seen by turn 2's first {args.interval} queries {seen:.3f}, still visible at the "
+        print(f"{name:>12}: value tokens seen by turn 2's first {args.interval} queries {seen:.3f}, "
+              f"still visible at the "
               f"end {kept:.3f}")
     d, s = results["dense"]["peaks"], results["sparse"]["peaks"]
     print(json.dumps({

@@ -126,7 +126,8 @@ def main() -> None:
     lc = LearnerConfig(**{**vars(cfg.learner), "policy_target": "sparse", "checkpoint_dir": ""})
     m = Learner(model_path, lc).step(groups, [0] * len(groups))
     del first
-    result.update(replay_logp_max_abs_first_step=m["replay_logp_max_abs"], replay_dense_gap_max=m["replay_dense_gap_max"],
+    result.update(replay_logp_max_abs_first_step=m["replay_logp_max_abs"],
+                  replay_dense_gap_max=m["replay_dense_gap_max"],
                   accept_exact_mean=m["accept_exact_mean"], mismatch_kl=m["mismatch_kl"])
     for k, v in result.items():
         print(f"{k:34s} {v}")

@@ -91,7 +91,8 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else args.device, "dtype": args.dtype,
               "layers": cfg.num_hidden_layers, "batch": B, "tokens": P + T, "budget": args.budget,
               "replay_logp_max_abs_flex_vs_sdpa": logp_gap, "logp_ok": logp_gap <= logp_tol,
-              "sdpa_s": round(sdpa_s, 4), "flex_s": round(flex_s, 4), "flex_vs_sdpa_time_ratio": round(flex_s / sdpa_s, 3),
+              "sdpa_s": round(sdpa_s, 4), "flex_s": round(flex_s, 4),
+              "flex_vs_sdpa_time_ratio": round(flex_s / sdpa_s, 3),
               "grad": grad}
     if grad:
         rel = float((got_g - ref_g).norm() / ref_g.norm())

@@ -52,7 +52,8 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-dir", default=os.environ.get("SPARSE_RL_GPU_CHECK_MODEL", "/tmp/sparse-rl-qwen2.5-1.5b-random"))
+    p.add_argument("--model-dir",
+                   default=os.environ.get("SPARSE_RL_GPU_CHECK_MODEL", "/tmp/sparse-rl-qwen2.5-1.5b-random"))
     p.add_argument("--batch", type=int, default=64, help="prompts per run (1 sample each)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--response-len", type=int, default=4096)
@@ -88,7 +89,8 @@ def model_info(tiny: bool) -> dict:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     with torch.device("meta"):
         params = sum(p.numel() for p in Qwen2ForCausalLM(cfg).parameters())
-    return {"params": params, "kv_bytes_per_token_bf16": 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2}
+    return {"params": params,
+            "kv_bytes_per_token_bf16": 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2}
 
 
 def build_model(model_dir: Path, tiny: bool, device: str) -> None:

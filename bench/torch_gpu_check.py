@@ -64,7 +64,8 @@ def build(args, device):
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2ForCausalLM(cfg).to(dtype).eval()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"w0": 0, "w1": 1}, unk_token="w0")))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"w0": 0, "w1": 1}, unk_token="w0")))
     return model, tokenizer, cfg
 
 

@@ -136,7 +136,8 @@ class LocalRedis:
         lines = [
             "bind 127.0.0.1", f"port {self.port}", f"dir {self.data_dir}", 'save ""', "daemonize no",
             f"appendonly {'yes' if self.appendonly else 'no'}", f"appendfsync {self.appendfsync}",
-            f"logfile {os.path.join(self.data_dir, 'redis.log')}", f"pidfile {os.path.join(self.data_dir, 'redis.pid')}",
+            f"logfile {os.path.join(self.data_dir, 'redis.log')}",
+            f"pidfile {os.path.join(self.data_dir, 'redis.pid')}",
         ]
         if self.password:
             lines.append(f"requirepass {self.password}")

@@ -4,34 +4,39 @@ Every key is `sparse-rl:{run_id}:{name}` (`key`). Accessors take a redis-py clie
 caller can put several of them into one transaction. This module imports only redis: `sparse-rl scale` stays
 light (no Ray, no torch).
 
-| name                      | type    | writer                                         | readers                          |
-|---------------------------|---------|------------------------------------------------|----------------------------------|
-| `{broker.stream}`         | stream  | actors (GroupProducer, admission publish)      | learner (GroupConsumer)          |
-| `{broker.dead_letter_stream}` | stream | learner (GroupConsumer: invalid messages)   | operators                        |
-| `consumed`                | set     | learner (commit; restored at start)            | learner (duplicate check)        |
-| `counts`                  | hash    | producers, consumer, admission scripts, resume | learner (step report), driver    |
-| `actor_counts`            | hash    | actors (in each publish's transaction)         | driver (step metrics, accounting) |
-| `learner_version`         | int     | learner (start, every commit)                  | actors, consumer, admission, scale |
-| `kv_budget`               | int     | learner (budget controller)                    | actors (every batch)             |
-| `budget_log`              | list    | learner (one JSON line per step)               | driver (budget_log.jsonl)        |
-| `prompt_confidence`       | hash    | actors (difficulty tiers)                      | actors                           |
-| `prompt_cursor`           | int     | actors (INCRBY), learner (resume)              | actors                           |
-| `prompt_redo`             | list    | learner (resume), admission scripts (a claim that ended unpublished) | actors (LPOP) |
-| `generation_paused`       | flag    | driver (evaluation before training)            | actors                           |
-| `actors_target`           | int     | driver, `sparse-rl scale`                      | driver (after every step)        |
-| `admission:pending`       | hash    | admission scripts, consumer (settle)           | admission scripts                |
-| `admission:claims`        | hash    | admission scripts                              | admission scripts                |
-| `admission:expiry`        | zset    | admission scripts                              | admission scripts                |
-| `admission:claim_prompts` | hash    | actors (take_prompt_indices under a claim), admission scripts | admission scripts |
-| `admission:step_capacity` | int     | learner (open_pool, every commit)              | admission claim script           |
-| `admission:last_version`  | int     | learner (open_pool)                            | admission                        |
-| `reply`                   | string  | the scripts that publish, claim or take prompts: `reply:<call id>`, their reply, kept REPLY_TTL_S | the same call, retried after its reply was lost |
-| `phases`                  | hash    | rollout actors, learner ranks (at each change of phase: set_phase) | driver (its wait lines: read_phases) |
+| name                      | type   | writer                                     | readers                            |
+|---------------------------|--------|--------------------------------------------|------------------------------------|
+| `{broker.stream}`         | stream | actors (GroupProducer, admission publish)  | learner (GroupConsumer)            |
+| `{broker.dead_letter_stream}` | stream | learner (GroupConsumer: invalid messages) | operators                       |
+| `consumed`                | set    | learner (commit; restored at start)        | learner (duplicate check)          |
+| `counts`                  | hash   | producers, consumer, admission scripts, resume | learner (step report), driver  |
+| `actor_counts`            | hash   | actors (in each publish's transaction)     | driver (step metrics, accounting)  |
+| `learner_version`         | int    | learner (start, every commit)              | actors, consumer, admission, scale |
+| `kv_budget`               | int    | learner (budget controller)                | actors (every batch)               |
+| `budget_log`              | list   | learner (one JSON line per step)           | driver (budget_log.jsonl)          |
+| `prompt_confidence`       | hash   | actors (difficulty tiers)                  | actors                             |
+| `prompt_cursor`           | int    | actors (INCRBY), learner (resume)          | actors                             |
+| `prompt_redo`             | list   | learner (resume), admission scripts (a     | actors (LPOP)                      |
+|                           |        | claim that ended unpublished)              |                                    |
+| `generation_paused`       | flag   | driver (evaluation before training)        | actors                             |
+| `actors_target`           | int    | driver, `sparse-rl scale`                  | driver (after every step)          |
+| `admission:pending`       | hash   | admission scripts, consumer (settle)       | admission scripts                  |
+| `admission:claims`        | hash   | admission scripts                          | admission scripts                  |
+| `admission:expiry`        | zset   | admission scripts                          | admission scripts                  |
+| `admission:claim_prompts` | hash   | actors (take_prompt_indices under a        | admission scripts                  |
+|                           |        | claim), admission scripts                  |                                    |
+| `admission:step_capacity` | int    | learner (open_pool, every commit)          | admission claim script             |
+| `admission:last_version`  | int    | learner (open_pool)                        | admission                          |
+| `reply`                   | string | the scripts that publish, claim or take    | the same call, retried after its   |
+|                           |        | prompts: `reply:<call id>`, their reply,   | reply was lost                     |
+|                           |        | kept REPLY_TTL_S                           |                                    |
+| `phases`                  | hash   | rollout actors, learner ranks (at each     | driver (its wait lines:            |
+|                           |        | change of phase: set_phase)                | read_phases)                       |
 
 `counts` fields: produced, consumed, groups_filtered, dropped_stale, dead_lettered, duplicates, reclaimed, and
-the admission counters admitted, claims_expired, claimed_returned, prompts_redone; each changed in the same transaction as
-the operation it counts (broker/streams.py, broker/admission.py), so produced == consumed + groups_filtered +
-dropped_stale + dead_lettered + duplicates + queue depth.
+the admission counters admitted, claims_expired, claimed_returned, prompts_redone; each changed in the same
+transaction as the operation it counts (broker/streams.py, broker/admission.py), so produced == consumed +
+groups_filtered + dropped_stale + dead_lettered + duplicates + queue depth.
 
 `actor_counts` fields: rollout_groups, reward_errors (samples whose reward function raised), tier/<tier>/groups,
 each added in the transaction that publishes the groups they count (broker/streams.py publish_many), and
@@ -96,7 +101,8 @@ REPLY_TTL_S = 3600
 """How long a script's recorded reply (`reply:<call id>`) is kept, seconds: far beyond any retry of that call
 (broker.retry_s is at most 600)."""
 NOT_RETRIED = (redis.AuthenticationError, redis.exceptions.AuthorizationError, redis.exceptions.MaxConnectionsError)
-"""ConnectionErrors in redis-py that waiting does not mend (a wrong or missing password, a full pool): raised at once."""
+"""ConnectionErrors in redis-py that waiting does not mend (a wrong or missing password, a full pool): raised at
+once."""
 
 
 def retry_attempts(retry_s: float) -> int:

@@ -74,7 +74,8 @@ class SchemaError(ValueError):
     the dead letter (schema_version, not_msgpack, missing_field, bad_field, bad_dtype, bad_shape,
     length_mismatch, too_many_tokens, bad_token_id, message_too_large, logp_not_finite, logp_positive (both
     also for topk_logprobs),
-    reward_not_finite, no_samples; the consumer adds run_id_mismatch and no_eviction_record); the message names field and sample."""
+    reward_not_finite, no_samples; the consumer adds run_id_mismatch and no_eviction_record); the message names
+    field and sample."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
@@ -181,10 +182,10 @@ def _views(data: bytes, offset: int, counts: dict[str, int]) -> dict[str, np.nda
 
 
 def encode_group(group: TrajectoryGroup, max_response_tokens: int = 32768, max_prompt_tokens: int = 32768) -> bytes:
-    """TrajectoryGroup -> message bytes (msgpack header + raw arrays, layout above); never pickle. Token ids may come as any integer
-    dtype in [0, 2**31) and are sent as int32, `logp_sparse` as any float dtype, sent as float32. The same
-    rules as decode_group are checked first, so a bad group fails at the actor, not at the learner. The
-    arrays are copied once, into the message. Raises SchemaError."""
+    """TrajectoryGroup -> message bytes (msgpack header + raw arrays, layout above); never pickle. Token ids may
+    come as any integer dtype in [0, 2**31) and are sent as int32, `logp_sparse` as any float dtype, sent as
+    float32. The same rules as decode_group are checked first, so a bad group fails at the actor, not at the
+    learner. The arrays are copied once, into the message. Raises SchemaError."""
     if not group.samples:
         raise SchemaError("no_samples", f"group {group.group_id!r} has no samples")
     topk = _topk_width(group.samples)
@@ -201,7 +202,8 @@ def encode_group(group: TrajectoryGroup, max_response_tokens: int = 32768, max_p
             a = np.asarray(getattr(s, name))
             if a.shape != (len(arrays["response_ids"][i]), topk):
                 raise SchemaError("length_mismatch", f"samples[{i}].{name} has shape {a.shape}, expected "
-                                                     f"[len(response_ids), topk] = [{len(arrays['response_ids'][i])}, {topk}]")
+                                                     f"[len(response_ids), topk] = "
+                                                     f"[{len(arrays['response_ids'][i])}, {topk}]")
             if name == "topk_logprobs" and a.dtype.kind == "f":  # below float16's range: its lowest value (p ~ 0)
                 a = np.maximum(a, _FP16_LOWEST)
             arrays[name].append(_wire_array(a.reshape(-1), dtype, f"samples[{i}].{name}"))
@@ -296,7 +298,8 @@ def _decode_eviction(msg: dict, data: bytes, offset: int, lens: dict[str, list[i
         except zlib.error as e:
             raise SchemaError("bad_shape", f"samples[{i}].eviction_steps: {e}") from None
         if len(raw) != 2 * layers * h * width:
-            raise SchemaError("bad_shape", f"samples[{i}].eviction_steps: {len(raw)} bytes for [{layers}, {h}, {width}]")
+            raise SchemaError("bad_shape",
+                              f"samples[{i}].eviction_steps: {len(raw)} bytes for [{layers}, {h}, {width}]")
         steps = np.frombuffer(raw, dtype="<u2").reshape(layers, h, width)
         late = (steps != 65535) & (steps > lens["response_lens"][i])
         if late.any():
@@ -381,10 +384,11 @@ def _array_counts(msg: dict, offset: int, size: int) -> tuple[dict[str, int], in
 
 def decode_group(data: bytes, max_message_bytes: int = 64 * 1024 * 1024, max_response_tokens: int = 32768,
                  max_prompt_tokens: int = 32768) -> TrajectoryGroup:
-    """Message bytes (layout above) -> TrajectoryGroup, validated: size <= max_message_bytes, schema version, every field
-    and its type, dtypes, shapes and len(logp_sparse) == len(response_ids) per sample, then the content
+    """Message bytes (layout above) -> TrajectoryGroup, validated: size <= max_message_bytes, schema version, every
+    field and its type, dtypes, shapes and len(logp_sparse) == len(response_ids) per sample, then the content
     rules (token limits, ids >= 0, logp_sparse and topk_logprobs finite and <= 0, finite rewards); top-k arrays
-    come back as [T, K] views (topk_logprobs float16), trainable masks as uint8 [T] (None when the group sends none), eviction records as uint16 [layers, heads, P + T]. The arrays are read-only
+    come back as [T, K] views (topk_logprobs float16), trainable masks as uint8 [T] (None when the group sends
+    none), eviction records as uint16 [layers, heads, P + T]. The arrays are read-only
     numpy views on the message (copy before writing in place). Raises SchemaError; never unpickles."""
     if len(data) > max_message_bytes:
         raise SchemaError("message_too_large", f"{len(data)} bytes > max_message_bytes = {max_message_bytes}")

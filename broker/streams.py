@@ -111,7 +111,8 @@ for i = 4, #ARGV, 7 do
     added[counter] = added[counter] + 1
     if d ~= '' then redis.call('HINCRBY', KEYS[4], d, -1) end
     if ARGV[i + 4] ~= '' then
-      redis.call('XADD', KEYS[5], '*', 'reason', ARGV[i + 4], 'detail', ARGV[i + 5], 'msg_id', id, 'payload', ARGV[i + 6])
+      redis.call('XADD', KEYS[5], '*', 'reason', ARGV[i + 4], 'detail', ARGV[i + 5], 'msg_id', id, \
+'payload', ARGV[i + 6])
     end
   end
 end

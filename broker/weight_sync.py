@@ -78,7 +78,8 @@ class _GroupMember:
         self.store = dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False, timeout=self.timeout,
                                    master_listen_fd=listen_fd)
         self.host, self.port = host, self.store.port
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
+                       else torch.device("cpu"))
         self.group = None
         self.generation, self.rank, self.world_size = -1, -1, 0
 
@@ -313,7 +314,8 @@ class WeightReceiver(_GroupMember):
             self.store.set(f"reject/{self.generation}/{version}/{self.rank}", "; ".join(problems))
         rejected = self._vote(bool(problems))
         if problems:
-            raise ValueError(f"weight sync version {version}: manifest does not match the model: " + "; ".join(problems))
+            raise ValueError(f"weight sync version {version}: manifest does not match the model: "
+                             + "; ".join(problems))
         if rejected:
             raise ValueError(f"weight sync version {version} aborted: rank(s) {rejected} rejected the manifest")
 

@@ -60,7 +60,8 @@ class CompressorConfig:
     turn's first compression event, its `interval`-th generated token, when the last `window` generated queries
     have attended to it. So every generated token of the turn's first `interval` sees the whole observation, and
     an episode's peak holds kv_budget + interval + the longest prefill slots. false: the observation is compressed
-    with the rest at its prefill, as a prompt longer than the budget is (the measured baseline, bench/multiturn_kv.py)."""
+    with the rest at its prefill, as a prompt longer than the budget is (the measured baseline,
+    bench/multiturn_kv.py)."""
 
 
     # --- budget control (issue 13; seed 002 §5.2; Sparrow, arXiv 2606.08446) -------------------------------
@@ -175,13 +176,16 @@ class CompressorConfig:
 
     def _validate_budget_control(self) -> None:
         if self.budget_schedule not in SCHEDULES:
-            raise ValueError(f"compressor.budget_schedule={self.budget_schedule!r} is unknown; expected one of {SCHEDULES}")
+            raise ValueError(f"compressor.budget_schedule={self.budget_schedule!r} is unknown; "
+                             f"expected one of {SCHEDULES}")
         if self.budget_control not in CONTROLS:
-            raise ValueError(f"compressor.budget_control={self.budget_control!r} is unknown; expected one of {CONTROLS}")
+            raise ValueError(f"compressor.budget_control={self.budget_control!r} is unknown; "
+                             f"expected one of {CONTROLS}")
         if self.budget_tiers not in TIERS:
             raise ValueError(f"compressor.budget_tiers={self.budget_tiers!r} is unknown; expected one of {TIERS}")
         if self.budget_metric not in ("", *BUDGET_METRICS):
-            raise ValueError(f"compressor.budget_metric={self.budget_metric!r} is unknown; expected one of {BUDGET_METRICS}")
+            raise ValueError(f"compressor.budget_metric={self.budget_metric!r} is unknown; "
+                             f"expected one of {BUDGET_METRICS}")
         if self.budget_schedule == "length" and not (self.kv_budget_final > self.kv_budget and self.budget_growth > 0):
             raise ValueError(f"compressor.budget_schedule='length' needs compressor.kv_budget_final="
                              f"{self.kv_budget_final} > compressor.kv_budget={self.kv_budget} (the cap) and "
@@ -228,6 +232,6 @@ class CompressorConfig:
                     dataclasses.replace(self, kv_budget=extreme, budget_schedule="constant", budget_control="off",
                                         budget_tiers="off").validate()
                 except ValueError as e:
-                    raise ValueError(f"{e} (kv_budget={extreme} is the "
-                                     f"{'smallest' if extreme == lo else 'largest'} budget this run can use, from "
-                                     "compressor.kv_budget_final / kv_budget_min / kv_budget_max / tier_scales)") from None
+                    raise ValueError(f"{e} (kv_budget={extreme} is the {'smallest' if extreme == lo else 'largest'} "
+                                     "budget this run can use, from compressor.kv_budget_final / kv_budget_min / "
+                                     "kv_budget_max / tier_scales)") from None

@@ -20,8 +20,14 @@ from omegaconf.errors import OmegaConfBaseException
 
 from actors.rollout_config import ActorsConfig, EvalConfig, RolloutConfig
 from broker.config import BrokerConfig
-from deploy.model_cache import (SMOLLM2, SMOLLM2_COUNT_WARM, SMOLLM2_LOOKUP_STRESS_WARM, SMOLLM2_LOOKUP_WARM, TINY_CHAR,
-                                TINY_LLAMA)
+from deploy.model_cache import (
+    SMOLLM2,
+    SMOLLM2_COUNT_WARM,
+    SMOLLM2_LOOKUP_STRESS_WARM,
+    SMOLLM2_LOOKUP_WARM,
+    TINY_CHAR,
+    TINY_LLAMA,
+)
 from learner.config import LearnerConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -81,7 +87,8 @@ class MlflowConfig:
 @dataclass
 class PreflightConfig:
     enabled: bool = True
-    """Run the KV capacity preflight (deploy/preflight.py) at the start of `train`; `sparse-rl preflight` runs it alone."""
+    """Run the KV capacity preflight (deploy/preflight.py) at the start of `train`; `sparse-rl preflight` runs it
+    alone."""
     kv_memory_gb: float = 0.0
     """KV-cache memory of one rollout actor, GiB. 0: the free GPU memory minus the weights (actors on GPUs, CUDA
     visible to the driver), else the machine's available memory / actors.count minus the weights (CPU)."""
@@ -115,11 +122,11 @@ class RunConfig:
 
 def rollout_config(run: RunConfig) -> RolloutConfig:
     """The part of the run config a rollout actor needs (actors/rollout_config.py), as a plain dict for Ray."""
-    l = run.learner
+    lcfg = run.learner
     return RolloutConfig(model=run.model, seed=run.seed, train_steps=run.train.steps, actors=run.actors,
-                         broker=run.broker, eval=run.eval, weight_sync_backend=l.weight_sync_backend,
-                         weight_sync_timeout_s=l.weight_sync_timeout_s, weight_sync_verify=l.weight_sync_verify,
-                         record_evictions=l.replays(run.actors.engine.compressor.method))
+                         broker=run.broker, eval=run.eval, weight_sync_backend=lcfg.weight_sync_backend,
+                         weight_sync_timeout_s=lcfg.weight_sync_timeout_s, weight_sync_verify=lcfg.weight_sync_verify,
+                         record_evictions=lcfg.replays(run.actors.engine.compressor.method))
 
 
 def _mount_points(cls: type = RunConfig, prefix: str = "") -> dict[type, str]:
@@ -147,7 +154,8 @@ def section_hint(key: str | None) -> str:
     learner.policy_target?" naming each section that has it; "" otherwise."""
     if not key or "." in key or key in {f.name for f in dataclasses.fields(RunConfig)}:
         return ""
-    paths = [f"{path}.{key}" for cls, path in _mount_points().items() if key in {f.name for f in dataclasses.fields(cls)}]
+    paths = [f"{path}.{key}" for cls, path in _mount_points().items()
+             if key in {f.name for f in dataclasses.fields(cls)}]
     return f"; did you mean {' or '.join(paths)}?" if paths else ""
 
 
@@ -216,7 +224,8 @@ def absolute_paths(run: RunConfig) -> None:
     if Path(run.eval.data).expanduser().is_file():
         run.eval.data = absolute(run.eval.data)
     run.run_dir = absolute(run.run_dir)
-    run.learner.checkpoint_dir, run.learner.resume_from = absolute(run.learner.checkpoint_dir), absolute(run.learner.resume_from)
+    run.learner.checkpoint_dir, run.learner.resume_from = (absolute(run.learner.checkpoint_dir),
+                                                           absolute(run.learner.resume_from))
 
 
 ACCEPT_TOPK = 20
@@ -316,12 +325,14 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
     check(run.actors.start_timeout_s > 0, f"actors.start_timeout_s={run.actors.start_timeout_s}: expected > 0")
     check(run.actors.prompts_per_batch >= 1, f"actors.prompts_per_batch={run.actors.prompts_per_batch}: expected >= 1")
     check(run.train.steps >= 1, f"train.steps={run.train.steps}: expected >= 1")
-    check(run.train.sigterm_checkpoint_s >= 0, f"train.sigterm_checkpoint_s={run.train.sigterm_checkpoint_s}: expected >= 0")
+    check(run.train.sigterm_checkpoint_s >= 0,
+          f"train.sigterm_checkpoint_s={run.train.sigterm_checkpoint_s}: expected >= 0")
     check(run.train.wait_report_s > 0, f"train.wait_report_s={run.train.wait_report_s}: expected > 0")
     check(run.train.groups_per_step >= 1, f"train.groups_per_step={run.train.groups_per_step}: expected >= 1")
     check(run.train.group_wait_s > 0, f"train.group_wait_s={run.train.group_wait_s}: expected > 0")
     for name, value in (("train.learner_num_cpus", run.train.learner_num_cpus),
-                        ("train.learner_num_gpus", run.train.learner_num_gpus), ("actors.num_cpus", run.actors.num_cpus),
+                        ("train.learner_num_gpus", run.train.learner_num_gpus),
+                        ("actors.num_cpus", run.actors.num_cpus),
                         ("actors.num_gpus", run.actors.num_gpus), ("ray.num_cpus", run.ray.num_cpus)):
         check(value >= 0, f"{name}={value}: expected >= 0 (Ray resources)")
     check(run.actors.sampling.samples_per_prompt >= 2,
@@ -347,8 +358,8 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
         check(mode in ("dense", "sparse"), f"eval.modes: {mode!r} is not one of dense, sparse")
     if run.actors.engine.backend == "sglang" and run.eval.enabled:
         own = "dense" if run.actors.engine.compressor.method == "full" else "sparse"
-        check(list(run.eval.modes) == [own], f"eval.modes={list(run.eval.modes)}: the SGLang engine's attention backend "
-              f"is fixed when it starts, so it evaluates in its own mode only: set eval.modes=[{own}]")
+        check(list(run.eval.modes) == [own], f"eval.modes={list(run.eval.modes)}: the SGLang engine's attention "
+              f"backend is fixed when it starts, so it evaluates in its own mode only: set eval.modes=[{own}]")
 
 
 def non_finite(tree, prefix: str = ""):
@@ -379,8 +390,8 @@ def check_user_code(run: RunConfig) -> None:
     """Import the user code the config names (actors.reward.function, actors.data.function with source
     function), so that a typo fails before anything starts. Raises ConfigError naming the field."""
     from actors.data import load_task_function  # late: math_verify (actors.reward) only when a config is checked
-    from actors.reward import load_reward_function
     from actors.env import check_env_factory
+    from actors.reward import load_reward_function
     try:
         load_reward_function(run.actors.reward.function)
         if run.actors.data.source == "function":
@@ -419,7 +430,8 @@ def check_data(run: RunConfig) -> None:
     except DataFileError as e:
         raise ConfigError(f"actors.data.path={e.path}: {e.where}") from None
     except Exception as e:  # a generator's own error (reasoning-gym or the user's task function)
-        raise ConfigError(f"actors.data ({data.source}): {type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+        raise ConfigError(f"actors.data ({data.source}): {type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:300]}") from None
     if run.eval.enabled:
         check_eval_items(run)
 

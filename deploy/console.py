@@ -81,7 +81,8 @@ class Console:
     def accounting(self, acc: dict) -> None:
         """Where the groups went (broker counts at stop) and how busy the run kept its two halves."""
         self.out.print(f"groups produced {acc['produced']}: trained {acc['consumed']}, "
-                       f"filtered {acc['groups_filtered']}, dropped stale {acc['dropped_stale']}, dead-lettered {acc['dead_lettered']}, "
+                       f"filtered {acc['groups_filtered']}, dropped stale {acc['dropped_stale']}, "
+                       f"dead-lettered {acc['dead_lettered']}, "
                        f"left in queue {acc['left_in_queue']}; rollout_utilization {acc['rollout_utilization']:.2f}, "
                        f"learner idle {acc['learner_idle_fraction']:.2f}, actor idle {acc['actor_idle_fraction']:.2f}; "
                        f"reward errors {acc.get('reward_errors', 0)}")

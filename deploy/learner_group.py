@@ -79,7 +79,8 @@ class LearnerGroup:
         self.ranks = [
             ray.remote(concurrency_groups={"watch": 1, "record": 1})(LearnerWorker).options(
                 name=f"{run_id}-learner-{rank}", num_cpus=cfg.train.learner_num_cpus,
-                num_gpus=cfg.train.learner_num_gpus, resources={cfg.ray.learner_resource: 1} if cfg.ray.learner_resource else None,
+                num_gpus=cfg.train.learner_num_gpus,
+                resources={cfg.ray.learner_resource: 1} if cfg.ray.learner_resource else None,
                 scheduling_strategy=on(rank), max_concurrency=2 if rank == 0 else 1, max_restarts=0,
             ).remote(plain, run_id, rank, n, master)
             for rank in range(n)]

@@ -19,7 +19,6 @@ from deploy.config import RunConfig
 from deploy.rank_calls import AllRanks, on_all_ranks, wait_ranks
 from learner.step import LearnerStep, OneRank, Resume, StepConfig, StepReport
 
-
 LEARNER_PHASES = (("_backward", "backward"), ("_backward_fused", "backward"), ("_optimizer_step", "optimizer step"))
 """The parts of Learner.step (its methods) recorded as the rank's phase when each starts (rs.PhaseBoard.around),
 after its first one, recompute, recorded as the step starts (LearnerWorker.step)."""
@@ -33,7 +32,7 @@ class LearnerWorker:
         (learner/step.py) and hosts the weight-sync store."""
         faults.wrap(lambda: None, "learner.init", rank)()  # a test's fault (broker/faults.py): dies while it starts
         self.cfg: RunConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
-        l = self.cfg.learner
+        lcfg = self.cfg.learner
         self.phase = rs.PhaseBoard(connect(self.cfg.broker), run_id, f"learner-{rank}")  # for the driver's console
         self.phase("loading")
         # here, not at the top: the driver imports this class to start the rank, and the learner's model stack
@@ -41,22 +40,23 @@ class LearnerWorker:
         from learner.learner import Learner, init_distributed
 
         if world_size > 1:
-            init_distributed(rank, world_size, master[0], master[1], timeout_s=l.collective_timeout_s)
-        self.learner = Learner(self.cfg.model, l)
+            init_distributed(rank, world_size, master[0], master[1], timeout_s=lcfg.collective_timeout_s)
+        self.learner = Learner(self.cfg.model, lcfg)
         for method, phase in LEARNER_PHASES:  # Learner.step's parts, each recorded when it starts
             if hasattr(self.learner, method):
                 setattr(self.learner, method, self.phase.around(getattr(self.learner, method), phase))
         self.rank, self.peers = rank, []  # rank 0: Ray handles of ranks 1..N-1
-        self.local, version = OneRank(self.learner, l.checkpoint_dir), lambda: self.learner.version
+        self.local, version = OneRank(self.learner, lcfg.checkpoint_dir), lambda: self.learner.version
         self.local.step = faults.wrap(self.local.step, "learner.step", rank, when=version)  # a test's faults, or not
-        self.resume = Resume.load(self.learner, l.resume_from or l.checkpoint_dir)  # resume_from: a fork
+        self.resume = Resume.load(self.learner, lcfg.resume_from or lcfg.checkpoint_dir)  # resume_from: a fork
         if rank:
             self.phase("idle")
             return
         self.protocol = LearnerStep(StepConfig.of_run(self.cfg), run_id, self.learner, self.resume, phase=self.phase)
         host = ray.util.get_node_ip_address() if self.cfg.ray.address else "127.0.0.1"  # actors reach the node
-        self.sender = WeightSender(host=host, port=0, backend=l.weight_sync_backend, timeout_s=l.weight_sync_timeout_s,
-                                   bucket_mb=l.weight_sync_bucket_mb, verify=l.weight_sync_verify)
+        self.sender = WeightSender(host=host, port=0, backend=lcfg.weight_sync_backend,
+                                   timeout_s=lcfg.weight_sync_timeout_s, bucket_mb=lcfg.weight_sync_bucket_mb,
+                                   verify=lcfg.weight_sync_verify)
         self.generation = -1
         self.updating = threading.Lock()  # a weight broadcast never reads weights the optimizer is changing
         self.fault = {n: faults.wrap(lambda: None, f"learner.{n}", rank, when=version)
@@ -76,7 +76,8 @@ class LearnerWorker:
         return os.getpid()  # for tests that kill a rank
 
     def _on_all_ranks(self, method: str, *args):
-        """`method(*args)` on every rank at once (deploy/rank_calls.py); raises LearnerRankError naming a failed rank."""
+        """`method(*args)` on every rank at once (deploy/rank_calls.py); raises LearnerRankError naming a failed
+        rank."""
         return on_all_ranks(self.peers, method, args, getattr(self, method), self.cfg.learner.collective_timeout_s,
                             self.learner.version)
 

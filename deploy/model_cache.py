@@ -125,7 +125,7 @@ def _warm_smollm2_count(out: Path) -> None:
     under a decode-time KV budget can prefer the format that survives eviction (docs/results.md 6.6)."""
     from transformers import AutoTokenizer
 
-    from actors.data import tokenize_prompts, Prompt
+    from actors.data import Prompt, tokenize_prompts
     from actors.tasks import count_demonstration, count_numbers
     from learner.warmup import supervised_warmup
 

@@ -34,8 +34,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from actors.kv_memory import (EVENT_METHODS, ModelShape, compression_event_bytes, episode_kv_peak_bytes_per_sequence, event_calls,
-                              event_chunk_rows, kv_peak_bytes_per_sequence)
+from actors.kv_memory import (
+    EVENT_METHODS,
+    ModelShape,
+    compression_event_bytes,
+    episode_kv_peak_bytes_per_sequence,
+    event_calls,
+    event_chunk_rows,
+    kv_peak_bytes_per_sequence,
+)
 from broker.schema import group_wire_bytes
 from deploy.config import ConfigError, RunConfig
 
@@ -118,7 +125,8 @@ class PreflightReport:
                     if self.method != "full" else "no KV compression"),
                  f"  prompt {self.prompt_tokens} + response {self.max_new_tokens} tokens; one actor batch = "
                  f"{self.batch_rows} sequences; KV memory per actor: "
-                 + ("unknown" if self.memory_bytes is None else f"{self.memory_bytes:,} B") + f" ({self.memory_source})",
+                 + ("unknown" if self.memory_bytes is None else f"{self.memory_bytes:,} B")
+                 + f" ({self.memory_source})",
                  *([f"  compression event (SGLang sparse backend, outside mem_fraction_static): {self.event_bytes:,} "
                     f"B at most per call ({self.event_rows} rows x {self.event_live} live tokens), counted in the KV "
                     "memory above"] if self.event_bytes else []),

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import redis
 
-from broker.config import BrokerConfig
 from broker import run_state as rs
+from broker.config import BrokerConfig
 
 RUN_INFO = "run.json"
 TIMEOUT_S = 2.0

@@ -25,7 +25,8 @@ import torch
 QUANTILES = (("p1", 0.01), ("p5", 0.05), ("p50", 0.5))
 
 
-def acceptance_bounds(logq_topk: torch.Tensor, logp_topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def acceptance_bounds(logq_topk: torch.Tensor,
+                      logp_topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Bounds of the per-token acceptance rate from the top-K of q (module docstring).
 
     logq_topk: float [..., K], log q (sparse sampler) of its K most likely tokens at each position.
@@ -35,7 +36,8 @@ def acceptance_bounds(logq_topk: torch.Tensor, logp_topk: torch.Tensor) -> tuple
     Raises ValueError when the shapes differ.
     """
     if logq_topk.shape != logp_topk.shape:
-        raise ValueError(f"logq_topk {tuple(logq_topk.shape)} and logp_topk {tuple(logp_topk.shape)} must have one shape")
+        raise ValueError(f"logq_topk {tuple(logq_topk.shape)} and logp_topk {tuple(logp_topk.shape)} "
+                         "must have one shape")
     q, p = logq_topk.double().exp(), logp_topk.double().exp()
     lower = torch.minimum(p, q).sum(-1).clamp(0, 1)
     outside_q = (1 - q.sum(-1)).clamp(0, 1)

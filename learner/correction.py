@@ -71,7 +71,8 @@ def sparse_correction(
     """
     if not (logp_old.shape == logp_sparse.shape == response_mask.shape) or logp_old.dim() != 2:
         raise ValueError(f"logp_old {tuple(logp_old.shape)}, logp_sparse {tuple(logp_sparse.shape)} and "
-                         f"response_mask {tuple(response_mask.shape)} must share one 2-D shape [num_seqs, max_resp_len]")
+                         f"response_mask {tuple(response_mask.shape)} "
+                         "must share one 2-D shape [num_seqs, max_resp_len]")
     if correction not in ("on", "metrics_only", "off"):
         raise ValueError(f"correction={correction!r}: expected on | metrics_only | off")
     if rejection not in ("veto", "geometric", "none"):

@@ -233,7 +233,8 @@ class Learner:
             if K:
                 b["topk_ids"][i, :R] = torch.from_numpy(np.asarray(s.topk_ids, dtype=np.int64))
                 b["topk_logprobs"][i, :R] = torch.from_numpy(np.asarray(s.topk_logprobs, dtype=np.float32))
-            b["input_ids"][i, :P + R] = torch.from_numpy(np.concatenate([s.prompt_ids, s.response_ids]).astype(np.int64))
+            b["input_ids"][i, :P + R] = torch.from_numpy(
+                np.concatenate([s.prompt_ids, s.response_ids]).astype(np.int64))
             b["attention_mask"][i, :P + R] = 1
             b["response_ids"][i, :R] = torch.from_numpy(np.asarray(s.response_ids, dtype=np.int64))
             b["response_index"][i, :R] = torch.arange(P - 1, P - 1 + R)
@@ -311,7 +312,8 @@ class Learner:
             return out
         with torch.no_grad():
             full = self.log_probs(self.engine, batch, rows)
-        out.update(logp_dense=self._at_response(full, batch, rows), accept_exact=exact_acceptance(full, replayed) * mask)
+        out.update(logp_dense=self._at_response(full, batch, rows),
+                   accept_exact=exact_acceptance(full, replayed) * mask)
         if "topk_ids" in batch:
             out["dense_topk"] = full.gather(2, batch["topk_ids"][rows].to(self.device))
         if grad and self.cfg.distill_coef > 0:
@@ -456,7 +458,8 @@ class Learner:
         r = self._replay_forward(prep, rows, grad=True, dense=self.cfg.distill_coef > 0)
         if self._train_gap is not None:   # the first optimizer step's forwards: the weights of logp_sparse
             fresh = prep["mask"][rows] & prep["fresh"][rows, None]
-            self._train_gap = max(self._train_gap, logp_gap(r["logp"], prep["logp_sparse"][rows].to(self.device), fresh))
+            self._train_gap = max(self._train_gap,
+                                  logp_gap(r["logp"], prep["logp_sparse"][rows].to(self.device), fresh))
         return r["logp"], self._distill_term(r, prep["mask"][rows], num_seqs, num_tokens, sums)
 
     def _distill_term(self, r: dict, mask: torch.Tensor, num_seqs: int, num_tokens: float | None,
@@ -529,7 +532,8 @@ class Learner:
         the global gradient norm before clipping, None where DeepSpeed records none."""
         norm = None
         if self.cfg.zero_stage == 0 and self.cfg.dtype == "fp32":   # DeepSpeed records no norm on this path
-            norm = torch.nn.utils.get_total_norm([p.grad for p in self.engine.module.parameters() if p.grad is not None])
+            norm = torch.nn.utils.get_total_norm(
+                [p.grad for p in self.engine.module.parameters() if p.grad is not None])
         self.engine.step()
         norm = self.engine.get_global_grad_norm() if norm is None else norm
         return None if norm is None else float(norm)

@@ -81,7 +81,8 @@ def grpo_loss(
         logp_ref: float [S, T] log pi_ref, required when kl_coef > 0.
     Returns:
         (loss scalar, metrics: pg_loss, kl_loss, clip_fraction, ppo_kl, ratio_mean). Metrics are sums
-        scaled by 1/num_seqs (token-mean: 1/num_tokens) like the loss (pg_loss, kl_loss) or token means over M (the rest).
+        scaled by 1/num_seqs (token-mean: 1/num_tokens) like the loss (pg_loss, kl_loss) or token means over M
+        (the rest).
     Raises:
         ValueError: shapes differ, kl_coef > 0 without logp_ref, or num_tokens <= 0.
     """
@@ -98,7 +99,8 @@ def grpo_loss(
     mask = loss_mask.float()
     # per-sequence divisor: its own loss tokens (seq-mean-token-mean), or T_N / N (token-mean), so that
     # sum_i [...] / divisor_i / N is the same formula for both
-    seq_tokens = mask.sum(1).clamp(min=1) if num_tokens is None else mask.new_full(mask.shape[:1], num_tokens / num_seqs)
+    seq_tokens = (mask.sum(1).clamp(min=1) if num_tokens is None
+                  else mask.new_full(mask.shape[:1], num_tokens / num_seqs))
     log_ratio = logp - logp_old
     ratio = log_ratio.exp()
     adv = advantages[:, None].float()

@@ -153,8 +153,8 @@ class StepReport:
     """Time waiting for groups / time of all steps of this learner process."""
 
     def as_metrics(self) -> dict[str, float]:
-        """The report under its internal names (SPEC §4; deploy/metric_names.py gives their MLflow names; unchanged by issue 20, `weight_version` kept as an
-        alias of `version`)."""
+        """The report under its internal names (SPEC §4; deploy/metric_names.py gives their MLflow names; unchanged
+        by issue 20, `weight_version` kept as an alias of `version`)."""
         return {**self.metrics, "weight_version": self.version, "version": float(self.version),
                 "learner_wait_s": self.wait_s, "groups_trained": float(self.groups_trained),
                 "learner_idle_fraction": self.wait_s / self.step_s if self.step_s > 0 else 0.0,
@@ -208,12 +208,13 @@ class LearnerStep:
     def _open_admission(self) -> None:
         """Which groups a step trains (admission-aware, with DAPO's dynamic sampling) and C, from the
         zero-variance share seen so far (after a resume: the run's counters)."""
-        cfg, l = self.cfg, self.cfg.learner
+        cfg, lcfg = self.cfg, self.cfg.learner
         informative = None
-        if l.filter_groups == "zero_variance":
+        if lcfg.filter_groups == "zero_variance":
             informative = lambda group: not zero_variance([s.reward for s in group.samples])  # noqa: E731
         admission = Admission(self.redis, cfg.broker, self.run_id) if cfg.broker.admission else None
-        self.collector = StepCollector(self.consumer, admission, cfg.groups_per_step, informative, l.max_extra_reads)
+        self.collector = StepCollector(self.consumer, admission, cfg.groups_per_step, informative,
+                                       lcfg.max_extra_reads)
         counts = rs.run_counts(self.redis, self.run_id)
         # zero-variance groups among those consumed (filtered, or trained when a step had nothing else)
         self.zero_variance = {"zero": counts["groups_filtered"], "seen": counts["consumed"] + counts["groups_filtered"]}

@@ -11,8 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, PrinterCallback, Trainer,
-                          TrainingArguments)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    DataCollatorForSeq2Seq,
+    PrinterCallback,
+    Trainer,
+    TrainingArguments,
+)
 
 
 @dataclass
@@ -29,7 +35,7 @@ class WarmupConfig:
     learned by the transformer blocks."""
 
 
-def supervised_warmup(model_dir: str, out: Path, examples: list[tuple], cfg: WarmupConfig = WarmupConfig()) -> dict:
+def supervised_warmup(model_dir: str, out: Path, examples: list[tuple], cfg: WarmupConfig | None = None) -> dict:
     """Fine-tune the causal LM in `model_dir` on `examples` and save model + tokenizer to `out`.
 
     examples: (prompt_ids, response_ids) pairs of token ids (the response ends with EOS), or (prompt_ids,
@@ -38,8 +44,10 @@ def supervised_warmup(model_dir: str, out: Path, examples: list[tuple], cfg: War
     labelled -100. fp32 on the CPU or the default
     device. `out` is written to a temporary sibling first, then renamed (never half-written).
     Returns {"steps", "loss_first", "loss_last", "seconds"} from the trainer's log. Raises ValueError when
-    `examples` is empty.
+    `examples` is empty. cfg: None = the `WarmupConfig` defaults.
     """
+    if cfg is None:
+        cfg = WarmupConfig()
     if not examples:
         raise ValueError("supervised warm-up: no examples")
     torch.set_num_threads(cfg.threads)

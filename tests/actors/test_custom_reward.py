@@ -12,7 +12,6 @@ from actors.data import Prompt, held_out_problems, load_eval_items, task_problem
 from actors.reward import RewardConfig, RewardResult, RewardScorer, load_reward_function
 from actors.tasks import copy_numbers, copy_reward, digits, digits_reward, lcs_length
 
-
 USER_REWARDS = """
 def length_reward(response, response_ids, item):
     return len(response_ids) / item.metadata["target"]

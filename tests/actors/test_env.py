@@ -74,8 +74,10 @@ def test_the_factory_is_loaded_and_its_signature_checked_at_config_time():
     cases = [("no_such_module:Env", {}, r"^env\.factory='no_such_module:Env': cannot import module"),
              ("scripted_envs:Nope", {}, r"^env\.factory='scripted_envs:Nope': module 'scripted_envs' has no callable"),
              ("scripted_envs", {}, r"expected 'package\.module:function'"),
-             ("scripted_envs:only_positional", {}, r"^env\.factory='scripted_envs:only_positional': cannot be called as "
-                                                   r"only_positional\(\*\*options\) with the environment's options \{\}"),
+             ("scripted_envs:only_positional", {}, r"^env\.factory='scripted_envs:only_positional': "
+                                                   r"cannot be called as "
+                                                   r"only_positional\(\*\*options\) "
+                                                   r"with the environment's options \{\}"),
              (SCRIPTED, {"colour": 1}, r"cannot be called as ScriptedEnv.*unexpected keyword argument 'colour'")]
     for spec, options, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -161,7 +163,8 @@ def test_lookup_items_are_deterministic_in_the_seed_and_hide_their_answer():
     for hops in (1, 2):
         for item in lookup_items(50, 0, hops=hops):
             table, target = item["metadata"]["table"], item["metadata"]["target"]
-            assert sorted(table) == sorted(f"K{i}" for i in range(1, 9)) and f"<lookup>{target}</lookup>" in item["question"]
+            assert (sorted(table) == sorted(f"K{i}" for i in range(1, 9))
+                    and f"<lookup>{target}</lookup>" in item["question"])
             key = answer_key(table, target)
             assert (key == target) == (hops == 1) and table[key] == item["answer"] and 10 <= int(item["answer"]) <= 99
             assert item["answer"] not in item["question"]  # only the tool reveals it
@@ -253,7 +256,7 @@ def test_warmup_demonstrations_are_the_streams_an_episode_builds(template):
             replay = iter(sampled)
             ep = run_episode(pool, template, f"demo-{hops}-{use_tool}-{item['answer']}",
                              Prompt("d", item["question"], item["answer"], metadata=item["metadata"]),
-                             lambda _ids, _n: next(replay), max_new_tokens=16)
+                             lambda _ids, _n, replay=replay: next(replay), max_new_tokens=16)
             assert (ep.prompt_ids, ep.rollout.ids, ep.rollout.trainable) == (prompt, ids, trainable)
             assert len(sampled) == (hops + 1 if use_tool else 1)
             assert ep.reward == (1.0 if use_tool else 0.0)         # a guess is never read through the tool
@@ -359,7 +362,8 @@ def test_stress_demonstrations_replay_through_the_padded_env_to_the_token(templa
 
     def replay(name, item, demo):
         turns = iter(_sampled_turns(demo[1], demo[2]))
-        return run_episode(pool, template, name, Prompt("d", item["question"], item["answer"], metadata=item["metadata"]),
+        return run_episode(pool, template, name,
+                           Prompt("d", item["question"], item["answer"], metadata=item["metadata"]),
                            lambda _ids, _n: next(turns), max_new_tokens=24)
 
     items = lookup_items(3, seed=12, asked=2)

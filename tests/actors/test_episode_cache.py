@@ -54,7 +54,8 @@ def teacher_forced(model, ids: list[int], prompt_len: int, masks=None) -> torch.
     model.set_attn_implementation("evicted_mask_reference")
     if masks is None:
         L = len(ids)
-        masks = [torch.ones(1, model.config.num_key_value_heads, L, L, dtype=torch.bool).tril()] * len(model.model.layers)
+        masks = ([torch.ones(1, model.config.num_key_value_heads, L, L, dtype=torch.bool).tril()]
+                 * len(model.model.layers))
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids]), layer_masks=masks).logits[0].double()
     model.set_attn_implementation("sdpa")
@@ -115,7 +116,7 @@ def test_peak_kv_is_bounded_over_turns_while_dense_grows():
     peaks = {}
     for name, engine in (("sparse", sparse), ("dense", dense)):
         peaks[name] = []
-        for k, new in enumerate([PROMPT] + obs):
+        for _k, new in enumerate([PROMPT] + obs):
             (s,), = engine.generate([new], params, episodes=["e"])
             peaks[name].append(s.kv_peak_bytes)
             if name == "sparse":

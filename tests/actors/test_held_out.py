@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.data import held_out_problems, load_eval_items
 from actors.config import DataConfig
+from actors.data import held_out_problems, load_eval_items
 
 HERE = Path(__file__).resolve().parent  # holds held_out_tasks.py
 TWELVE = DataConfig(source="function", function="held_out_tasks:twelve", size=8, instruction="")

@@ -6,8 +6,14 @@ import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (AttentionInterface, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import (
+    AttentionInterface,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from actors.engine import SamplingParams
 from actors.torch_engine import TorchEngine
@@ -193,9 +199,10 @@ def test_topk_logprobs_equal_a_transformers_recompute_under_the_same_evictions(t
         at_ids = r.gather(1, torch.from_numpy(s.topk_ids).long())
         assert torch.allclose(at_ids, values, atol=2e-5, rtol=0)
         # logp_sparse is the sampled token's entry of the same distribution
-        assert torch.allclose(torch.from_numpy(s.logp_sparse).double(), r[torch.arange(T), torch.tensor(s.response_ids)],
-                              atol=2e-5, rtol=0)
-        worst_gap = max(worst_gap, float((torch.from_numpy(s.topk_logprobs).double() - d.topk(8, dim=-1).values).abs().max()))
+        assert torch.allclose(torch.from_numpy(s.logp_sparse).double(),
+                              r[torch.arange(T), torch.tensor(s.response_ids)], atol=2e-5, rtol=0)
+        worst_gap = max(worst_gap,
+                        float((torch.from_numpy(s.topk_logprobs).double() - d.topk(8, dim=-1).values).abs().max()))
     assert worst_gap > 1e-2, "eviction did not change the top-k: the check would not see a dense top-k"
     greedy = engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=6, topk_logprobs=3))[0][0]
     assert greedy.topk_ids[:, 0].tolist() == greedy.response_ids                       # greedy = the top-1 id

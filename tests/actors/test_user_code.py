@@ -67,7 +67,8 @@ def test_a_busy_looping_reward_times_out_and_the_scorer_stays_usable():
     threads, baseline = me.num_threads(), idle_cpu_s(me)
     killed = []
     for n in range(1, 4):
-        assert scorer("abcd", [1, 2, 3, 4], item()) == RewardResult(1.0, "correct", "")  # (a new worker after a timeout)
+        # (a new worker after a timeout)
+        assert scorer("abcd", [1, 2, 3, 4], item()) == RewardResult(1.0, "correct", "")
         workers = {p.pid for p in me.children(recursive=True)}
         start = time.monotonic()
         result = scorer("spin", [1], item())

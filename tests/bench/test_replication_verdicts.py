@@ -43,7 +43,8 @@ def test_spike_with_steps_that_have_no_gradient():
 
 def test_h1_needs_both_training_and_held_out_reward_within_5_percent():
     dense = {0: run(0.60, eval_dense=0.80), 1: run(0.40, eval_dense=0.60)}          # means 0.50, 0.70
-    close = {"sparse_rl": {0: run(0.50, eval_dense=0.70), 1: run(0.46, eval_dense=0.64)}}   # 0.48 >= 0.475, 0.67 >= 0.665
+    # 0.48 >= 0.475, 0.67 >= 0.665
+    close = {"sparse_rl": {0: run(0.50, eval_dense=0.70), 1: run(0.46, eval_dense=0.64)}}
     assert replication.verdicts(close, dense, {})["h1"]["confirmed"] is True
     low_eval = {"sparse_rl": {0: run(0.50, eval_dense=0.70), 1: run(0.46, eval_dense=0.62)}}  # 0.66 < 0.665
     assert replication.verdicts(low_eval, dense, {})["h1"]["confirmed"] is False
@@ -157,7 +158,8 @@ def test_verdicts_text_names_each_verdict_with_every_seeds_numbers():
     block = replication.verdicts(arms, dense, {0: {"sparse/reward": 0.5}, 1: {"sparse/reward": 0.3}})
     lines = replication.verdicts_text({"budget_48": block}, [48, 72]).splitlines()
     assert lines[0].startswith("- budget 48, H1: **confirmed**: Sparse-RL final 0.480 vs 0.95 x dense 0.500")
-    assert "seed 1: Sparse-RL final 0.460, dense final 0.400, Sparse-RL held-out 0.640, dense held-out 0.600" in lines[0]
+    assert ("seed 1: Sparse-RL final 0.460, dense final 0.400, Sparse-RL held-out 0.640, dense held-out 0.600"
+            in lines[0])
     assert lines[1].startswith("- budget 48, H2: **refuted**: (a) naive final 0.470 vs Sparse-RL 0.480")
     assert "seeds with a naive-only grad-norm spike [1]" in lines[1] and "naive spike inf" in lines[1]
     assert lines[2] == ("- budget 48, H3: **confirmed**: held-out under the budget-48 cache: Sparse-RL 0.475 vs the "

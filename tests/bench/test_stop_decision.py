@@ -5,7 +5,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-_spec = importlib.util.spec_from_file_location("stop_decision", Path(__file__).parents[2] / "bench" / "stop_decision.py")
+_spec = importlib.util.spec_from_file_location("stop_decision",
+                                               Path(__file__).parents[2] / "bench" / "stop_decision.py")
 sd = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sd)
 

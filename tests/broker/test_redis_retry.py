@@ -76,9 +76,10 @@ def test_the_retry_bound_is_derived_from_retry_s():
 def test_a_client_rides_out_a_restart_with_exact_counts(redis_binary, make_group):
     """A producer, the learner's consumer and an admission pool on one client; the server is stopped and started
     again on its port (its data back from the append-only file) before a publish, before a commit, before a claim
-    and while the learner blocks on the empty stream: each of those commands waits for the server and succeeds; at the end every group
-    was published once, trained once, and every counter is exact. (On the code before issue 37 the first command
-    after the stop raised ConnectionError: the clients were built with redis-py's defaults, which retry nothing.)"""
+    and while the learner blocks on the empty stream: each of those commands waits for the server and succeeds; at
+    the end every group was published once, trained once, and every counter is exact. (On the code before issue 37 the
+    first command after the stop raised ConnectionError: the clients were built with redis-py's defaults, which retry
+    nothing.)"""
     with LocalRedis(appendonly=True, binary=redis_binary) as server:
         cfg = BrokerConfig(url=server.url, retry_s=15)
         client = connect(cfg)
@@ -115,7 +116,8 @@ def test_a_client_rides_out_a_restart_with_exact_counts(redis_binary, make_group
         reader.join(timeout=30)
         consumer.commit(rest[5:], learner_version=1)
 
-        assert sorted(d.group.group_id for d in [*held, *rest]) == sorted([f"g{i}" for i in range(6)] + ["c0", "c1", "late"])
+        assert (sorted(d.group.group_id for d in [*held, *rest])
+                == sorted([f"g{i}" for i in range(6)] + ["c0", "c1", "late"]))
         assert counts(client) == {**EXACT, "produced": 9, "consumed": 9}
         assert actor_counts(client, "run")["rollout_groups"] == 8
         assert consumer.counters["consumed"] == 9 and consumer.counters["duplicates"] == 0

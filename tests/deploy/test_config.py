@@ -80,7 +80,8 @@ def test_bad_config_names_the_field(override, field):
     ("learner.max_extra_reads=-1", "learner.max_extra_reads=-1: expected >= 0"),
     ("actors.engine.compressor.kv_budget=8",
      "actors.engine.compressor.kv_budget=8 must be > actors.engine.compressor.window=8"),
-    ("eval.sparse_compressor.kv_budget=8", "eval.sparse_compressor.kv_budget=8 must be > eval.sparse_compressor.window=8"),
+    ("eval.sparse_compressor.kv_budget=8",
+     "eval.sparse_compressor.kv_budget=8 must be > eval.sparse_compressor.window=8"),
     ("actors.engine.compressor.phase=shared",
      "actors.engine.compressor.phase='shared' is unknown: expected one of ('request', 'aligned')"),
     ("train.wait_report_s=0", "train.wait_report_s=0.0: expected > 0"),
@@ -127,7 +128,8 @@ def test_bad_model_names_the_field(model, reason, tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"")
     model = model.format(empty_dir=tmp_path / "empty", file=tmp_path / "weights.bin")
     with pytest.raises(ConfigError, match=f"^model=.*{reason}.*config.json, or a preset model "
-                                          r"\(smollm2-135m-instruct \| smollm2-135m-count-warm \| smollm2-135m-lookup-warm \| "
+                                          r"\(smollm2-135m-instruct \| smollm2-135m-count-warm \| "
+                                          r"smollm2-135m-lookup-warm \| "
                                           r"smollm2-135m-lookup-stress-warm \| tiny-llama \| tiny-char\)"):
         load_config("tiny", [f"model={model}"])
 

@@ -132,7 +132,8 @@ def test_actors_scaled_and_killed_while_learner_steps(tmp_path, redis_server):
     check_accounting(summary, steps=steps, groups_per_step=cfg.train.groups_per_step,
                      prompts_per_batch=cfg.actors.prompts_per_batch)
     assert len(summary["accounting"]["actor_versions"]) == 2
-    live = [m.value for m in metric_history(MlflowClient(summary["mlflow_uri"]), summary["mlflow_run_id"], "actors_live")]
+    live = [m.value
+            for m in metric_history(MlflowClient(summary["mlflow_uri"]), summary["mlflow_run_id"], "actors_live")]
     assert live[0] == 1 and max(live) == 3 and live[-1] == 2, live
 
 

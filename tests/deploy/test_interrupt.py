@@ -4,8 +4,8 @@ nothing left running. Then `sparse-rl train --resume`: the same MLflow run (vers
 counters continued (the embedded broker keeps its data in the run directory)."""
 from __future__ import annotations
 
-import os
 import json
+import os
 import re
 import signal
 import socket

@@ -61,7 +61,8 @@ def test_controller_budget_reaches_actors_within_one_step(tmp_path, redis_server
     steps = 4
     cfg = load_config("tiny", [f"run_dir={tmp_path}", f"broker.url={redis_server.url}", "eval.enabled=false",
                                f"train.steps={steps}", "actors.data.size=4",
-                               "actors.engine.compressor.kv_budget=32", "actors.engine.compressor.budget_control=mismatch",
+                               "actors.engine.compressor.kv_budget=32",
+                               "actors.engine.compressor.budget_control=mismatch",
                                "actors.engine.compressor.kv_budget_min=16", "actors.engine.compressor.kv_budget_max=64",
                                "actors.engine.compressor.budget_step=8", "actors.engine.compressor.budget_target=1.0",
                                "actors.engine.compressor.budget_tiers=confidence",
@@ -85,7 +86,8 @@ def test_controller_budget_reaches_actors_within_one_step(tmp_path, redis_server
             tiers.add(tier)
             # sampled with the budget published at its weight version, or the next one (published while the
             # batch waited for those weights): never an older one
-            allowed = {tier_budget(c, published[v], tier) for v in (weight_version, weight_version + 1) if v in published}
+            allowed = {tier_budget(c, published[v], tier)
+                       for v in (weight_version, weight_version + 1) if v in published}
             assert budget in allowed, (r["version"], weight_version, budget, tier, allowed)
     assert "new" in tiers and tiers - {"new"}, tiers                     # prompts came back with a tier
     client = MlflowClient(summary["mlflow_uri"])

@@ -271,7 +271,8 @@ def test_several_ranks_need_a_zero_stage_and_say_so():
 def test_a_hanging_rank_fails_the_step_within_the_collective_timeout(model_dir, redis_server, tmp_path, monkeypatch):
     """Rank 1 hangs (a test hook holds it before its step for longer than learner.collective_timeout_s): rank 0's
     collective times out and the step fails naming rank 1, instead of waiting for it."""
-    monkeypatch.setenv(FAULTS_ENV, "learner.step:1@0=sleep:300")      # the rank processes inherit it from this process's Ray
+    # the rank processes inherit it from this process's Ray
+    monkeypatch.setenv(FAULTS_ENV, "learner.step:1@0=sleep:300")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         group = group_of(model_dir, redis_server.url, tmp_path, 2, zero_stage=2, collective_timeout_s=15,

@@ -150,7 +150,8 @@ def test_overlay_wiring(overlay):
     assert float(learner["rayStartParams"]["num-cpus"]) >= cfg.train.learner_num_cpus * slots
 
     # GPUs requested by the config are GPUs the pods get, and none in the CPU demo
-    learner_gpus = groups["learner"]["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu", 0)
+    learner_gpus = (groups["learner"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+                    .get("nvidia.com/gpu", 0))
     actor_gpus = actors["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu", 0)
     assert (learner_gpus, actor_gpus) == (cfg.train.learner_num_gpus * slots, cfg.actors.num_gpus)
     assert (learner_gpus > 0) == (overlay == "gpu")
@@ -159,7 +160,8 @@ def test_overlay_wiring(overlay):
     # one image for head, workers and MLflow
     pods = [cluster["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"] for g in groups.values()]
     (mlflow,) = [d for d in by_kind(docs, "Deployment") if d["metadata"]["name"] == "sparse-rl-mlflow"]
-    images = {c["image"] for p in pods for c in containers(p)} | {mlflow["spec"]["template"]["spec"]["containers"][0]["image"]}
+    images = ({c["image"] for p in pods for c in containers(p)}
+              | {mlflow["spec"]["template"]["spec"]["containers"][0]["image"]})
     assert images == {"sparse-rl:cpu" if overlay == "cpu-demo" else "sparse-rl:cuda"}
 
     # the Redis password comes from the Secret, in Redis and on every Ray node
@@ -225,7 +227,8 @@ def test_compose_services_are_wired():
     assert "container_name" not in services["actor"] and "ports" not in services["actor"]
     assert compose["secrets"]["redis_password"] == {"environment": "SPARSE_RL_REDIS_PASSWORD"}
     redis_command = " ".join(services["redis"]["command"])
-    assert "--appendonly yes" in redis_command and '--requirepass "$$(cat /run/secrets/redis_password)"' in redis_command
+    assert ("--appendonly yes" in redis_command
+            and '--requirepass "$$(cat /run/secrets/redis_password)"' in redis_command)
     assert "SPARSE_RL_REDIS_PASSWORD" in services["ray-head"]["environment"]
     assert "SPARSE_RL_REDIS_PASSWORD" in services["actor"]["environment"]
     assert '--resources={"rollout": 1}' in services["actor"]["command"]
@@ -245,7 +248,8 @@ def test_compose_services_are_wired():
     two = load_config(preset, overrides + ["learner.ranks=2", "learner.zero_stage=2"], check_files=False)
     assert two.learner.ranks == 2                             # SPARSE_RL_LEARNER_RANKS=2 with ZeRO-2
     assert (cfg.ray.address, cfg.ray.actor_resource, cfg.ray.learner_resource) == ("auto", "rollout", "learner")
-    assert urlsplit(keys["broker.url"]).hostname == "redis" and urlsplit(keys["mlflow.tracking_uri"]).hostname == "mlflow"
+    assert (urlsplit(keys["broker.url"]).hostname == "redis"
+            and urlsplit(keys["mlflow.tracking_uri"]).hostname == "mlflow")
     assert cfg.actors.count == services["actor"]["deploy"]["replicas"]
 
 
@@ -257,7 +261,8 @@ def test_loopback_override_puts_every_service_on_the_host_network():
     services = yaml.safe_load(override.replace("!reset", ""))["services"]
     assert set(services) == set(main["services"])
     assert all(s["network_mode"] == "host" for s in services.values())
-    assert {name for name, s in services.items() if "ports" in s} == {n for n, s in main["services"].items() if "ports" in s}
+    assert ({name for name, s in services.items() if "ports" in s}
+            == {n for n, s in main["services"].items() if "ports" in s})
     assert override.count("ports: !reset []") == len([s for s in services.values() if "ports" in s])
     text = (ROOT / "docker-compose.yml").read_text()
     for fixed in ("--port=6379", "--host=0.0.0.0", "redis://redis:6379", "http://mlflow:5000", "ray-head:6379"):

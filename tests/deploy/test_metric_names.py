@@ -119,7 +119,7 @@ def test_a_new_run_store_is_a_copy_of_a_migrated_one_not_made_again(tmp_path, mo
         logger.removeHandler(handler)
     assert not any("Creating initial" in m for m in created), created  # b and c: copies
     assert (tmp_path / "cache" / f"mlflow-{mlflow.__version__}.db").exists()
-    for name, tracker in runs.items():
+    for name, _tracker in runs.items():
         client = MlflowClient(f"sqlite:///{tmp_path / name / 'mlflow.db'}")
         (run,) = client.search_runs([client.get_experiment_by_name("exp").experiment_id])
         assert (run.info.run_name, run.data.metrics) == (name, {"rollout/reward_mean": ord(name) / 100})

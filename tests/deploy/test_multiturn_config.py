@@ -30,7 +30,8 @@ def test_what_multi_turn_cannot_do_is_refused_in_one_line(overrides, names):
 def test_eviction_replay_of_episodes_is_allowed_on_the_torch_engine_only():
     """learner.policy_target=sparse with an environment (issue 36 item 2): the torch engine records each episode's
     evictions (its cache kept across turns); SGLang stays refused for sparse multi-turn, naming both settings."""
-    assert rollout_config(load_config("tiny-lookup", ["learner.policy_target=sparse"], check_files=False)).record_evictions
+    assert rollout_config(load_config("tiny-lookup", ["learner.policy_target=sparse"],
+                                      check_files=False)).record_evictions
     with pytest.raises(ConfigError, match=r"actors\.engine\.backend=sglang"):
         load_config("tiny-lookup", ["learner.policy_target=sparse", "actors.engine.backend=sglang",
                                     "eval.enabled=false"], check_files=False)
@@ -61,10 +62,11 @@ def test_a_template_that_is_not_append_only_fails_the_preflight(tmp_path):
 def test_the_preflight_sizes_a_kept_episode_by_its_longest_observation():
     """Torch engine, multi-turn: the sparse peak per episode is kv_budget + interval + the longest turn prefill
     (whatever actors.env.max_total_tokens), the dense one grows with the episode."""
+    from transformers import AutoConfig, AutoTokenizer
+
     from actors.kv_memory import ModelShape, episode_kv_peak_bytes_per_sequence
     from actors.turns import ChatTemplate
     from deploy.preflight import longest_turn_prefill
-    from transformers import AutoConfig, AutoTokenizer
 
     model = resolve_model(TINY_LLAMA)
     reports = [preflight(load_config("tiny-lookup", ["actors.engine.compressor.method=rkv",

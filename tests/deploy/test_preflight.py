@@ -28,10 +28,12 @@ def test_formula_by_hand():
     assert kv_peak_bytes_per_sequence(shape, 101, 32, 48, 16, compress=True) == 58_624
     # dense: capacity 101 + 32 = 133 -> 2 * 256 * 133 = 68,096 + 25,856 = 93,952
     assert kv_peak_bytes_per_sequence(shape, 101, 32, 48, 16, compress=False) == 93_952
-    # short prompt 10, 20 new, budget 48: capacity min(64, 10 + 20) = 30 -> 15,360; transient max(2,560, 8,192) -> 23,552
+    # short prompt 10, 20 new, budget 48: capacity min(64, 10 + 20) = 30 -> 15,360;
+    # transient max(2,560, 8,192) -> 23,552
     assert kv_peak_bytes_per_sequence(shape, 10, 20, 48, 16, compress=True) == 23_552
-    # bf16 Qwen2.5-1.5B shape (28 layers, 2 KV heads, 128): 2*28*2*128*2 = 28,672 B per token; prompt 100, 4096 new, budget 512 + 128:
-    # per layer-token 2*2*128*2 = 1,024; capacity 640 -> 28 * 1,024 * 640 = 18,350,080; transient 1,024 * 100 -> 18,452,480
+    # bf16 Qwen2.5-1.5B shape (28 layers, 2 KV heads, 128): 2*28*2*128*2 = 28,672 B per token; prompt 100,
+    # 4096 new, budget 512 + 128: per layer-token 2*2*128*2 = 1,024; capacity 640 -> 28 * 1,024 * 640 =
+    # 18,350,080; transient 1,024 * 100 -> 18,452,480
     qwen = ModelShape(layers=28, kv_heads=2, head_dim=128, dtype_bytes=2)
     assert qwen.bytes_per_token == 28_672
     assert kv_peak_bytes_per_sequence(qwen, 100, 4096, 512, 128, compress=True) == 18_452_480
@@ -131,7 +133,8 @@ def test_broker_queue_bytes_with_topk_logprobs_and_a_group_over_max_message_byte
     base = ["actors.sampling.max_new_tokens=32", "preflight.max_prompt_tokens=101", "preflight.kv_memory_gb=1",
             "broker.high_watermark=10"]
     plain = preflight(load_config("tiny", base), model_path=resolve_model(TINY_LLAMA))
-    top = preflight(load_config("tiny", base + ["actors.sampling.topk_logprobs=20"]), model_path=resolve_model(TINY_LLAMA))
+    top = preflight(load_config("tiny", base + ["actors.sampling.topk_logprobs=20"]),
+                    model_path=resolve_model(TINY_LLAMA))
     G = 2                                                                  # tiny: samples_per_prompt 2
     assert plain.group_bytes == G * (101 * 4 + 32 * 8)
     assert top.group_bytes - plain.group_bytes == G * 32 * 120
@@ -150,7 +153,8 @@ def test_fits_neither_fails_naming_fields_and_numbers():
         preflight(cfg, model_path=resolve_model(TINY_LLAMA))
     msg = str(err.value)
     for part in ("actors.prompts_per_batch=2", "actors.sampling.samples_per_prompt=2", "234,496 B", "107,374 B",
-                 "actors.sampling.max_new_tokens=32", "actors.engine.compressor.kv_budget=48", "At most 1 sequences fit"):
+                 "actors.sampling.max_new_tokens=32", "actors.engine.compressor.kv_budget=48",
+                 "At most 1 sequences fit"):
         assert part in msg, (part, msg)
 
 
@@ -168,7 +172,8 @@ def test_train_that_does_not_fit_exits_2_before_anything_starts(tmp_path):
 
 @pytest.mark.parametrize("overrides,named", [
     (["actors.engine.compressor.budget_control=mismatch", "actors.engine.compressor.kv_budget_min=16",
-      "actors.engine.compressor.kv_budget_max=64", "learner.correction=off"], "actors.engine.compressor.budget_control"),
+      "actors.engine.compressor.kv_budget_max=64", "learner.correction=off"],
+     "actors.engine.compressor.budget_control"),
     (["actors.engine.compressor.budget_schedule=linear", "actors.engine.compressor.kv_budget_final=4"],
      "actors.engine.compressor.kv_budget"),
     (["preflight.kv_memory_gb=-1"], "preflight.kv_memory_gb"),
@@ -237,7 +242,8 @@ def test_sglang_sparse_preflight_counts_the_compression_event():
     (tiny-llama: 4 query / 2 KV heads x 16, fp32; R-KV 48 + 16, window 8; prompt 101 > budget, so the call
     compresses 4 prompts of 101 tokens), and a batch that fits without it but not with it fails."""
     base = ["actors.engine.backend=sglang", "eval.enabled=false", "actors.engine.compressor.kv_budget=48",
-            "actors.engine.compressor.interval=16", "actors.sampling.max_new_tokens=32", "preflight.max_prompt_tokens=101"]
+            "actors.engine.compressor.interval=16", "actors.sampling.max_new_tokens=32",
+            "preflight.max_prompt_tokens=101"]
     # S = 4*2*101 = 808, E = 4*53 = 212; index 8*(12 + 808 + 192 + 32 + 424) + 404 + 3,232 + 1,536 = 16,916;
     # layer 2*4*101*2*16*4 + 4*8*4*16*4 = 111,616; one similarity block 4*2*101*101 = 81,608: redundancy
     # 3,232 + 206,848 + 5*81,608 + 19,392 = 637,512 -> 16,916 + 111,616 + 637,512 = 766,044 B
@@ -247,7 +253,8 @@ def test_sglang_sparse_preflight_counts_the_compression_event():
     assert report.memory_bytes == (1 << 30) - 766_044
     assert report.params()["preflight_result.compression_event_bytes"] == "766044"
     assert "compression event (SGLang sparse backend, outside mem_fraction_static): 766,044 B" in report.table()
-    torch_run = preflight(load_config("tiny", base[2:] + ["preflight.kv_memory_gb=1"]), model_path=resolve_model(TINY_LLAMA))
+    torch_run = preflight(load_config("tiny", base[2:] + ["preflight.kv_memory_gb=1"]),
+                          model_path=resolve_model(TINY_LLAMA))
     assert torch_run.event_bytes == 0 and torch_run.memory_bytes == 1 << 30
     # 900,000 B: the sparse batch's 234,496 B fit, with the event's 766,044 B they do not
     tight = ["preflight.kv_memory_gb=0.00083819"]                      # int(0.00083819 * 2^30) = 899,999 B

@@ -29,7 +29,8 @@ def test_bad_policy_target_and_distill_without_replay_name_the_field():
 
 
 def test_actors_record_only_when_the_learner_replays():
-    assert rollout_config(load_config("tiny-decode", ["learner.policy_target=sparse"], check_files=False)).record_evictions
+    assert rollout_config(load_config("tiny-decode", ["learner.policy_target=sparse"],
+                                      check_files=False)).record_evictions
     assert not rollout_config(load_config("tiny-decode", check_files=False)).record_evictions
     dense = load_config("tiny-decode", ["learner.policy_target=sparse", "actors.engine.compressor.method=full"],
                         check_files=False)
@@ -44,10 +45,12 @@ def test_preflight_counts_the_records_and_says_a_dense_run_trains_dense():
     rows = plain.shape.layers * plain.shape.kv_heads
     assert replay.group_bytes - plain.group_bytes == 2 * 2 * rows * (101 + 32)     # G=2 samples, uint16 per token
     assert "eviction records included" in replay.table()
-    dense = preflight(load_config("tiny", base + ["learner.policy_target=sparse", "actors.engine.compressor.method=full"]),
+    dense = preflight(load_config("tiny", base + ["learner.policy_target=sparse",
+                                                  "actors.engine.compressor.method=full"]),
                       model_path=model)
     assert any("nothing to replay" in w for w in dense.warnings)
-    assert not any("nothing to replay" in w for w in replay.warnings) and not any("distill" in w for w in dense.warnings)
+    assert (not any("nothing to replay" in w for w in replay.warnings)
+            and not any("distill" in w for w in dense.warnings))
     taught = preflight(load_config("tiny", base + ["learner.policy_target=sparse", "learner.distill_coef=0.5",
                                                    "actors.engine.compressor.method=full"]), model_path=model)
     assert any("learner.distill_coef=0.5 is not applied" in w for w in taught.warnings), taught.warnings

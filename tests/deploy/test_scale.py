@@ -83,7 +83,8 @@ def test_scale_bad_urls_and_run_records_get_one_line_and_a_password_is_never_pri
         assert proc.returncode == 2 and proc.stderr.startswith(expected), (args, proc.stderr)
         assert len(proc.stderr.splitlines()) == 1 and "hunter2" not in proc.stderr, proc.stderr
     (tmp_path / "x").mkdir()
-    for record, error in (("{bad", "JSONDecodeError"), ('{"run_id": "x"}', "KeyError: 'redis_url'"), ("[1]", "TypeError")):
+    for record, error in (("{bad", "JSONDecodeError"), ('{"run_id": "x"}', "KeyError: 'redis_url'"),
+                          ("[1]", "TypeError")):
         (tmp_path / "x" / "run.json").write_text(record)
         proc = scale_cli("--run", "x", "--actors", "2", "--run-dir", str(tmp_path))
         assert proc.returncode == 2, proc.stderr

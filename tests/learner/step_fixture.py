@@ -5,8 +5,9 @@ the outputs recorded by the learner step of the code before issue 20 (`LearnerWo
 24f6eac, in-process, one rank; re-recorded at 5644f15, the main this refactor landed on: the same outputs but
 the timings; at issue 22's finish the three budget-log `reason` strings were edited by hand to the controller's
 new wording: its decisions on these steps, hold / raise / raise, are unchanged; the `logp_old_fused` key, 0 on every
-step since kl_coef 0.05 keeps the separate recompute, was added by hand with `learner.fuse_logp_old`); `python -m tests.learner.step_fixture` regenerates the groups and re-records the
-outputs with the current step protocol (only on purpose: the test compares the current code with the recording).
+step since kl_coef 0.05 keeps the separate recompute, was added by hand with `learner.fuse_logp_old`);
+`python -m tests.learner.step_fixture` regenerates the groups and re-records the outputs with the current step protocol
+(only on purpose: the test compares the current code with the recording).
 
 Scenario (3 steps, train.groups_per_step 2, filter_groups zero_variance, budget_control mismatch, kl_coef 0.05,
 checkpoints every 2 versions): before each step, the step's groups are published under one admission claim
@@ -133,7 +134,8 @@ def _record(ckpt_dir: str) -> dict:
             publish_claimed(client, cfg.broker, gs, version)
             report = protocol.train_step(OneRank(learner, ckpt_dir))
             steps.append({"report": {**report.as_metrics(), "trained_prompt_ids": report.trained_prompt_ids},
-                          "counts": rs.run_counts(client, RUN_ID), "queue_depth": queue_depth(client, cfg.broker, RUN_ID),
+                          "counts": rs.run_counts(client, RUN_ID),
+                          "queue_depth": queue_depth(client, cfg.broker, RUN_ID),
                           "kv_budget": rs.read_kv_budget(client, RUN_ID, -1),
                           "learner_version": rs.read_learner_version(client, RUN_ID),
                           "step_capacity": int(client.get(rs.key(RUN_ID, rs.ADMISSION_STEP_CAPACITY))),

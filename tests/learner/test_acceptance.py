@@ -33,7 +33,8 @@ def test_hand_made_distributions():
     # identical distributions accept everything; disjoint ones nothing
     lower, upper, _ = acceptance_bounds(*topk_of_q(q, q, 3))
     assert math.isclose(lower.item(), 1.0, abs_tol=1e-6) and math.isclose(upper.item(), 1.0, abs_tol=1e-6)
-    lower, upper, _ = acceptance_bounds(*topk_of_q(np.array([1 - 2e-9, 1e-9, 1e-9]), np.array([1e-9, 1e-9, 1 - 2e-9]), 3))
+    lower, upper, _ = acceptance_bounds(*topk_of_q(np.array([1 - 2e-9, 1e-9, 1e-9]),
+                                                   np.array([1e-9, 1e-9, 1 - 2e-9]), 3))
     assert lower.item() < 1e-6 and upper.item() < 1e-6
 
 

@@ -17,7 +17,8 @@ def test_raises_at_once_lowers_on_the_window_mean_after_the_wait():
     assert (d.old, d.new, d.changed) == (640, 640, False) and "1 of 4 steps before trying 576: hold" in d.reason
     assert c.update(0.95).new == 640 and c.update(0.95).new == 640
     d = c.update(0.95)                                   # 4 steps, mean (0.87 + 3 x 0.95) / 4 = 0.93 >= 0.89
-    assert d.new == 576 and "lower 640 -> 576" in d.reason and "accept" not in d.reason and "xi_sym_p5=0.9500" in d.reason
+    assert (d.new == 576 and "lower 640 -> 576" in d.reason and "accept" not in d.reason
+            and "xi_sym_p5=0.9500" in d.reason)
     # at 576 the window starts empty; its 2 steps in a row at or above target forgive its miss, but 512's miss
     # still asks for 4 steps here
     assert [c.update(0.95).new for _ in range(4)] == [576, 576, 576, 512]

@@ -18,7 +18,8 @@ def batch_loss(learner, batch, logp_old):
     return grpo_loss(logp, logp_old, adv, mask, mask, num_seqs=len(rows))[0].item(), logp
 
 
-@pytest.mark.parametrize("zero_stage,dtype,kl_coef", [(0, "fp32", 0.0), (1, "fp32", 0.0), (3, "fp32", 0.05), (2, "bf16", 0.0)])
+@pytest.mark.parametrize("zero_stage,dtype,kl_coef",
+                         [(0, "fp32", 0.0), (1, "fp32", 0.0), (3, "fp32", 0.05), (2, "bf16", 0.0)])
 def test_step_lowers_loss_and_advances_version(zero_stage, dtype, kl_coef):
     cfg = LearnerConfig(lr=1e-2, zero_stage=zero_stage, dtype=dtype, kl_coef=kl_coef, ppo_epochs=2,
                         minibatch_size=4, micro_batch_size=2, rejection="none", token_mask=False)

@@ -14,8 +14,7 @@ from broker.schema import SampleRecord, TrajectoryGroup, decode_group, encode_gr
 from compressors import CompressorConfig
 from learner.config import LearnerConfig
 from learner.learner import Learner
-from tests.actors.test_torch_engine import (PROMPTS, eviction_masks, reference_logp, tiny_model,  # noqa: F401
-                                            tiny_tokenizer)
+from tests.actors.test_torch_engine import PROMPTS, eviction_masks, reference_logp, tiny_model, tiny_tokenizer  # noqa: F401
 
 BUDGETS = [10, 20, 10, 14]     # three distinct budgets: three sub-batches of one generate call
 CFG = CompressorConfig(method="rkv", kv_budget=12, window=4, interval=5)
@@ -40,7 +39,8 @@ def rollouts(selection: str = "per_head", method: str = "rkv", **schedule):
         group = TrajectoryGroup(run_id="r", group_id=f"g{i}", prompt_id=f"p{i}", weight_version=0, temperature=1.0,
                                 compressor=method, kv_budget=(budgets or [12] * 4)[i], samples=records)
         groups.append(decode_group(encode_group(group)))
-    recs = engine.last_eviction_records if budgets else [{**engine.last_eviction_record, "prompt_indices": [0, 1, 2, 3]}]
+    recs = (engine.last_eviction_records if budgets
+            else [{**engine.last_eviction_record, "prompt_indices": [0, 1, 2, 3]}])
     subs = [(rec, [s for i in rec["prompt_indices"] for s in out[i]]) for rec in recs]
     return model, groups, subs
 

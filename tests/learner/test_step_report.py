@@ -20,7 +20,6 @@ from learner.learner import Learner
 from learner.step import LearnerStep, OneRank, Resume, StepConfig
 from tests.learner import step_fixture as sf
 
-
 LOGP_ATOL = 2e-6
 """How far one recomputed float32 log-prob may land from the recording on another CPU (vector width, thread count,
 oneDNN/MKL kernels): a few float32 ulps of a log-softmax over the vocabulary. Measured: at most 1.4e-6 in xi

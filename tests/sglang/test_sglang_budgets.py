@@ -5,10 +5,10 @@ that SGLang handed each request's custom params to the model worker. SGLang then
 in the sampler on every decode step (`Sampler._preprocess_logits` -> `apply_custom_logit_processor`: a Python
 pass over the batch, the logits gathered and scattered back, the processor called). Now no processor is
 attached; a budget that differs from the run's rides in the request id (`budget_rid`) and the backend reads it
-once, at the prefill (`ForwardBatch.rids`). Fast tests of the request generate sends (`sglang_request`, a pure function) and of SGLang's own sampler
-pre-processing with and without the old carrier; the engine-level check that the budgets still bound each row
-(through the ids, on a real engine started without `enable_custom_logit_processor`) is test_sglang_triton.py's
-per-request test."""
+once, at the prefill (`ForwardBatch.rids`). Fast tests of the request generate sends (`sglang_request`, a pure
+function) and of SGLang's own sampler pre-processing with and without the old carrier; the engine-level check that the
+budgets still bound each row (through the ids, on a real engine started without `enable_custom_logit_processor`) is
+test_sglang_triton.py's per-request test."""
 import pytest
 import torch
 
@@ -27,7 +27,8 @@ def sent_budgets(request) -> list[int]:
     return [rid_budget(r, RUN_BUDGET) for r in request.get("rid") or [None] * len(request["sampling_params"])]
 
 
-@pytest.mark.parametrize("budgets,want", [([16, 16], [16] * 4), ([12, 20], [12, 12, 20, 20]), ([16, 20], [16, 16, 20, 20])])
+@pytest.mark.parametrize("budgets,want",
+                         [([16, 16], [16] * 4), ([12, 20], [12, 12, 20, 20]), ([16, 20], [16, 16, 20, 20])])
 def test_request_carries_budgets_in_ids_and_no_per_step_processor(budgets, want):
     request = sglang_request(PARAMS, budgets, RUN_BUDGET)
     assert "custom_logit_processor" not in request                             # nothing runs per decode step

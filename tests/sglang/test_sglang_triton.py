@@ -16,8 +16,14 @@ from actors.sglang_triton_backend import SELF_CHECK_ENV
 from actors.torch_engine import TorchEngine
 from compressors import CompressorConfig
 from tests.sglang.conftest import CPU_ENGINE_KWARGS
-from tests.sglang.tiny import (JOIN_MAX_NEW, assert_prefixes_equal, generate_each, join_prompts, max_logp_shift,
-                               torch_references)
+from tests.sglang.tiny import (
+    JOIN_MAX_NEW,
+    assert_prefixes_equal,
+    generate_each,
+    join_prompts,
+    max_logp_shift,
+    torch_references,
+)
 
 pytestmark = pytest.mark.sglang
 torch.set_num_threads(1)
@@ -91,7 +97,8 @@ def test_per_request_budgets_each_bounded_by_their_own(triton_engine, tiny_qwen2
     budgets = [12, 20]
     got = [g[0] for g in eng.generate(PROMPTS, PARAMS, kv_budgets=budgets)]
     stats = eng.kv_pool_stats()
-    assert stats["max_live_by_budget"]["12"] == 12 + cc.interval and stats["max_live_by_budget"]["20"] == 20 + cc.interval
+    assert (stats["max_live_by_budget"]["12"] == 12 + cc.interval
+            and stats["max_live_by_budget"]["20"] == 20 + cc.interval)
     model = Qwen2ForCausalLM.from_pretrained(tiny_qwen2_dir).eval()
     tok = AutoTokenizer.from_pretrained(tiny_qwen2_dir)
     want = [g[0] for g in TorchEngine(model, tok, cc).generate(PROMPTS, PARAMS, kv_budgets=budgets)]

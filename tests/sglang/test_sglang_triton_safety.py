@@ -21,7 +21,8 @@ pytestmark = pytest.mark.sglang
 SYNC_METHODS = {"item", "tolist", "cpu", "numpy", "nonzero", "argwhere", "masked_select"}
 SYNC_BUILTINS = {"int", "float", "bool"}
 HOST_DATA = {"from_numpy", "tensor", "as_tensor"}      # torch.<f>(host data): a host-to-device copy on a GPU
-REPLAY_PATH = [backend.SparseTritonAttnBackend._live_kv_indices, backend.SparseTritonAttnBackend._update_decode_kv_buffers,
+REPLAY_PATH = [backend.SparseTritonAttnBackend._live_kv_indices,
+               backend.SparseTritonAttnBackend._update_decode_kv_buffers,
                backend.SparseTritonAttnBackend.forward_decode, backend.SparseTritonAttnBackend._write_ring]
 
 
@@ -46,7 +47,8 @@ def host_syncs(source: str) -> list[str]:
                 found.append(f"torch.{f.attr}()")
         elif isinstance(node, ast.Subscript):
             index = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
-            if any(isinstance(i, ast.Compare) or (isinstance(i, ast.UnaryOp) and isinstance(i.op, (ast.Invert, ast.Not)))
+            if any(isinstance(i, ast.Compare)
+                   or (isinstance(i, ast.UnaryOp) and isinstance(i.op, (ast.Invert, ast.Not)))
                    for i in index):
                 found.append("boolean-mask [...]")
     return found
@@ -95,7 +97,8 @@ def test_host_sync_detector_catches_a_sync(bad, want):           # the control: 
                                   lambda t: float(t), lambda t: t.cpu(), lambda t: [0, 1, 2][t],
                                   lambda t: t.to("cpu"), lambda t: t.to(device=torch.device("cpu")),
                                   lambda t: t.nonzero(), lambda t: torch.nonzero(t), lambda t: torch.where(t > 0),
-                                  lambda t: t[t > 0], lambda t: t.__setitem__(t > 0, 0), lambda t: t.masked_select(t > 0),
+                                  lambda t: t[t > 0], lambda t: t.__setitem__(t > 0, 0),
+                                  lambda t: t.masked_select(t > 0),
                                   lambda t: t.argwhere()],
                          ids=["item", "tolist", "int", "bool", "float", "cpu", "index", "to-cpu", "to-device-cpu",
                               "nonzero", "torch.nonzero", "where1", "mask-index", "mask-assign", "masked_select",
@@ -136,7 +139,8 @@ SPARSE = CompressorConfig(method="rkv", kv_budget=16, window=4, interval=8)
     # graphs (issue 38 item 4): a piecewise (breakable) or full prefill graph, a breakable decode graph, torch.compile
     ("cuda_graph_backend_prefill", "breakable"), ("cuda_graph_backend_prefill", "full"),
     ("cuda_graph_backend_decode", "breakable"), ("debug_cuda_graph", True), ("enable_torch_compile", True),
-    ("cuda_graph_config", {"prefill": {"backend": "breakable"}}), ("cuda_graph_config", {"decode": {"backend": "breakable"}}),
+    ("cuda_graph_config", {"prefill": {"backend": "breakable"}}),
+    ("cuda_graph_config", {"decode": {"backend": "breakable"}}),
 ])
 def test_sparse_engine_refuses_setting_at_start(setting, value):
     with pytest.raises(ValueError, match=rf"\b{setting}="):

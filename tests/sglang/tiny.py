@@ -42,9 +42,10 @@ def max_logp_shift(samples, dense, horizon: int) -> float:
 def torch_references(model_dir: Path, compressor_cfg, prompts, params) -> tuple[list, list]:
     """The first sample per prompt of TorchEngine on the model in `model_dir`, under `compressor_cfg` and dense:
     (sparse references, dense references), the SGLang lane's ground truth."""
+    from transformers import AutoTokenizer
+
     from actors.torch_engine import TorchEngine
     from compressors import CompressorConfig
-    from transformers import AutoTokenizer
 
     model = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
