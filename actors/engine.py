@@ -103,3 +103,12 @@ class RolloutEngine(Protocol):
         """Replace weights by Hugging Face parameter name; raises ValueError naming every unknown name or
         wrong shape/dtype before anything is changed. Sets `weight_version = version`."""
         ...
+
+
+def check_params(prompts: list[list[int]], params: SamplingParams) -> None:
+    """Every engine's input check: raises ValueError when `prompts` is empty or holds an empty prompt, or when
+    `params` is out of range (check_sampling)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
+    check_sampling("SamplingParams", temperature=params.temperature, max_new_tokens=params.max_new_tokens,
+                   top_p=params.top_p, top_k=params.top_k, topk_logprobs=params.topk_logprobs, n=params.n)

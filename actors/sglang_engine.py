@@ -41,36 +41,19 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from actors.engine import Sample, SamplingParams
-from actors.torch_engine import _check_params
+from actors.engine import Sample, SamplingParams, check_params
+from actors.sglang_contract import (  # noqa: F401  (re-exported: the engine's callers name them here)
+    COMPRESSOR_ENV,
+    DECODE_GRAPH_BACKENDS,
+    JOINS_ENV,
+    KV_BUDGET_RID,
+    KV_STATS_ENV,
+    SPARSE_BACKEND,
+    TORCH_SPARSE_BACKEND,
+    budget_rid,
+    rid_budget,
+)
 from compressors import CompressorConfig
-
-SPARSE_BACKEND = "sparse_rl_kv"
-"""Name of our attention backend in SGLang's registry (`attention_backend=` of `sglang.Engine`): SGLang's Triton
-kernels over the compressed KV (actors/sglang_triton_backend.py)."""
-TORCH_SPARSE_BACKEND = "sparse_rl_kv_torch"
-"""The torch reference backend (actors/sglang_kv_backend.py): eager, no CUDA graphs."""
-COMPRESSOR_ENV = "SPARSE_RL_KV_COMPRESSOR"
-"""Environment variable carrying the CompressorConfig (JSON) to SGLang's scheduler subprocess."""
-KV_BUDGET_RID = ":sparse_rl_kv_budget="
-"""A request whose KV budget is not the run's carries it at the end of its SGLang request id
-(`<uuid>:sparse_rl_kv_budget=<tokens>`): SGLang hands every forward batch its requests' ids
-(`ForwardBatch.rids`), so the backend reads the budget once, at the request's prefill, and nothing runs per
-decode step (a custom logit processor, the earlier carrier, ran on every decode step of every request that
-had one: a Python pass over the batch and two copies of its logits in SGLang's sampler)."""
-
-
-def budget_rid(budget: int) -> str:
-    """A unique SGLang request id carrying `budget` (KV_BUDGET_RID)."""
-    import uuid
-
-    return f"{uuid.uuid4().hex}{KV_BUDGET_RID}{int(budget)}"
-
-
-def rid_budget(rid, default: int) -> int:
-    """The budget a request id carries (`budget_rid`), or `default` for any other id."""
-    head, sep, tail = str(rid).rpartition(KV_BUDGET_RID)
-    return int(tail) if sep and tail.isdigit() else default
 
 
 def sglang_request(params: SamplingParams, budgets: list[int], run_budget: int | None) -> dict:
@@ -96,12 +79,6 @@ def sglang_request(params: SamplingParams, budgets: list[int], run_budget: int |
     if params.topk_logprobs > 0:
         request["top_logprobs_num"] = params.topk_logprobs
     return request
-KV_STATS_ENV = "SPARSE_RL_KV_STATS"
-"""Optional file path: the sparse backend writes its measured KV slot usage there (JSON)."""
-JOINS_ENV = "SPARSE_RL_KV_JOINS"
-"""File path, set by `SGLangEngine` under `compressor.phase: aligned`: at each prefill the `sparse_rl_kv` backend
-appends one line `<request id> <decode_steps>` per request (the engine decode steps run before the request's
-first), from which `generate` counts each request's KV under the shared phase exactly."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -151,8 +128,7 @@ piecewise prefill graph by default on CUDA: the prefill's ring write and compres
 one), no torch.compile and no breakable decode graph (`debug_cuda_graph`): only eager prefill and SGLang's full decode
 graph were checked."""
 
-DECODE_GRAPH_BACKENDS = ("full", "disabled")
-"""Decode CUDA-graph backends sparse mode accepts (`cuda_graph_backend_decode`, `cuda_graph_config`)."""
+
 
 
 def sparse_engine_kwargs(backend: str = SPARSE_BACKEND) -> dict:
@@ -311,7 +287,7 @@ class SGLangEngine:
         call exceeds `timeout_s`, one of this engine's SGLang subprocesses failed, or (sparse mode) SGLang
         retracted a request (`num_retractions` > 0: re-prefilled, its compression history restarted).
         """
-        _check_params(prompts, params)
+        check_params(prompts, params)
         budgets = self._check_budgets(prompts, kv_budgets)
         rows = [p for p in prompts for _ in range(params.n)]
         run_budget = self.compressor_cfg.kv_budget if self.sparse_backend == SPARSE_BACKEND else None

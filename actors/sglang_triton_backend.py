@@ -52,7 +52,7 @@ from sglang.srt.layers.attention.triton_backend import ForwardMetadata, TritonAt
 from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
 
 from actors.kv_memory import EVENT_BYTES_CAP, compression_event_bytes, event_calls, event_chunk_rows
-from actors.sglang_engine import JOINS_ENV, KV_STATS_ENV, rid_budget
+from actors.sglang_contract import JOINS_ENV, KV_STATS_ENV, rid_budget
 from compressors import CompressorConfig, build_compressor, gather_kv
 
 SELF_CHECK_ENV = "SPARSE_RL_KV_SELF_CHECK"
@@ -619,7 +619,7 @@ def check_graph_settings(cuda_graph_config, enable_torch_compile: bool) -> None:
     (ValueError naming the setting): a prefill CUDA graph (SGLang 0.5.23 defaults to its breakable, piecewise
     prefill graph on CUDA; `sparse_engine_kwargs()` turns it off), a decode graph other than full / disabled,
     torch.compile. `SGLangEngine` refuses the same settings before SGLang starts (check_sparse_settings)."""
-    from actors.sglang_engine import DECODE_GRAPH_BACKENDS
+    from actors.sglang_contract import DECODE_GRAPH_BACKENDS
 
     prefill, decode = cuda_graph_config.prefill.backend, cuda_graph_config.decode.backend
     if prefill != "disabled":

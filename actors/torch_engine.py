@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from actors.engine import Sample, SamplingParams, check_sampling
+from actors.engine import Sample, SamplingParams, check_params
 
 # COMPACT_CHUNK: slots moved per step of the in-place compaction (the only extra K/V memory an eviction needs);
 # actors/kv_memory.py predicts this engine's KV bytes.
@@ -165,7 +165,7 @@ class TorchEngine:
         the wrong length or with a budget the compressor config rejects (e.g. <= window), an episodes list of
         the wrong length, with repeated keys, or with params.n != 1.
         """
-        _check_params(prompts, params)
+        check_params(prompts, params)
         if episodes is not None and (len(episodes) != len(prompts) or len(set(episodes)) != len(episodes)
                                      or params.n != 1):
             raise ValueError(f"episodes: {len(episodes)} keys ({len(set(episodes))} distinct) for {len(prompts)} "
@@ -584,10 +584,3 @@ def _stacked_topk(steps: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
         return {}
     return {"topk_ids": torch.stack([i for i, _ in steps]).to(torch.int32).cpu().numpy(),
             "topk_logprobs": torch.stack([lp for _, lp in steps]).float().cpu().numpy()}
-
-
-def _check_params(prompts: list[list[int]], params: SamplingParams) -> None:
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
-    check_sampling("SamplingParams", temperature=params.temperature, max_new_tokens=params.max_new_tokens,
-                   top_p=params.top_p, top_k=params.top_k, topk_logprobs=params.topk_logprobs, n=params.n)
