@@ -212,7 +212,8 @@ class EnvPool:
         try:
             value = self.code(op, self._worker_key(key), *args)
         except UserCodeTimeout as e:
-            return self._fail(key, "timeout", f"{op} did not return within {e.timeout_s:g} s (actors.env.step_timeout_s)")
+            return self._fail(key, "timeout",
+                              f"{op} did not return within {e.timeout_s:g} s (actors.env.step_timeout_s)")
         except Exception as e:  # UserCodeError "<type>: <text>"; with no limit (in this process) the env's own
             what = str(e) if isinstance(e, UserCodeError) else f"{type(e).__name__}: {e}"
             return self._fail(key, "error", f"{op} raised {what}")

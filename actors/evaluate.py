@@ -24,7 +24,8 @@ def mode_engine(engine, tokenizer, mode: str, compressor: CompressorConfig):
 
     cfg = CompressorConfig(method="full") if mode == "dense" else compressor
     if isinstance(engine, TorchEngine):
-        return TorchEngine(engine.model, tokenizer, cfg, device=str(engine.device), weight_version=engine.weight_version)
+        return TorchEngine(engine.model, tokenizer, cfg, device=str(engine.device),
+                           weight_version=engine.weight_version)
     if (engine.compressor_cfg.method == "full") != (mode == "dense"):  # SGLang: the backend is fixed at start
         raise ValueError(f"mode={mode!r}: this {type(engine).__name__} was started "
                          f"{'dense' if engine.compressor_cfg.method == 'full' else 'sparse'}; evaluate it in that mode")
@@ -89,8 +90,8 @@ def evaluate(engine, tokenizer, items: list[Prompt], mode: str, compressor: Comp
     `compressor`. The weights are the engine's (a torch engine is re-wrapped around the same model; nothing is
     copied). `reward`: the scorer (default: the math reward).
 
-    Returns n, reward (mean), accuracy (correct / n), unparseable (fraction with no extractable answer, counted apart from
-    wrong ones), response_length (mean tokens) and kv_peak_bytes (mean per sequence, bytes).
+    Returns n, reward (mean), accuracy (correct / n), unparseable (fraction with no extractable answer, counted
+    apart from wrong ones), response_length (mean tokens) and kv_peak_bytes (mean per sequence, bytes).
     Raises ValueError for a mode other than dense | sparse, or (SGLang) a mode other than the engine's own."""
     engine = mode_engine(engine, tokenizer, mode, compressor)
     items = tokenize_prompts(items, tokenizer, DEFAULT_INSTRUCTION if instruction is None else instruction)

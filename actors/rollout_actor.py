@@ -300,7 +300,8 @@ class RolloutWorker:
             if self.envs is not None:   # multi-turn: every sample an episode of the environment (actors/episode.py)
                 batch.outputs = run_episodes(self.engine_generate, self.envs, self.template, batch.prompts, params,
                                              kv_budgets=budgets, batch_key=f"{batch.indices[0]}-",
-                                             release=getattr(self.engine, "release_episodes", None))  # torch: kept caches
+                                             # torch: kept caches
+                                             release=getattr(self.engine, "release_episodes", None))
             else:
                 batch.outputs = self.engine_generate([p.prompt_ids for p in batch.prompts], params, kv_budgets=budgets)
         except BaseException:  # any failure, Ctrl-C included: the claim's groups go back to the pool, then re-raise
@@ -340,8 +341,10 @@ class RolloutWorker:
         """A finished episode's reward as a RewardResult (the environment's; reward.truncated on a length cut),
         and its statistics counted."""
         c = self.counters
-        c["episodes"], c["turns"], c["tool_calls"] = c["episodes"] + 1, c["turns"] + s.turns, c["tool_calls"] + s.tool_calls
-        c["env_tokens"], c["response_tokens"] = c["env_tokens"] + s.obs_tokens, c["response_tokens"] + len(s.response_ids)
+        c["episodes"], c["turns"], c["tool_calls"] = (c["episodes"] + 1, c["turns"] + s.turns,
+                                                      c["tool_calls"] + s.tool_calls)
+        c["env_tokens"], c["response_tokens"] = (c["env_tokens"] + s.obs_tokens,
+                                                 c["response_tokens"] + len(s.response_ids))
         for k, nbytes in enumerate(s.turn_kv_bytes, 1):
             acc = self.turn_kv.setdefault(k, [0, 0])
             acc[0], acc[1] = acc[0] + nbytes, acc[1] + 1
@@ -408,7 +411,8 @@ class RolloutWorker:
             base = scheduled_budget(c, version, self.cfg.train_steps)
         if c.budget_tiers == "off":
             return [base] * len(batch), [""] * len(batch)
-        tiers = [tier_of(c, conf) for conf in rs.read_confidences(self.redis, self.run_id, [p.prompt_id for p in batch])]
+        tiers = [tier_of(c, conf)
+                 for conf in rs.read_confidences(self.redis, self.run_id, [p.prompt_id for p in batch])]
         return [tier_budget(c, base, t) for t in tiers], tiers
 
     def stop_generation(self) -> None:
@@ -445,7 +449,8 @@ class RolloutWorker:
         tiers, self.tier_counters = self.tier_counters, {}
         per_tier = {}
         for name, (groups, budget_sum, reward_sum, samples) in tiers.items():
-            per_tier.update({f"tier/{name}/kv_budget": budget_sum / groups, f"tier/{name}/reward": reward_sum / samples})
+            per_tier.update({f"tier/{name}/kv_budget": budget_sum / groups,
+                             f"tier/{name}/reward": reward_sum / samples})
         if c["batches"]:  # mean budget (tokens) of this actor's batches since the last call
             per_tier["actor_kv_budget"] = c["kv_budget_sum"] / c["batches"]
         per_tier.update(self._episode_metrics(c))
@@ -465,14 +470,16 @@ class RolloutWorker:
         turn_kv, self.turn_kv = self.turn_kv, {}
         if not c["episodes"]:
             return {}
-        return {"turns_per_episode": c["turns"] / c["episodes"], "tool_calls_per_episode": c["tool_calls"] / c["episodes"],
+        return {"turns_per_episode": c["turns"] / c["episodes"],
+                "tool_calls_per_episode": c["tool_calls"] / c["episodes"],
                 "env_token_fraction": c["env_tokens"] / max(c["response_tokens"], 1),
                 **{f"kv_bytes_turn_{k}": total / n for k, (total, n) in sorted(turn_kv.items())}}
 
     # -- evaluation ------------------------------------------------------------------------------------------
     def evaluate(self, items: list, mode: str) -> dict:
         """Score this actor's weights on `items` with the run's reward, with the full cache (dense) or
-        eval.sparse_compressor, by default the run's compressor (sparse); see actors.evaluate. Waits for the current batch (weights stay fixed meanwhile)."""
+        eval.sparse_compressor, by default the run's compressor (sparse); see actors.evaluate. Waits for the current
+        batch (weights stay fixed meanwhile)."""
         with self.generating:   # multi-turn (self.envs): episodes of the run's environment
             return evaluate_run(self.engine, self.tokenizer, items, mode, self.cfg.actors, self.cfg.eval, self.cfg.seed,
                                 reward=self.reward, envs=self.envs, template=self.template)

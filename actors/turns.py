@@ -237,8 +237,9 @@ class Rollout:
     def add_observation(self, messages: Sequence[Message]) -> Turn | None:
         """Append the environment's `messages` after the last sampled turn (trainable 0): rendered by
         `ChatTemplate.observation_ids` (closed when the last sampled id is the end-of-turn id), their contents'
-        own ids then cut to max_obs_tokens (`truncate_contents`). Returns the Turn, or None when it does not fit in `remaining` with at least one token
-        left to generate (nothing is appended: the episode ends on its token limit). Raises
+        own ids then cut to max_obs_tokens (`truncate_contents`). Returns the Turn, or None when it does not fit in
+        `remaining` with at least one token left to generate (nothing is appended: the episode ends on its token
+        limit). Raises
         TemplateNotAppendOnly as observation_ids and truncate_contents do."""
         last = self.turns[-1].ids[-1:] if self.turns else []
         ids, cut = truncate_contents(self.template, messages, self.max_obs_tokens, self.obs_truncation,

@@ -33,7 +33,8 @@ The command is resumable: a finished run (its summary.json) is kept and skipped 
 (a run cut short restarts), and the plot and JSON are rebuilt from what exists.
 
     python bench/replication.py --quick        # tiny-decode: 2 seeds x 16 steps, one budget, a few minutes
-    python bench/replication.py                # smollm2-count-warm, budgets 48 and 72, 3 seeds, 20 steps (~7 h alone on 2 cores)
+    python bench/replication.py                # smollm2-count-warm, budgets 48 and 72, 3 seeds, 20 steps
+                                               # (~7 h alone on 2 cores)
     python bench/replication.py --config qwen2.5-math --budgets 512 ray.address=auto   # a GPU cluster
 
 Writes <out>/replication.png (per budget: reward, grad_norm, mismatch KL, rejection rate, response length,
@@ -99,17 +100,19 @@ CPU_DEFAULT = {"config": "smollm2-count-warm",
 """The default (CPU-scale) comparison: the main job's decode-regime task and model (docs/results.md 6.2, amended
 for 6.7, and a third time for the second budget); budgets 48 and 72 keep about 0.3 and 0.5 of the rollouts' KV
 (72 replaced 96, measured to keep 0.56-0.87: docs/results.md 6.4); 20 steps (~22-30 min a run with its evaluations
-alone on 2 cores, 18 runs ~7-9 h); a learner with 2 torch threads (with max_staleness 0 the actors are idle while it steps). The last overrides keep the grid as
-pre-registered (commit b1c3cb8) after the main job's preset moved on (advantages not divided by the group std,
-batches of 4 prompts: docs/results.md 6.8) and the learner's step gained the single-pass on-policy step (the same
-update, other rounding: the runs started on the two-pass step stay on it), and policy_target=dense keeps the
-arms the paper's after the preset switched to eviction replay (6.12). Overrides on the command line follow."""
+alone on 2 cores, 18 runs ~7-9 h); a learner with 2 torch threads (with max_staleness 0 the actors are idle while
+it steps). The last overrides keep the grid as pre-registered (commit b1c3cb8) after the main job's preset moved on
+(advantages not divided by the group std, batches of 4 prompts: docs/results.md 6.8) and the learner's step gained
+the single-pass on-policy step (the same update, other rounding: the runs started on the two-pass step stay on it),
+and policy_target=dense keeps the arms the paper's after the preset switched to eviction replay (6.12). Overrides on
+the command line follow."""
 QUICK = {"config": "tiny-decode", "overrides": [], "budgets": "", "steps": 16, "seeds": 2, "eval_limit": 16}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=None, help="preset or YAML (default smollm2-count-warm; tiny-decode with --quick)")
+    p.add_argument("--config", default=None,
+                   help="preset or YAML (default smollm2-count-warm; tiny-decode with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny scale for regression checks (tiny-decode, 16 steps)")
     p.add_argument("--steps", type=int, default=None, help="learner steps per run (default 20; 16 with --quick)")
     p.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 per arm (default 3; 2 with --quick)")
@@ -351,14 +354,16 @@ def run_stats(h: dict[str, np.ndarray], summary: dict) -> dict:
              "grad_norm_spike_with_gradient": spike_ratio(g[g > 0]), "steps_without_gradient": int((g == 0).sum()),
              "kv_retained_ratio": float(h["kv_retained_ratio"].mean()),
              "response_truncated_fraction": float(h["response_truncated_fraction"].mean()),
-             "mismatch_kl": float(np.nanmean(h["mismatch_kl"])), "rejection_rate": float(np.nanmean(h["rejection_rate"]))}
+             "mismatch_kl": float(np.nanmean(h["mismatch_kl"])),
+             "rejection_rate": float(np.nanmean(h["rejection_rate"]))}
     for name in ("replay_logp_max_abs", "replay_dense_gap_max"):   # rule R4 (docs/results.md 6.12): replay arms
         values = h.get(name, np.array([]))
         if len(values):
             stats[f"{name}_max"] = float(np.max(values))   # NaN (no fresh rows in a step) propagates: not exact
             stats[f"{name}_steps"] = int(len(values))
     for key, value in summary.items():
-        if key.startswith(("eval/", "eval_before/")) and key.rsplit("/", 1)[-1] in ("reward", "accuracy", "kv_peak_bytes"):
+        if (key.startswith(("eval/", "eval_before/"))
+                and key.rsplit("/", 1)[-1] in ("reward", "accuracy", "kv_peak_bytes")):
             stats[key] = value
     return stats
 
@@ -388,13 +393,15 @@ def verdicts(arms: dict[str, dict[int, dict]], dense: dict[int, dict], dense_spa
     srl, naive = arms.get("sparse_rl", {}), arms.get("naive_sparse", {})
     out = {}
     if srl and dense:
-        d_final, s_final = mean(x["final_reward"] for x in dense.values()), mean(x["final_reward"] for x in srl.values())
+        d_final, s_final = (mean(x["final_reward"] for x in dense.values()),
+                            mean(x["final_reward"] for x in srl.values()))
         d_eval = mean(x.get("eval/dense/reward") for x in dense.values())
         s_eval = mean(x.get("eval/dense/reward") for x in srl.values())
         ok = s_final >= 0.95 * d_final and s_eval is not None and d_eval is not None and s_eval >= 0.95 * d_eval
         out["h1"] = {"confirmed": bool(ok), "sparse_rl_final_reward": s_final, "dense_final_reward": d_final,
                      "sparse_rl_eval_dense_reward": s_eval, "dense_eval_dense_reward": d_eval,
-                     "per_seed": {s: {"sparse_rl_final": srl[s]["final_reward"], "dense_final": dense[s]["final_reward"],
+                     "per_seed": {s: {"sparse_rl_final": srl[s]["final_reward"],
+                                      "dense_final": dense[s]["final_reward"],
                                       "sparse_rl_eval": srl[s].get("eval/dense/reward"),
                                       "dense_eval": dense[s].get("eval/dense/reward")}
                                   for s in sorted(set(srl) & set(dense))}}
@@ -407,14 +414,18 @@ def verdicts(arms: dict[str, dict[int, dict]], dense: dict[int, dict], dense_spa
         collapses = [s for s in seeds if naive[s]["collapse"] and not srl[s]["collapse"]]
         majority = len(seeds) // 2 + 1
         out["h2"] = {"confirmed": bool(lower or len(spikes) >= majority or len(collapses) >= majority),
-                     "naive_final_reward": mean(finals["naive_sparse"]), "sparse_rl_final_reward": mean(finals["sparse_rl"]),
+                     "naive_final_reward": mean(finals["naive_sparse"]),
+                     "sparse_rl_final_reward": mean(finals["sparse_rl"]),
                      "seed_spread": spread, "final_reward_lower_by_more_than_spread": bool(lower),
                      "seeds_with_naive_only_grad_spike": spikes, "seeds_with_naive_only_collapse": collapses,
-                     "per_seed": {s: {"naive_final": naive[s]["final_reward"], "sparse_rl_final": srl[s]["final_reward"],
+                     "per_seed": {s: {"naive_final": naive[s]["final_reward"],
+                                      "sparse_rl_final": srl[s]["final_reward"],
                                       "naive_grad_norm_spike": naive[s]["grad_norm_spike"],
                                       "sparse_rl_grad_norm_spike": srl[s]["grad_norm_spike"],
-                                      "naive_grad_norm_spike_with_gradient": naive[s].get("grad_norm_spike_with_gradient"),
-                                      "sparse_rl_grad_norm_spike_with_gradient": srl[s].get("grad_norm_spike_with_gradient"),
+                                      "naive_grad_norm_spike_with_gradient":
+                                          naive[s].get("grad_norm_spike_with_gradient"),
+                                      "sparse_rl_grad_norm_spike_with_gradient":
+                                          srl[s].get("grad_norm_spike_with_gradient"),
                                       "naive_collapse": naive[s]["collapse"], "sparse_rl_collapse": srl[s]["collapse"]}
                                   for s in seeds}}
     if srl and dense_sparse:
@@ -466,7 +477,8 @@ def replay_verdicts(arms: dict[str, dict[int, dict]], dense: dict[int, dict], de
                        "eval_sparse_reward": own, **{f"{k}_eval_sparse_reward": v for k, v in others.items()},
                        "spread": SPREAD, "per_seed": {s: runs[s].get("eval/sparse/reward") for s in seeds}}
         if dense:
-            own, ref = mean(runs[s].get("eval/dense/reward") for s in seeds), mean(dense[s].get("eval/dense/reward") for s in seeds)
+            own, ref = (mean(runs[s].get("eval/dense/reward") for s in seeds),
+                        mean(dense[s].get("eval/dense/reward") for s in seeds))
             r["r3"] = {"holds": bool(own is not None and ref is not None and own >= 0.95 * ref),
                        "eval_dense_reward": own, "dense_eval_dense_reward": ref,
                        "per_seed": {s: runs[s].get("eval/dense/reward") for s in seeds}}
@@ -501,7 +513,8 @@ def episode_verdicts(arms: dict[str, dict[int, dict]], dense: dict[int, dict], d
     per_seed = {s: runs[s].get("eval/sparse/reward") for s in seeds}
     v: dict = {}
     if dense:
-        d_final, d_eval = mean(dense[s]["final_reward"] for s in seeds), mean(dense[s].get("eval/dense/reward") for s in seeds)
+        d_final, d_eval = (mean(dense[s]["final_reward"] for s in seeds),
+                           mean(dense[s].get("eval/dense/reward") for s in seeds))
         v["s1"] = {"holds": bool(final >= d_final - MARGIN and own >= d_eval - MARGIN), "final_reward": final,
                    "dense_final_reward": d_final, "eval_sparse_reward": own, "dense_eval_dense_reward": d_eval,
                    "per_seed": {s: {"final": runs[s]["final_reward"], "dense_final": dense[s]["final_reward"],
@@ -545,7 +558,8 @@ def report(args) -> dict:
     hist = {k: {m: np.array(v["history"].get(m, []), dtype=float) for m in RECORDED} for k, v in records.items()}
     stats = {k: run_stats(hist[k], v["summary"]) for k, v in records.items() if len(hist[k]["reward_mean"])}
     done = records
-    result: dict = {"config": args.config, "overrides": args.overrides, "steps": args.steps, "seeds": len(args.only_seeds),
+    result: dict = {"config": args.config, "overrides": args.overrides, "steps": args.steps,
+                    "seeds": len(args.only_seeds),
                     "seed_list": args.only_seeds,
                     "regime": "decode" if prompt_max < min(args.budgets) else "prefill",
                     "prompt_tokens_max": prompt_max, "kv_budget": args.budgets[0], "kv_budgets": args.budgets,
@@ -595,7 +609,8 @@ def runs_table(stats: dict[tuple, dict], dense_sparse: dict[tuple[int, int], flo
             "grad-norm max/median (with gradient; steps without)", "held-out dense before -> after",
             "held-out sparse before -> after"]
     rows = []
-    for (arm, b, seed), st in sorted(stats.items(), key=lambda kv: (kv[0][2], list(ARMS).index(kv[0][0]), kv[0][1] or 0)):
+    for (arm, b, seed), st in sorted(stats.items(),
+                                     key=lambda kv: (kv[0][2], list(ARMS).index(kv[0][0]), kv[0][1] or 0)):
         for budget in budgets if b is None else [b]:
             sparse_after = dense_sparse.get((seed, budget)) if b is None else st.get("eval/sparse/reward")
             sparse_before = st.get("eval_before/sparse/reward") if b is not None or budget == budgets[0] else None
@@ -667,11 +682,13 @@ def replay_verdicts_text(replay: dict, budget: int) -> list[str]:
                                      f"seed {s}: {f(x['final'])} (naive {f(x['naive_final'])}, dense "
                                      f"{f(x['dense_final'])})" for s, x in v["per_seed"].items())),
                 ("r2", lambda v: f"held-out under the cache {f(v['eval_sparse_reward'])} vs dense-trained "
-                                 f"{f(v['dense_model_eval_sparse_reward'])}, Sparse-RL {f(v['sparse_rl_eval_sparse_reward'])}"
+                                 f"{f(v['dense_model_eval_sparse_reward'])}, Sparse-RL "
+                                 f"{f(v['sparse_rl_eval_sparse_reward'])}"
                                  f", naive {f(v['naive_sparse_eval_sparse_reward'])} (spread {v['spread']}); refuted "
                                  f"against naive: {'yes' if v['refuted_against_naive'] else 'no'}; per seed "
                                  + ", ".join(f(x) for x in v["per_seed"].values())),
-                ("r3", lambda v: f"held-out dense {f(v['eval_dense_reward'])} vs 0.95 x {f(v['dense_eval_dense_reward'])}"
+                ("r3", lambda v: f"held-out dense {f(v['eval_dense_reward'])} vs 0.95 x "
+                                 f"{f(v['dense_eval_dense_reward'])}"
                                  "; per seed " + ", ".join(f(x) for x in v["per_seed"].values())),
                 ("r4", lambda v: "max replay_logp_max_abs per seed " + ", ".join(
                                      f(x) for x in v["replay_logp_max_abs"].values()) + "; max replay_dense_gap_max "
@@ -718,7 +735,8 @@ def episode_verdicts_text(v: dict, budget: int) -> list[str]:
         r = v.get(name)
         verdict = "not decided (runs missing)" if r is None else f"**{r['verdict']}**" if "verdict" in r \
             else f"**{'holds' if r['holds'] else 'fails'}**"
-        lines.append(f"- budget {budget}, sparse_replay, {name.upper()}: {verdict}" + ("" if r is None else f": {why(r)}"))
+        lines.append(f"- budget {budget}, sparse_replay, {name.upper()}: {verdict}"
+                     + ("" if r is None else f": {why(r)}"))
     switch = v.get("switch")
     lines.append(f"- budget {budget}, sparse_replay: preset switch rule (S1, S2 and S5) "
                  f"{'not decided' if switch is None else switch}")
@@ -729,7 +747,8 @@ def summarize(per_seed: dict[int, dict]) -> dict:
     """Means over seeds of every figure of run_stats ("inf" where a seed's is: spike_ratio's infinite ratio), and
     the per-seed values."""
     keys = sorted({k for st in per_seed.values() for k in st})
-    out = {k: "inf" if any(st.get(k) == "inf" for st in per_seed.values()) else mean(st.get(k) for st in per_seed.values())
+    out = {k: "inf" if any(st.get(k) == "inf" for st in per_seed.values())
+           else mean(st.get(k) for st in per_seed.values())
            for k in keys if k != "collapse"}
     out["per_seed"] = {s: st for s, st in sorted(per_seed.items())}
     return out
@@ -783,7 +802,8 @@ def main(argv=None) -> None:
                 run_one(args, arm, budget, seed)
     result = report(args)
     for key in ("dense", *[f"budget_{b}" for b in args.budgets]):
-        print(f"{key}: {json.dumps({k: v for k, v in result.get(key, {}).items() if k != 'per_seed'}, default=str)[:600]}")
+        print(f"{key}: "
+              f"{json.dumps({k: v for k, v in result.get(key, {}).items() if k != 'per_seed'}, default=str)[:600]}")
     if args.records is not None:  # the committed copies: the JSON, plot and table beside the records
         copies = {"plot": args.records.parent.parent / f"{args.records.name}.png",
                   "table": args.records.with_suffix(".md")}

@@ -36,7 +36,8 @@ def root_cause(error: Exception) -> str:
     """The innermost exception line of a Ray error (for an actor that died in its constructor, the error its
     constructor raised, e.g. "OSError: ... model ..."), else its type and first line; ANSI colours removed."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
-    raised = [line.strip() for line in text.splitlines() if re.match(r"^\s*[\w.]+(Error|Exception|Exit|Interrupt)\b.*:", line)]
+    raised = [line.strip() for line in text.splitlines()
+              if re.match(r"^\s*[\w.]+(Error|Exception|Exit|Interrupt)\b.*:", line)]
     return raised[-1] if raised else f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
@@ -127,7 +128,8 @@ class ActorPool:
             self.scale(self.target)
             if self.starting and time.monotonic() - reported >= self.cfg.train.wait_report_s:
                 reported = time.monotonic()
-                console.waiting(0, reported - since, f"{len(self.starting)} rollout actor(s) starting (loading the model)")
+                console.waiting(0, reported - since,
+                                f"{len(self.starting)} rollout actor(s) starting (loading the model)")
 
     def wait_for(self, done, step: int, target, console, depth, hint) -> dict:
         """The learner's result `done` for `step`. While it waits for groups, dead actors are replaced (target():
@@ -151,7 +153,8 @@ class ActorPool:
         try:
             return ray.get(done)
         except PROCESS_LOST as e:
-            raise RunFailed(f"learner step {step} failed: learner rank 0 died ({str(e).strip().splitlines()[0][:200]}); "
+            raise RunFailed(f"learner step {step} failed: learner rank 0 died "
+                            f"({str(e).strip().splitlines()[0][:200]}); "
                             f"nothing of this step was acknowledged; {hint()}") from None
         except LearnerRankError as e:  # Ray's error is also a LearnerRankError; its cause holds the message
             raise RunFailed(f"learner step {step} failed: {getattr(e, 'cause', None) or e}; nothing of this step "
@@ -328,10 +331,10 @@ class ActorPool:
             stats = self._learner_get(sends, "it sent the weights")
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, ValueError):  # manifest mismatch: learner and actor models differ
-                raise e.cause
+                raise e.cause from e
             stats = {"weight_sync_error": 1.0}  # a peer died mid-round: the collective timed out
             print(f"weight sync failed, membership will be rebuilt: {e}")
-        for i, ref in recvs.items():
+        for _i, ref in recvs.items():
             try:
                 ray.get(ref, timeout=self.cfg.learner.weight_sync_timeout_s)
             except Exception:
@@ -389,7 +392,8 @@ class ActorPool:
             shards = [items[i::len(handles)] for i in range(len(handles))]
             parts = ray.get([h.evaluate.remote(shard, mode) for h, shard in zip(handles, shards) if shard])
             n = sum(p["n"] for p in parts)
-            for name in ("reward", "accuracy", "unparseable", "response_length", "kv_peak_bytes", "turns", "tool_calls"):
+            for name in ("reward", "accuracy", "unparseable", "response_length", "kv_peak_bytes", "turns",
+                         "tool_calls"):
                 if all(name in p for p in parts):   # turns, tool_calls: multi-turn episodes only
                     scores[f"eval/{mode}/{name}"] = sum(p[name] * p["n"] for p in parts) / max(n, 1)
             scores[f"eval/{mode}/reward_errors"] = sum(p["reward_errors"] for p in parts)

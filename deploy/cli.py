@@ -4,7 +4,8 @@
     sparse-rl train --resume runs/<run id> [dotted.key=value ...]   (the same record; e.g. train.steps=N to go further)
     sparse-rl eval --model runs/<run id>/final [--mode dense|sparse] [--config ...] [dotted.key=value ...]
     sparse-rl scale --run <run id> --actors N [--run-dir runs] [--redis redis://127.0.0.1:6379/0]
-    sparse-rl preflight [--config smollm2-count-warm] [dotted.key=value ...]   # will the KV cache fit? (also run by train)
+    sparse-rl preflight [--config smollm2-count-warm] [dotted.key=value ...]
+        # will the KV cache fit? (also run by train)
 """
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     scale.add_argument("--run-dir", default="runs", help="parent of the run directories (the config's run_dir)")
 
     pre = sub.add_parser("preflight", help="predict the run's KV memory per sequence and batch, check that it fits")
-    pre.add_argument("--config", default=MAIN_JOB, help=f"preset name in deploy/configs/ or a YAML path (default {MAIN_JOB})")
+    pre.add_argument("--config", default=MAIN_JOB,
+                     help=f"preset name in deploy/configs/ or a YAML path (default {MAIN_JOB})")
     pre.add_argument("overrides", nargs="*")
     return parser
 
@@ -93,7 +95,8 @@ def _main(argv: list[str] | None = None) -> int:
                 cfg = load_config(args.config or MAIN_JOB, args.overrides)
                 command = ["sparse-rl", "train", "--config", args.config or MAIN_JOB, *args.overrides]
             # Ray, DeepSpeed: only for `train`, and only once the config is checked (bad input exits 2 sooner)
-            from deploy.driver import Interrupted, RunFailed, ignore_stops_after_finish, train as run_train
+            from deploy.driver import Interrupted, RunFailed, ignore_stops_after_finish
+            from deploy.driver import train as run_train
             try:
                 run_train(cfg, command, resume=args.resume)
                 ignore_stops_after_finish()   # the run finished: a stop during the process's exit changes nothing

@@ -3,7 +3,8 @@
     the run's record (new, resumed or forked: deploy/record.py) -> services (Ray, Redis, MLflow)
     -> learner + N rollout actors (Ray actors)
     for step: learner consumes groups and steps -> actors rescaled/replaced -> weights broadcast -> log
-    (evaluation of the initial weights first, if eval.before) -> evaluation dense and sparse -> plot and artifacts -> everything shut down (also on Ctrl-C / error)
+    (evaluation of the initial weights first, if eval.before) -> evaluation dense and sparse -> plot and artifacts
+    -> everything shut down (also on Ctrl-C / error)
 """
 from __future__ import annotations
 
@@ -437,7 +438,8 @@ def start_ray(cfg: RunConfig) -> None:
             ray.init(address=cfg.ray.address, log_to_driver=True, runtime_env=runtime_env)
         else:
             # Logical CPUs only: local processes share the machine's cores (torch threads are set per process).
-            need = cfg.train.learner_num_cpus * cfg.learner.ranks + cfg.actors.num_cpus * max(cfg.actors.count, MAX_LOCAL_ACTORS)
+            need = (cfg.train.learner_num_cpus * cfg.learner.ranks
+                    + cfg.actors.num_cpus * max(cfg.actors.count, MAX_LOCAL_ACTORS))
             ray.init(num_cpus=cfg.ray.num_cpus or max(os.cpu_count() or 1, int(need + 0.999)),
                      include_dashboard=False, log_to_driver=True, runtime_env=runtime_env)
 

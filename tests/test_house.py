@@ -22,7 +22,9 @@ def test_a_cycle_is_found_and_a_chain_is_not():
 
 def test_imports_resolve_submodules_and_relative_imports(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text("from pkg import sub\nfrom . import other\nimport pkg.sub.deep\n\ndef f():\n    from pkg.x import y\n")
+    module.write_text(
+        "from pkg import sub\nfrom . import other\nimport pkg.sub.deep\n\ndef f():\n    from pkg.x import y\n"
+    )
     known = {"pkg", "pkg.sub", "pkg.other", "pkg.x", "pkg.m"}
     assert house.imports("pkg.m", module, known) == {"pkg.sub", "pkg.other", "pkg.x"}
 

@@ -33,9 +33,12 @@ def smol() -> ChatTemplate:
 
 def conversation(system: bool = False) -> list[dict]:
     msgs = [{"role": "system", "content": "be brief"}] if system else []
-    return msgs + [{"role": "user", "content": "what is k7?"}, {"role": "assistant", "content": "<think>look</think>call k7"},
-                   {"role": "tool", "content": "k7 = 42"}, {"role": "assistant", "content": "<think>got it</think>42"},
-                   {"role": "user", "content": "and k3?"}, {"role": "assistant", "content": "<think>again</think>call k3"}]
+    return msgs + [{"role": "user", "content": "what is k7?"},
+                   {"role": "assistant", "content": "<think>look</think>call k7"},
+                   {"role": "tool", "content": "k7 = 42"},
+                   {"role": "assistant", "content": "<think>got it</think>42"},
+                   {"role": "user", "content": "and k3?"},
+                   {"role": "assistant", "content": "<think>again</think>call k3"}]
 
 
 def test_the_shipped_templates_are_append_only_and_their_boundaries_are_found(smol):
@@ -70,8 +73,9 @@ def test_a_template_that_cannot_render_a_tool_message_fails_naming_it():
                          "{{ raise_exception('roles are system, user and assistant') }}{% endif %}"
                          "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
                          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-    with pytest.raises(TemplateNotAppendOnly, match=r"^chat template of user-only cannot render the multi-turn probe "
-                                                    r"conversation \(TemplateError: roles are system, user and assistant\)$"):
+    with pytest.raises(TemplateNotAppendOnly,
+                       match=r"^chat template of user-only cannot render the multi-turn probe "
+                             r"conversation \(TemplateError: roles are system, user and assistant\)$"):
         ChatTemplate.build(tok, name="user-only")
     assert ChatTemplate.build(tok, name="user-only", obs_roles=("user",)).boundary_ids == (198,)  # user turns only
 

@@ -62,8 +62,10 @@ def test_bad_data_files_fail_at_the_config_check(tmp_path):
                 "no_question": r"line 3: expected a JSON object with string fields 'question' and 'answer'"}
     good = write_jsonl(tmp_path / "good.jsonl", [GOOD])
     runs = tmp_path / "runs"
-    cases = [(name, f"actors.data.path={path}", [f"actors.data.path={path}", f"eval.data={good}"]) for name, path in files.items()]
-    cases += [(name, f"eval.data={path}", [f"actors.data.path={good}", f"eval.data={path}"]) for name, path in files.items()]
+    cases = [(name, f"actors.data.path={path}", [f"actors.data.path={path}", f"eval.data={good}"])
+             for name, path in files.items()]
+    cases += [(name, f"eval.data={path}", [f"actors.data.path={good}", f"eval.data={path}"])
+              for name, path in files.items()]
     for i, (name, field, data) in enumerate(cases):
         preflight = "preflight.enabled=false" if i % 2 else "preflight.enabled=true"
         done = sparse_rl("train", "--config", "tiny", f"run_dir={runs}", "actors.data.source=gsm8k_jsonl", preflight,
@@ -246,8 +248,9 @@ def record_files(run_dir: Path) -> dict[str, bytes]:
 def test_ctrl_c_after_training_points_at_eval_and_a_changed_resume_is_refused_untouched(tmp_path):
     """Ctrl-C during the final evaluation: the line points at `sparse-rl eval` of the final weights (training is
     done, a resume would exit 2), and that command works. Then `--resume` with a changed seed, data, learner.ranks
-    and model (and ZeRO stage): exit 2 naming each, before anything is written (the record's files and MLflow run untouched), so
-    that a plain `--resume` afterwards trains on; a SIGTERM after that run printed `done` exits 0 with one line."""
+    and model (and ZeRO stage): exit 2 naming each, before anything is written (the record's files and MLflow run
+    untouched), so that a plain `--resume` afterwards trains on; a SIGTERM after that run printed `done` exits 0 with
+    one line."""
     runs = tmp_path / "runs"
     run = Run("--config", "tiny", f"run_dir={runs}", "train.steps=2", "learner.checkpoint_interval=1",
               "eval.before=false", "eval.limit=48", "eval.max_new_tokens=48")
@@ -316,8 +319,10 @@ def test_a_learner_lost_outside_a_step_ends_the_run_at_once(tmp_path):
     cases = {  # name: (faults, extra overrides, the line after "sparse-rl: ")
         "actors loading": ("actor.start:*=sleep:300", [], f"{died} the actors were loading: "),  # they load 5 minutes
         "constructor": ("learner.init:0=exit", [], f"{died} starting: "),
-        "weight sync": ("learner.send_weights:0@1=exit", ["learner.checkpoint_interval=1"], f"{died} it sent the weights: "),
-        "save_final": ("learner.save_final:0=exit", ["learner.checkpoint_interval=1"], f"{died} it saved the final weights: "),
+        "weight sync": ("learner.send_weights:0@1=exit", ["learner.checkpoint_interval=1"],
+                        f"{died} it sent the weights: "),
+        "save_final": ("learner.save_final:0=exit", ["learner.checkpoint_interval=1"],
+                       f"{died} it saved the final weights: "),
         "step raises": ("learner.step:0@0=fail", [], "run failed: learner step 1 failed: learner rank 0 raised "
                                                      "broker.faults.FaultInjectedError: "),
     }
@@ -343,7 +348,8 @@ def test_a_learner_lost_outside_a_step_ends_the_run_at_once(tmp_path):
         (run_dir,) = runs.iterdir()
         if extra:  # a checkpoint of version 1 (weight sync) or 2 (the last step): the resume command is runnable
             steps = " train.steps=3" if name == "save_final" else ""
-            assert line.endswith(f"; resume with: {Path(sys.executable).parent}/sparse-rl train --resume {run_dir}{steps}"), line
+            assert line.endswith(f"; resume with: {Path(sys.executable).parent}/sparse-rl train --resume "
+                                 f"{run_dir}{steps}"), line
         else:
             assert f"; start again with: {Path(sys.executable).parent}/sparse-rl train --config tiny" in line, line
         assert mlflow_status(run_dir) == "FAILED", name
@@ -369,7 +375,8 @@ def test_workers_import_the_installed_code_from_any_directory_and_counts_add_up(
     cwd = tmp_path / "work"
     for name in ("actors", "learner", "broker", "deploy", "compressors"):
         (cwd / name).mkdir(parents=True)
-        (cwd / name / "__init__.py").write_text(f"raise ImportError('the decoy {name} package in the cwd was imported')\n")
+        (cwd / name / "__init__.py").write_text(
+            f"raise ImportError('the decoy {name} package in the cwd was imported')\n")
     user = tmp_path / "user_code"
     user.mkdir()
     (user / "failing_reward.py").write_text("def reward(text, response_ids, item):\n"
