@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 from actors.engine import check_sampling
 from compressors import CompressorConfig
@@ -31,6 +32,62 @@ def load_callable(spec: str, field_name: str):
     return fn
 
 
+SGLANG_SET_BY_SPARSE_RL = ("model_path", "dtype", "skip_tokenizer_init")
+"""`sglang.Engine` arguments sparse-rl sets itself (the model, `actors.engine.dtype`, the tokenizer it reads)."""
+
+
+@dataclass
+class SGLangConfig:
+    """Settings of the SGLang engine (actors.engine.backend=sglang; the torch engine ignores them), passed to
+    `sglang.Engine` as its ServerArgs (sglang >= 0.5.23). None leaves SGLang's own default (docs/sglang.md,
+    "Settings"). Raises ValueError naming the field on a value out of range or an `engine_kwargs` key that a
+    field here or sparse-rl itself sets."""
+    mem_fraction_static: Optional[float] = None
+    """Fraction of the device's memory SGLang takes for the weights and its KV pool, 0 < f < 1 (verl's
+    rollout.gpu_memory_utilization). The sparse backend's query ring and compression buffers are outside it
+    (preflight.kv_memory_gb counts them)."""
+    max_total_tokens: Optional[int] = None
+    """Size of SGLang's KV pool in tokens, >= 1, instead of sizing it from mem_fraction_static."""
+    max_running_requests: Optional[int] = None
+    """Most requests SGLang holds at once, >= 1 (verl's rollout.max_num_seqs)."""
+    schedule_conservativeness: Optional[float] = None
+    """How conservatively SGLang admits requests against its free KV, > 0: larger admits fewer and retracts
+    fewer (SGLang's default 1.0). A sparse run ends on a retraction (its compression history restarts)."""
+    deterministic: bool = False
+    """SGLang's enable_deterministic_inference: batch-invariant kernels, so that each sample's own seed
+    (seed + j) decides its draw; off, SGLang's engine-wide random seed does."""
+    engine_kwargs: dict = field(default_factory=dict)
+    """Any other `sglang.Engine` keyword argument, passed as given (e.g. {random_seed: 0, cuda_graph_max_bs: 8});
+    in sparse mode one that contradicts the sparse backend is refused at config check."""
+
+    def __post_init__(self):
+        checks = [(self.mem_fraction_static is None or 0 < self.mem_fraction_static < 1, "mem_fraction_static",
+                   self.mem_fraction_static, "0 < f < 1 or null"),
+                  (self.max_total_tokens is None or self.max_total_tokens >= 1, "max_total_tokens",
+                   self.max_total_tokens, ">= 1 or null"),
+                  (self.max_running_requests is None or self.max_running_requests >= 1, "max_running_requests",
+                   self.max_running_requests, ">= 1 or null"),
+                  (self.schedule_conservativeness is None or self.schedule_conservativeness > 0,
+                   "schedule_conservativeness", self.schedule_conservativeness, "> 0 or null")]
+        bad = [f"SGLangConfig.{name}={value}: expected {rule}" for ok, name, value, rule in checks if not ok]
+        named = {"enable_deterministic_inference", *(f for f in self.__dataclass_fields__ if f != "engine_kwargs")}
+        for key in sorted(set(self.engine_kwargs) & (named | set(SGLANG_SET_BY_SPARSE_RL))):
+            owner = "sparse-rl sets it" if key in SGLANG_SET_BY_SPARSE_RL else "use its own field"
+            bad.append(f"SGLangConfig.engine_kwargs.{key}: {owner}")
+        if bad:
+            raise ValueError("; ".join(bad))
+
+    def kwargs(self) -> dict:
+        """The `sglang.Engine` keyword arguments these settings make (the fields left None are left out)."""
+        named = {"mem_fraction_static": self.mem_fraction_static, "max_total_tokens": self.max_total_tokens,
+                 "max_running_requests": self.max_running_requests,
+                 "schedule_conservativeness": self.schedule_conservativeness}
+        kwargs = {key: value for key, value in named.items() if value is not None}
+        if self.deterministic:
+            kwargs["enable_deterministic_inference"] = True
+        return {**kwargs, **self.engine_kwargs}
+
+
 @dataclass
 class EngineConfig:
     backend: str = "torch"
@@ -39,6 +96,8 @@ class EngineConfig:
     """Model and KV-cache dtype: fp32 | bf16."""
     compressor: CompressorConfig = field(default_factory=CompressorConfig)
     """KV compression during decoding (docs/SPEC.md §5); method full = dense rollouts."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """The SGLang engine's settings (backend sglang only)."""
 
     def __post_init__(self):
         if self.backend not in ("torch", "sglang"):

@@ -142,9 +142,24 @@ def sparse_engine_kwargs(backend: str = SPARSE_BACKEND) -> dict:
 
 def check_sparse_settings(engine_kwargs: dict, backend: str = SPARSE_BACKEND) -> None:
     """Refuse, before SGLang starts, engine settings sparse mode would silently break: ValueError naming the
-    setting. Checked: every key of `SPARSE_REQUIRED` given with another value, an attention backend other than
-    ours, SGLANG_PLUGINS without `sparse_rl_kv` (SGLang would not load our plugin), SGLANG_USE_HND_KVCACHE (KV
-    layout), SGLANG_ENABLE_METADATA_GLUE_GRAPH (it would capture the between-steps compression)."""
+    setting. Checked: `check_sparse_kwargs`, then SGLANG_PLUGINS without `sparse_rl_kv` (SGLang would not load our
+    plugin), SGLANG_USE_HND_KVCACHE (KV layout), SGLANG_ENABLE_METADATA_GLUE_GRAPH (it would capture the
+    between-steps compression)."""
+    check_sparse_kwargs(engine_kwargs, backend)
+    allowed = os.environ.get("SGLANG_PLUGINS")
+    if allowed and "sparse_rl_kv" not in {x.strip() for x in allowed.split(",")}:
+        raise ValueError(f"SGLANG_PLUGINS={allowed!r} does not list sparse_rl_kv: SGLang would not register the "
+                         "sparse attention backend; add it")
+    for env in ("SGLANG_USE_HND_KVCACHE", "SGLANG_ENABLE_METADATA_GLUE_GRAPH"):
+        if os.environ.get(env, "").lower() in ("1", "true", "yes"):
+            raise ValueError(f"{env} is set: sparse KV compression needs SGLang's token-major KV layout and an "
+                             "eager metadata step; unset it")
+
+
+def check_sparse_kwargs(engine_kwargs: dict, backend: str = SPARSE_BACKEND) -> None:
+    """The engine settings alone (no environment; the config check runs it on actors.engine.sglang): ValueError
+    `engine setting <key>=...` for a key of `SPARSE_REQUIRED` given with another value, an attention backend other
+    than `backend`, or a CUDA-graph backend sparse mode was not checked under."""
     for key, need in SPARSE_REQUIRED.items():
         got = engine_kwargs.get(key, need)
         if key == "chunked_prefill_size" and got is None:
@@ -168,14 +183,6 @@ def check_sparse_settings(engine_kwargs: dict, backend: str = SPARSE_BACKEND) ->
         if got is not None and got not in allowed:
             raise ValueError(f"engine setting cuda_graph_config={{{phase!r}: {{'backend': {got!r}}}}}: sparse KV "
                              f"compression needs the {phase} graph backend in {allowed}")
-    allowed = os.environ.get("SGLANG_PLUGINS")
-    if allowed and "sparse_rl_kv" not in {x.strip() for x in allowed.split(",")}:
-        raise ValueError(f"SGLANG_PLUGINS={allowed!r} does not list sparse_rl_kv: SGLang would not register the "
-                         "sparse attention backend; add it")
-    for env in ("SGLANG_USE_HND_KVCACHE", "SGLANG_ENABLE_METADATA_GLUE_GRAPH"):
-        if os.environ.get(env, "").lower() in ("1", "true", "yes"):
-            raise ValueError(f"{env} is set: sparse KV compression needs SGLang's token-major KV layout and an "
-                             "eager metadata step; unset it")
 
 
 class SGLangEngine:
@@ -304,10 +311,10 @@ class SGLangEngine:
                 raise RuntimeError(f"SGLang finished a request with finish_reason={reason!r} (expected stop|length)")
             if self.sparse and meta.get("num_retractions"):
                 raise RuntimeError(f"SGLang retracted a request {meta['num_retractions']} time(s) (KV pool full): "
-                                   "it was "
-                                   "re-prefilled and compressed from scratch, so its logp_sparse does not follow the "
-                                   "compression schedule; give SGLang more KV (mem_fraction_static, max_total_tokens) "
-                                   "or admit fewer requests (max_running_requests, schedule_conservativeness)")
+                                   "it was re-prefilled and compressed from scratch, so its logp_sparse does not "
+                                   "follow the compression schedule; give SGLang more KV (actors.engine.sglang."
+                                   "mem_fraction_static, max_total_tokens) or admit fewer requests (actors.engine."
+                                   "sglang.max_running_requests, schedule_conservativeness)")
             response = list(out["output_ids"])
             token_logprobs = meta["output_token_logprobs"]
             if [t for _, t, _ in token_logprobs] != response:

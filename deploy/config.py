@@ -280,15 +280,17 @@ def check_model(model: str) -> None:
                       "Hugging Face hub access")
 
 
+def check(ok: bool, message: str) -> None:
+    """ConfigError(message) unless ok."""
+    if not ok:
+        raise ConfigError(message)
+
+
 def validate(run: RunConfig, *, check_files: bool = True) -> None:
     """Checks that span components, and the files and services the run needs (unless check_files=False, see
     load_config); each component validates its own fields on construction."""
     from actors.config import validate_training_sampling
     from compressors import build_compressor
-
-    def check(ok: bool, message: str) -> None:
-        if not ok:
-            raise ConfigError(message)
 
     for name, value in non_finite(to_dict(run)):   # e.g. learner.collective_timeout_s=inf, a timedelta overflow later
         raise ConfigError(f"{name}={value}: expected a finite number")
@@ -346,18 +348,32 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
           or run.learner.correction != "off",
           f"actors.engine.compressor.budget_control={compressor.budget_control!r} reads the ratio tail "
           f"({compressor.budget_metric}) that learner.correction=off does not compute: use on or metrics_only")
-    check(compressor.budget_schedule != "length" or run.actors.engine.backend == "torch",
-          "actors.engine.compressor.budget_schedule='length' grows the budget within a trajectory: the torch engine "
-          "only (actors.engine.backend=torch); the SGLang engine's budget is fixed per request")
-    check(not (run.learner.policy_target == "sparse" and run.actors.engine.backend == "sglang"),
-          "learner.policy_target=sparse replays eviction records that actors.engine.backend=sglang does not record: "
-          "use the torch engine or learner.policy_target=dense")
     if run.actors.env.factory:
         check_multiturn(run)
     for mode in run.eval.modes:
         check(mode in ("dense", "sparse"), f"eval.modes: {mode!r} is not one of dense, sparse")
-    if run.actors.engine.backend == "sglang" and run.eval.enabled:
-        own = "dense" if run.actors.engine.compressor.method == "full" else "sparse"
+    if run.actors.engine.backend == "sglang":
+        check_sglang(run)
+
+
+def check_sglang(run: RunConfig) -> None:
+    """What a run on the SGLang engine (actors.engine.backend=sglang) cannot do, and its settings
+    (actors.engine.sglang) against the sparse backend's needs: ConfigError naming the fields (docs/sglang.md)."""
+    compressor = run.actors.engine.compressor
+    check(compressor.budget_schedule != "length",
+          "actors.engine.compressor.budget_schedule='length' grows the budget within a trajectory: the torch engine "
+          "only (actors.engine.backend=torch); the SGLang engine's budget is fixed per request")
+    if compressor.method != "full":
+        from actors.sglang_engine import check_sparse_kwargs  # late: only a sparse SGLang run needs it
+        try:
+            check_sparse_kwargs(run.actors.engine.sglang.kwargs())
+        except ValueError as e:
+            raise ConfigError(str(e).replace("engine setting ", "actors.engine.sglang.engine_kwargs.")) from None
+    check(run.learner.policy_target != "sparse",
+          "learner.policy_target=sparse replays eviction records that actors.engine.backend=sglang does not record: "
+          "use the torch engine or learner.policy_target=dense")
+    if run.eval.enabled:
+        own = "dense" if compressor.method == "full" else "sparse"
         check(list(run.eval.modes) == [own], f"eval.modes={list(run.eval.modes)}: the SGLang engine's attention "
               f"backend is fixed when it starts, so it evaluates in its own mode only: set eval.modes=[{own}]")
 

@@ -345,3 +345,32 @@ def test_a_section_field_given_at_the_top_level_names_the_dotted_field():
     with pytest.raises(ConfigError) as err:
         load_config("tiny", ["nonsense=1"], check_files=False)
     assert "did you mean" not in str(err.value)
+
+
+def test_sglang_settings_become_engine_arguments():
+    """actors.engine.sglang: the named fields and engine_kwargs become sglang.Engine's keyword arguments; fields left
+    null are left out (SGLang's default), deterministic maps to enable_deterministic_inference."""
+    sglang = ["actors.engine.backend=sglang", "eval.modes=[sparse]", "actors.engine.sglang.mem_fraction_static=0.6",
+              "actors.engine.sglang.max_running_requests=16", "actors.engine.sglang.deterministic=true",
+              "actors.engine.sglang.engine_kwargs.random_seed=3"]
+    cfg = load_config("tiny", sglang, check_files=False)
+    assert cfg.actors.engine.sglang.kwargs() == {"mem_fraction_static": 0.6, "max_running_requests": 16,
+                                                 "enable_deterministic_inference": True, "random_seed": 3}
+    assert load_config("tiny", check_files=False).actors.engine.sglang.kwargs() == {}
+
+
+@pytest.mark.parametrize("override, message", [
+    ("mem_fraction_static=1.5", "mem_fraction_static=1.5: expected 0 < f < 1"),
+    ("max_total_tokens=0", "max_total_tokens=0: expected >= 1"),
+    ("schedule_conservativeness=0", "schedule_conservativeness=0.0: expected > 0"),
+    ("engine_kwargs.dtype=float16", "engine_kwargs.dtype: sparse-rl sets it"),
+    ("engine_kwargs.max_running_requests=4", "engine_kwargs.max_running_requests: use its own field"),
+    # sparse mode (tiny's compressor is snapkv): settings the sparse backend cannot run under
+    ("engine_kwargs.attention_backend=triton",
+     "engine_kwargs.attention_backend='triton': sparse mode runs in 'sparse_rl_kv'"),
+    ("engine_kwargs.disable_radix_cache=false", "engine_kwargs.disable_radix_cache=False: sparse KV compression needs"),
+])
+def test_sglang_settings_are_checked_naming_the_field(override, message):
+    """actors.engine.sglang.<override> fails at config check with one message naming the dotted field."""
+    with pytest.raises(ConfigError, match=re.escape(f"actors.engine.sglang.{message}")):
+        load_config("tiny", ["actors.engine.backend=sglang", f"actors.engine.sglang.{override}"], check_files=False)
