@@ -369,6 +369,9 @@ def check_sglang(run: RunConfig) -> None:
             check_sparse_kwargs(run.actors.engine.sglang.kwargs())
         except ValueError as e:
             raise ConfigError(str(e).replace("engine setting ", "actors.engine.sglang.engine_kwargs.")) from None
+    check(not run.learner.weight_sync_verify,
+          "learner.weight_sync_verify=true checksums the torch engine's parameters after a swap; SGLang holds its "
+          "weights in its scheduler process (actors.engine.backend=sglang): set learner.weight_sync_verify=false")
     check(run.learner.policy_target != "sparse",
           "learner.policy_target=sparse replays eviction records that actors.engine.backend=sglang does not record: "
           "use the torch engine or learner.policy_target=dense")

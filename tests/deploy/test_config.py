@@ -374,3 +374,10 @@ def test_sglang_settings_are_checked_naming_the_field(override, message):
     """actors.engine.sglang.<override> fails at config check with one message naming the dotted field."""
     with pytest.raises(ConfigError, match=re.escape(f"actors.engine.sglang.{message}")):
         load_config("tiny", ["actors.engine.backend=sglang", f"actors.engine.sglang.{override}"], check_files=False)
+
+
+def test_weight_checksums_are_refused_on_sglang():
+    """learner.weight_sync_verify reads the torch engine's parameters: refused with sglang, naming both fields."""
+    assert load_config("tiny", ["learner.weight_sync_verify=true"], check_files=False).learner.weight_sync_verify
+    with pytest.raises(ConfigError, match=r"learner.weight_sync_verify=true .*actors.engine.backend=sglang"):
+        load_config("tiny", ["learner.weight_sync_verify=true", "actors.engine.backend=sglang"], check_files=False)
