@@ -1,5 +1,5 @@
 """Custom rewards and task generators (actors.reward.function, actors.data.source=function) and the synthetic
-tasks of actors/tasks.py. Expected values are worked out by hand in the comments."""
+tasks of actors/tasks/builtin.py. Expected values are worked out by hand in the comments."""
 from __future__ import annotations
 
 import math
@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from actors.config import DataConfig
-from actors.data import Prompt, held_out_problems, load_eval_items, task_problems
-from actors.reward import RewardConfig, RewardResult, RewardScorer, load_reward_function
-from actors.tasks import copy_numbers, copy_reward, digits, digits_reward, lcs_length
+from actors.tasks.builtin import copy_numbers, copy_reward, digits, digits_reward, lcs_length
+from actors.tasks.data import Prompt, held_out_problems, load_eval_items, task_problems
+from actors.tasks.reward import RewardConfig, RewardResult, RewardScorer, load_reward_function
 
 USER_REWARDS = """
 def length_reward(response, response_ids, item):

@@ -5,9 +5,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from actors.config import DataConfig, EngineConfig, SamplingConfig, validate_training_sampling
-from actors.data import load_eval_items, load_train_prompts, read_gsm8k_jsonl, tokenize_prompts
-from actors.engine import SamplingParams
-from actors.reward import math_reward
+from actors.engines.base import SamplingParams
+from actors.tasks.data import load_eval_items, load_train_prompts, read_gsm8k_jsonl, tokenize_prompts
+from actors.tasks.reward import math_reward
 from deploy.model_cache import SMOLLM2, resolve_model
 
 

@@ -1,8 +1,8 @@
-"""Environments of multi-turn rollouts (actors/env.py) and the lookup task's (actors/lookup_env.py): the config and
-the factory are checked before anything starts; envs live in a real worker process (actors/user_code.py) and
+"""Environments of multi-turn rollouts (actors/envs/env.py) and the lookup task's (actors/envs/lookup.py): the
+config and the factory are checked before anything starts; envs live in a real worker process (actors/user_code.py) and
 keep their state across steps; an env that raises, returns a non-list, a wrong tuple or a NaN reward, or sleeps
 past step_timeout_s ends its episode with reward 0, counted, never raised, and a timeout ends every episode of
-its worker; whole episodes run through the SmolLM2 chat template (actors/turns.py) with a scripted policy that
+its worker; whole episodes run through the SmolLM2 chat template (actors/envs/turns.py) with a scripted policy that
 reads the context, and the tool-disabled control scores nothing. Real workers, real tokenizer, no mocks
 (tests/actors/scripted_envs.py holds the test envs)."""
 from __future__ import annotations
@@ -16,15 +16,15 @@ import psutil
 import pytest
 from transformers import AutoTokenizer
 
-from actors.data import Prompt
-from actors.env import EnvConfig, EnvPool, check_env_factory, run_episode
-from actors.lookup_env import DISABLED, LookupEnv, answer_key, demonstration_stream, lookup_items, tool_answer
-from actors.turns import ChatTemplate
+from actors.envs.env import EnvConfig, EnvPool, check_env_factory, run_episode
+from actors.envs.lookup import DISABLED, LookupEnv, answer_key, demonstration_stream, lookup_items, tool_answer
+from actors.envs.turns import ChatTemplate
+from actors.tasks.data import Prompt
 from deploy.model_cache import SMOLLM2, resolve_model
 from learner.warmup import _row
 
 SCRIPTED = "scripted_envs:ScriptedEnv"
-LOOKUP = "actors.lookup_env:LookupEnv"
+LOOKUP = "actors.envs.lookup:LookupEnv"
 
 
 @pytest.fixture(scope="module")
@@ -372,7 +372,7 @@ def test_stress_demonstrations_replay_through_the_padded_env_to_the_token(templa
         ep = replay(f"stress-{use_tool}-{item['answer']}", item, demo)
         assert (ep.prompt_ids, ep.rollout.ids, ep.rollout.trainable) == demo
         assert (ep.reward, ep.turns) == ((1.0, 3) if use_tool else (0.0, 1))
-    import actors.lookup_env as lookup_env
+    import actors.envs.lookup as lookup_env
     written = lookup_env.tool_answer
     monkeypatch.setattr(lookup_env, "tool_answer", lambda *a: written(*a).replace("; ", ", "))
     demo = demonstration_stream(template, items[0], True, random.Random(0), pad_entries=PAD)

@@ -1,7 +1,7 @@
-"""The batched multi-turn loop (actors/episode.py) on the real torch engine (the shipped tiny Llama with SmolLM2's
-chat template) and real environment workers: it makes the calls of the one-episode reference (actors.env.
-run_episode), its dense log-probs are a teacher-forced forward over the whole episode, and environment tokens are
-marked untrainable with log-prob 0."""
+"""The batched multi-turn loop (actors/envs/episode.py) on the real torch engine (the shipped tiny Llama with SmolLM2's
+chat template) and real environment workers: it makes the calls of the one-episode reference
+(actors.envs.env.run_episode), its dense log-probs are a teacher-forced forward over the whole episode, and
+environment tokens are marked untrainable with log-prob 0."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from actors.data import Prompt
-from actors.engine import SamplingParams
-from actors.env import EnvConfig, EnvPool, run_episode
-from actors.episode import run_episodes
-from actors.torch_engine import TorchEngine
-from actors.turns import ChatTemplate
+from actors.engines.base import SamplingParams
+from actors.engines.torch_engine import TorchEngine
+from actors.envs.env import EnvConfig, EnvPool, run_episode
+from actors.envs.episode import run_episodes
+from actors.envs.turns import ChatTemplate
+from actors.tasks.data import Prompt
 from compressors import CompressorConfig
 from deploy.model_cache import TINY_LLAMA, resolve_model
 

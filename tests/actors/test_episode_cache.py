@@ -10,13 +10,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from actors.data import Prompt
-from actors.engine import SamplingParams
-from actors.env import EnvConfig, EnvPool
-from actors.episode import run_episodes
-from actors.kv_memory import ModelShape, episode_kv_peak_bytes_per_sequence
-from actors.torch_engine import TorchEngine
-from actors.turns import ChatTemplate
+from actors.engines.base import SamplingParams
+from actors.engines.kv_memory import ModelShape, episode_kv_peak_bytes_per_sequence
+from actors.engines.torch_engine import TorchEngine
+from actors.envs.env import EnvConfig, EnvPool
+from actors.envs.episode import run_episodes
+from actors.envs.turns import ChatTemplate
+from actors.tasks.data import Prompt
 from compressors import CompressorConfig
 from deploy.model_cache import TINY_LLAMA, resolve_model
 from test_torch_engine import VOCAB, tiny_model, tiny_tokenizer
@@ -103,7 +103,7 @@ def test_log_probs_across_turns_equal_a_forward_that_hides_the_evicted_keys(meth
 def test_peak_kv_is_bounded_over_turns_while_dense_grows():
     """6 turns of 12 tokens after observations of 10: the sparse episode's measured peak KV bytes at every turn
     stay under kv_budget + interval + the longest prefill (observation + the last sampled id) slots (+ one layer's
-    prefill), as actors.kv_memory predicts, and its kept cache between turns under kv_budget + interval slots;
+    prefill), as actors.engines.kv_memory predicts, and its kept cache between turns under kv_budget + interval slots;
     the dense one grows every turn past that bound."""
     model = tiny_model("llama", layers=2)
     shape = ModelShape(layers=2, kv_heads=2, head_dim=16, dtype_bytes=4)

@@ -1,4 +1,4 @@
-"""Held-out items of the training task (`eval.data=train_task`, actors/data.py `held_out_problems`): distinct
+"""Held-out items of the training task (`eval.data=train_task`, actors/tasks/data.py `held_out_problems`): distinct
 questions (eval.draw 2, the default), fewer than eval.limit a one-line error naming eval.limit and the number
 available; eval.draw 1, the draw the committed comparison records were scored on, gives its old items."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from actors.config import DataConfig
-from actors.data import held_out_problems, load_eval_items
+from actors.tasks.data import held_out_problems, load_eval_items
 
 HERE = Path(__file__).resolve().parent  # holds held_out_tasks.py
 TWELVE = DataConfig(source="function", function="held_out_tasks:twelve", size=8, instruction="")

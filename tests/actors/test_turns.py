@@ -1,4 +1,4 @@
-"""Token-exact turns (actors/turns.py) with the real tokenizers the project ships, loaded from the local model
+"""Token-exact turns (actors/envs/turns.py) with the real tokenizers the project ships, loaded from the local model
 cache (no model hub): SmolLM2-135M-Instruct's (its own ChatML template, with a default system message and "\\n"
 after each end-of-turn) and tiny-char's (the test presets' character tokenizer, whose template writes role
 letters and no boundary). No other model's chat template is on the machine or in the .venv; a template that is
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from actors.turns import ChatTemplate, Rollout, TemplateNotAppendOnly, render, truncate_contents
+from actors.envs.turns import ChatTemplate, Rollout, TemplateNotAppendOnly, render, truncate_contents
 from deploy.model_cache import SMOLLM2, TINY_CHAR, resolve_model
 
 STRIPS_THINK = Path(__file__).resolve().parent / "templates" / "strips_think.jinja"

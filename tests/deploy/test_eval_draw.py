@@ -51,7 +51,7 @@ def test_eval_draw_is_checked():
 def test_the_main_jobs_held_out_items_are_the_same_in_both_draws():
     """The main job's 32 held-out items have no repeated question: the new draw gives the same items, so README's
     figures stand."""
-    from actors.data import load_eval_items
+    from actors.tasks.data import load_eval_items
 
     cfg = load_config("smollm2-count-warm", check_files=False)
     new, old = (load_eval_items("train_task", cfg.eval.limit, train=cfg.actors.data, seed=cfg.seed, draw=d)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from actors.engine import SamplingParams
-from actors.torch_engine import TorchEngine
+from actors.engines.base import SamplingParams
+from actors.engines.torch_engine import TorchEngine
 from broker.schema import SampleRecord, TrajectoryGroup, decode_group, encode_group
 from compressors import CompressorConfig
 from learner.config import LearnerConfig

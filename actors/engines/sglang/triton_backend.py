@@ -2,7 +2,7 @@
 
 `SparseTritonAttnBackend` subclasses SGLang 0.5.23's `TritonAttnBackend` and reuses its decode and extend
 kernels unchanged; it overrides only the metadata building, so CUDA graphs stay on. Schedule as
-`actors.torch_engine.TorchEngine`: a prompt longer than its budget is compressed right after its prefill; at
+`actors.engines.torch_engine.TorchEngine`: a prompt longer than its budget is compressed right after its prefill; at
 decode step s (s = 1 for the forward of the first sampled token), after the step's attention, a request
 holding more than its budget is compressed if s % interval == 0 (`compressor.phase` request; aligned: if this
 engine's decode step count g, the `decode_steps` stat, has g % interval == 0, one phase for every request), each
@@ -33,7 +33,7 @@ Where each part runs:
 - prefill: the parent's extend kernel (batched); then the last `window` queries go to the ring.
 
 Per-request budgets: `SGLangEngine.generate(..., kv_budgets=)` puts a budget that is not the run's at the end of
-the request's id (`actors.sglang_engine.budget_rid`); the backend reads it from `ForwardBatch.rids` at the
+the request's id (`actors.engines.sglang.engine.budget_rid`); the backend reads it from `ForwardBatch.rids` at the
 request's prefill only. No custom logit processor is attached, so nothing of ours runs per decode step.
 
 Limits (checked at start, ValueError naming the setting, see `check_server_args`): page size 1, no radix
@@ -51,8 +51,8 @@ import torch
 from sglang.srt.layers.attention.triton_backend import ForwardMetadata, TritonAttnBackend
 from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
 
-from actors.kv_memory import EVENT_BYTES_CAP, compression_event_bytes, event_calls, event_chunk_rows
-from actors.sglang_contract import JOINS_ENV, KV_STATS_ENV, rid_budget
+from actors.engines.kv_memory import EVENT_BYTES_CAP, compression_event_bytes, event_calls, event_chunk_rows
+from actors.engines.sglang.contract import JOINS_ENV, KV_STATS_ENV, rid_budget
 from compressors import CompressorConfig, build_compressor, gather_kv
 
 SELF_CHECK_ENV = "SPARSE_RL_KV_SELF_CHECK"
@@ -341,7 +341,7 @@ class SparseTritonAttnBackend(TritonAttnBackend):
 
     def _event_chunks(self, group: np.ndarray, budget) -> list[np.ndarray]:
         """`group` (request rows due at one budget) split into consecutive chunks of at most
-        `actors.kv_memory.event_chunk_rows` rows (`event_calls` chunks of near-equal size), so that each
+        `actors.engines.kv_memory.event_chunk_rows` rows (`event_calls` chunks of near-equal size), so that each
         `_compress_group` call's transient device memory, bounded by `compression_event_bytes` (outside SGLang's KV
         pool), stays under `self.event_bytes_cap` bytes (a single row above it is compressed alone). Host only (the
         mirror). Counts `compression_calls` and keeps the largest bound of a call, `event_bytes_bound` (bytes), in the
@@ -619,7 +619,7 @@ def check_graph_settings(cuda_graph_config, enable_torch_compile: bool) -> None:
     (ValueError naming the setting): a prefill CUDA graph (SGLang 0.5.23 defaults to its breakable, piecewise
     prefill graph on CUDA; `sparse_engine_kwargs()` turns it off), a decode graph other than full / disabled,
     torch.compile. `SGLangEngine` refuses the same settings before SGLang starts (check_sparse_settings)."""
-    from actors.sglang_contract import DECODE_GRAPH_BACKENDS
+    from actors.engines.sglang.contract import DECODE_GRAPH_BACKENDS
 
     prefill, decode = cuda_graph_config.prefill.backend, cuda_graph_config.decode.backend
     if prefill != "disabled":

@@ -13,9 +13,9 @@ order, and every tool answer padded with `pad_entries` decoy entries of keys out
 answer (deploy/configs/smollm2-lookup-stress.yaml).
 
 - `lookup_items(size, seed, keys, hops, asked)`: the item generator (`actors.data.function:
-  actors.lookup_env:lookup_items`).
+  actors.envs.lookup:lookup_items`).
 - `LookupEnv(tool_disabled, call_reward, require_lookup, obs_role, pad_entries)`: the environment
-  (`actors.env.factory: actors.lookup_env:LookupEnv`). `tool_disabled` is the control: the tool answers nothing
+  (`actors.env.factory: actors.envs.lookup:LookupEnv`). `tool_disabled` is the control: the tool answers nothing
   useful.
 - `tool_answer(item, key, pad_entries)`: the tool's answer to a call of a key in the table.
 - `lookup_demonstration(item, use_tool, rng, pad_entries=...)`: an episode's assistant and tool messages, and
@@ -105,7 +105,7 @@ def tool_answer(item, key: str, pad_entries: int = 0) -> str:
     > 0 among that many decoy entries of keys outside the table (K{keys+1} .. K{keys+pad_entries}, in a shuffled
     order, values drawn from 10..99), joined by "; ", the entry at a position drawn uniformly. Deterministic in the
     item's question and `key`: a key called twice gets the same answer. `item`: a lookup_items dict or an
-    actors.data.Prompt of one."""
+    actors.tasks.data.Prompt of one."""
     question, metadata = ((item["question"], item["metadata"]) if isinstance(item, dict)
                           else (item.question, item.metadata))
     table = metadata["table"]
@@ -151,7 +151,7 @@ class LookupEnv:
         self.calls = 0
 
     def reset(self, item) -> list[dict]:
-        """The item (an actors.data.Prompt of lookup_items) as one user message."""
+        """The item (an actors.tasks.data.Prompt of lookup_items) as one user message."""
         self.item, self.table, self.read, self.calls = item, dict(item.metadata["table"]), set(), 0
         return [{"role": "user", "content": item.question}]
 
@@ -199,11 +199,11 @@ def lookup_demonstration(item: dict, use_tool: bool, rng: random.Random, obs_rol
 
 def demonstration_stream(template, item: dict, use_tool: bool, rng: random.Random,
                          pad_entries: int = 0) -> tuple[list, list, list]:
-    """`lookup_demonstration` as the rollout actor's token stream (actors/turns.py): (prompt_ids, ids,
-    trainable), three lists of ints, with `template` an actors.turns.ChatTemplate; a call ends on its stop string
+    """`lookup_demonstration` as the rollout actor's token stream (actors/envs/turns.py): (prompt_ids, ids,
+    trainable), three lists of ints, with `template` an actors.envs.turns.ChatTemplate; a call ends on its stop string
     `</lookup>` (the template's end-of-turn then opens the observation, trainable 0), the answer on the
     end-of-turn id."""
-    from actors.turns import Rollout
+    from actors.envs.turns import Rollout
 
     tok, rollout = template.tokenizer, Rollout(template, max_total_tokens=1 << 16, max_obs_tokens=1 << 16)
     for m in lookup_demonstration(item, use_tool, rng, pad_entries=pad_entries):

@@ -1,6 +1,6 @@
 """The batched multi-turn rollout loop (issue 35): G episodes per prompt, every live episode's next turn sampled in
-one engine call, the environments stepped between turns (actors/env.py), the token stream kept exact
-(actors/turns.py). `actors.env.run_episode` is the one-episode reference of the same calls.
+one engine call, the environments stepped between turns (actors/envs/env.py), the token stream kept exact
+(actors/envs/turns.py). `actors.envs.env.run_episode` is the one-episode reference of the same calls.
 
 With an engine that keeps episodes (`release` given: the torch engine's `release_episodes`, issue 36), each turn
 passes only the ids appended since the episode's last sampled token (the template boundary, the observation, the
@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from actors.engine import Sample, SamplingParams
-from actors.env import EnvPool
-from actors.turns import ChatTemplate, Rollout
+from actors.engines.base import Sample, SamplingParams
+from actors.envs.env import EnvPool
+from actors.envs.turns import ChatTemplate, Rollout
 
 TURN_SEED_STRIDE = 1_000_003
 """Turn k of a batch samples with seed params.seed + k * TURN_SEED_STRIDE (+ sub-batch index)."""
@@ -65,7 +65,7 @@ class _Live:
 
 def run_episodes(generate, pool: EnvPool, template: ChatTemplate, items: list, params: SamplingParams,
                  kv_budgets: list[int] | None = None, batch_key: str = "", release=None) -> list[list[EpisodeSample]]:
-    """Run `params.n` episodes of every item (an actors.data.Prompt) to their ends; returns one list of n
+    """Run `params.n` episodes of every item (an actors.tasks.data.Prompt) to their ends; returns one list of n
     EpisodeSamples per item. `generate(prompts, params, kv_budgets=...)` is the engine's (RolloutEngine.generate):
     each turn calls it once per distinct (max_new_tokens, budget) with n = 1 per live episode, max_new_tokens the
     smaller of `params.max_new_tokens` and the tokens left of actors.env.max_total_tokens. `release(keys)`: the

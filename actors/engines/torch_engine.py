@@ -30,11 +30,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from actors.engine import Sample, SamplingParams, check_params
+from actors.engines.base import Sample, SamplingParams, check_params
 
 # COMPACT_CHUNK: slots moved per step of the in-place compaction (the only extra K/V memory an eviction needs);
-# actors/kv_memory.py predicts this engine's KV bytes.
-from actors.kv_memory import COMPACT_CHUNK
+# actors/engines/kv_memory.py predicts this engine's KV bytes.
+from actors.engines.kv_memory import COMPACT_CHUNK
 from compressors import Compressor, CompressorConfig, accumulate_attention, build_compressor, gather_kv
 from compressors.budget import length_budget
 

@@ -1,8 +1,8 @@
 """SGLang attention backend `sparse_rl_kv`: per-request KV compression with `compressors/`, evicted slots freed.
 
-Registered by `actors.sglang_engine.register_sglang_plugin` (SGLang plugin entry point); selected with
-`attention_backend="sparse_rl_kv"` plus `actors.sglang_engine.sparse_engine_kwargs()`. Implements SPEC §5
-inside SGLang 0.5.23, with the same schedule as `actors.torch_engine.TorchEngine`:
+Registered by `actors.engines.sglang.engine.register_sglang_plugin` (SGLang plugin entry point); selected with
+`attention_backend="sparse_rl_kv"` plus `actors.engines.sglang.engine.sparse_engine_kwargs()`. Implements SPEC §5
+inside SGLang 0.5.23, with the same schedule as `actors.engines.torch_engine.TorchEngine`:
 
 - prefill: dense causal attention over the prompt; if the prompt is longer than `kv_budget`, each layer is
   compressed right after its attention, scored with the prompt's last `window` queries;

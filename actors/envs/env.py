@@ -5,12 +5,12 @@ a time limit per call (actors/user_code.py, the reward function's seam).
 A user's environment: a factory "package.module:factory" (`EnvConfig.factory`), called as
 `factory(**EnvConfig.options)`, makes one `Env` per sample (G per prompt, each reset with the same item):
 
-    env.reset(item: actors.data.Prompt) -> list[{"role": str, "content": str}]     # the first prompt's messages
+    env.reset(item: actors.tasks.data.Prompt) -> list[{"role": str, "content": str}]     # the first prompt's messages
     env.step(action_text: str) -> (messages: list[dict], reward: float, done: bool, info: dict)
     env.close() -> None                                                              # optional
 
 `action_text` is the sampled assistant turn decoded without special tokens; `messages` are the environment's new
-messages (tool results, user turns), rendered after the sampled ids by actors/turns.py, never trainable. The
+messages (tool results, user turns), rendered after the sampled ids by actors/envs/turns.py, never trainable. The
 episode's reward is `EnvConfig.reward`: "sum" of every step's reward, or the "last" step's.
 
 Envs are stateful, so they live in the worker process (a dict of episodes there, `episode_call`). An environment
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from actors.config import load_callable
-from actors.turns import ChatTemplate, Rollout
+from actors.envs.turns import ChatTemplate, Rollout
 from actors.user_code import UserCode, UserCodeError, UserCodeTimeout
 
 
@@ -37,7 +37,7 @@ class EnvConfig:
     factory: str = ""
     """"" = single-turn rollouts (no environment). Otherwise "package.module:factory", called as
     `factory(**options)` once per sample, returning an Env (see the module docstring). Shipped:
-    actors.lookup_env:LookupEnv (the tool-gated key/value lookup)."""
+    actors.envs.lookup:LookupEnv (the tool-gated key/value lookup)."""
     options: dict = field(default_factory=dict)
     """Keyword arguments of `factory` (e.g. {tool_disabled: true}); checked against its signature at config time."""
     step_timeout_s: float = 10.0
@@ -154,14 +154,14 @@ class EnvPool:
         check_env_factory(cfg.factory, cfg.options)
         self.cfg, self.name = cfg, cfg.factory
         self.code = UserCode(f"{__name__}:episode_call", cfg.step_timeout_s, name=f"environment {cfg.factory}",
-                             setting="actors.env.step_timeout_s", preload=("actors.data", "actors.env"))
+                             setting="actors.env.step_timeout_s", preload=("actors.tasks.data", "actors.envs.env"))
         self._prefix = uuid.uuid4().hex[:8]  # keys of pools sharing a process (step_timeout_s 0) stay apart
         self._episodes: dict[str, _Episode] = {}
         self.counts = {"errors": 0, "timeouts": 0, "lost": 0}
         self.last_error = ""
 
     def reset(self, key: str, item) -> EnvStep:
-        """Make episode `key`'s Env and reset it with `item` (an actors.data.Prompt): EnvStep.messages is the
+        """Make episode `key`'s Env and reset it with `item` (an actors.tasks.data.Prompt): EnvStep.messages is the
         first prompt's conversation (a non-empty list), or the failure."""
         self._episodes[key] = _Episode(worker=None)
         step = self._call(key, "reset", self.cfg.factory, dict(self.cfg.options), item)
@@ -261,7 +261,7 @@ def _message_problem(messages) -> str:
 # -- one episode, start to end: the calls a rollout loop makes ---------------------------------------------------
 @dataclass
 class Episode:
-    """One finished episode: `prompt_ids` (list[int], the reset's messages rendered), `rollout` (actors.turns.
+    """One finished episode: `prompt_ids` (list[int], the reset's messages rendered), `rollout` (actors.envs.turns.
     Rollout: `.ids`, `.trainable`, one 0/1 per id), `reward` (float, EnvConfig.reward; 0 on failure), `turns`
     (sampled turns), `finish`: done | max_turns | max_total_tokens | error | timeout | lost."""
     key: str

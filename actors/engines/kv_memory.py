@@ -1,6 +1,6 @@
 """Predicted KV-cache bytes of the torch engine (issue 13, the preflight): plain integers, no torch.
 
-The torch engine (actors/torch_engine.py) allocates, per layer, K and V buffers
+The torch engine (actors/engines/torch_engine.py) allocates, per layer, K and V buffers
 `[rows, kv_heads, capacity, head_dim]` of the model dtype, with
 
     capacity = min(B + interval, min(P, B) + N)   compressing (B = kv_budget)
@@ -13,15 +13,15 @@ formula, so the preflight can size a run before anything starts; tests/actors/te
 against the engine's measured buffers.
 
 `compression_event_bytes` bounds the transient device memory of one compression call of the SGLang sparse backend
-(actors/sglang_triton_backend.py), which lives outside SGLang's KV pool; `event_chunk_rows` / `event_calls` split
-an event so that each call stays under `EVENT_BYTES_CAP` (docs/sglang.md, "Limits").
+(actors/engines/sglang/triton_backend.py), which lives outside SGLang's KV pool; `event_chunk_rows` /
+`event_calls` split an event so that each call stays under `EVENT_BYTES_CAP` (docs/sglang.md, "Limits").
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 COMPACT_CHUNK = 32
-"""Slots moved per step of the torch engine's in-place compaction (actors.torch_engine.COMPACT_CHUNK)."""
+"""Slots moved per step of the torch engine's in-place compaction (actors.engines.torch_engine.COMPACT_CHUNK)."""
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -77,7 +77,7 @@ def kv_peak_bytes_per_sequence(shape: ModelShape, prompt_tokens: int, max_new_to
 def episode_kv_peak_bytes_per_sequence(shape: ModelShape, prompt_tokens: int, max_new_tokens: int, total_tokens: int,
                                        longest_prefill: int, kv_budget: int, interval: int, compress: bool) -> int:
     """Upper bound of `Sample.kv_peak_bytes` over every turn of one multi-turn episode whose cache the torch engine
-    keeps across turns (actors/episode.py, compressor.protect_observation on), bytes: the first turn as
+    keeps across turns (actors/envs/episode.py, compressor.protect_observation on), bytes: the first turn as
     `kv_peak_bytes_per_sequence(prompt_tokens, max_new_tokens)`; a later turn prefills at most `longest_prefill`
     ids (the longest observation with its template tokens, + 1: the last sampled id) into the kept cache, whose
     older part its prefill compresses to kv_budget, so its buffers hold at most kv_budget + interval +
@@ -110,7 +110,7 @@ of one event are split into `event_calls` near-equal chunks of at most `event_ch
 def compression_event_bytes(rows: int, live: int, budget: int, window: int, q_heads: int, kv_heads: int,
                             head_dim: int, dtype_bytes: int, method: str = "rkv") -> int:
     """Upper bound of the device bytes that one call of the `sparse_rl_kv` backend's compression
-    (actors/sglang_triton_backend.py `_compress_group`) holds at once, outside SGLang's KV pool and so outside
+    (actors/engines/sglang/triton_backend.py `_compress_group`) holds at once, outside SGLang's KV pool and so outside
     `mem_fraction_static`: its index tensors, one layer's gathered K/V and queries, the compressor's float32
     scores and sort, and the gathered kept K/V. Layers run one after another and free their tensors, so the
     bound does not grow with the number of layers. Allocator rounding and fragmentation are not counted.

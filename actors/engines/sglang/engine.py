@@ -14,7 +14,7 @@ returns log_softmax(logits). The environment variable `SGLANG_RETURN_ORIGINAL_LO
 untempered log-probs; this engine refuses to start with it set.
 
 Sparse mode (`compressor_cfg.method != "full"`): attention runs in our SGLang attention backend
-`sparse_rl_kv` (actors/sglang_kv_backend.py, registered through SGLang's plugin entry point
+`sparse_rl_kv` (actors/engines/sglang/kv_backend.py, registered through SGLang's plugin entry point
 `sglang.srt.plugins`), which compresses each request's KV with `compressors/` every `interval` decode steps,
 per layer and KV head, and gives the evicted KV slots back to SGLang's allocator. See docs/sglang.md.
 
@@ -41,8 +41,8 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from actors.engine import Sample, SamplingParams, check_params
-from actors.sglang_contract import (  # noqa: F401  (re-exported: the engine's callers name them here)
+from actors.engines.base import Sample, SamplingParams, check_params
+from actors.engines.sglang.contract import (  # noqa: F401  (re-exported: the engine's callers name them here)
     COMPRESSOR_ENV,
     DECODE_GRAPH_BACKENDS,
     JOINS_ENV,
@@ -84,8 +84,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def register_sglang_plugin() -> None:
     """SGLang general plugin (entry point `sglang.srt.plugins: sparse_rl_kv`): registers the attention backends
-    `sparse_rl_kv` (SGLang's Triton kernels, actors/sglang_triton_backend.py) and `sparse_rl_kv_torch` (the
-    torch reference, actors/sglang_kv_backend.py), adds them to SGLang's `--attention-backend` choices and
+    `sparse_rl_kv` (SGLang's Triton kernels, actors/engines/sglang/triton_backend.py) and `sparse_rl_kv_torch` (the
+    torch reference, actors/engines/sglang/kv_backend.py), adds them to SGLang's `--attention-backend` choices and
     to its deterministic-inference list (so `sampling_seed` is honoured). SGLang calls this in every one of its
     processes before parsing server args; it imports nothing heavy until a backend is built."""
     from sglang.srt.arg_groups.choices import (
@@ -103,13 +103,13 @@ def register_sglang_plugin() -> None:
 
     @register_attention_backend(SPARSE_BACKEND)
     def _create(runner):
-        from actors.sglang_triton_backend import SparseTritonAttnBackend
+        from actors.engines.sglang.triton_backend import SparseTritonAttnBackend
 
         return SparseTritonAttnBackend(runner, CompressorConfig(**json.loads(os.environ[COMPRESSOR_ENV])))
 
     @register_attention_backend(TORCH_SPARSE_BACKEND)
     def _create_torch(runner):
-        from actors.sglang_kv_backend import SparseKVAttnBackend
+        from actors.engines.sglang.kv_backend import SparseKVAttnBackend
 
         return SparseKVAttnBackend(runner, CompressorConfig(**json.loads(os.environ[COMPRESSOR_ENV])))
 

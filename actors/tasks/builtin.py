@@ -13,10 +13,10 @@
 - `digits` / `digits_reward`: write as many digit characters as possible. Learnable by a tiny random model in
   a few dozen steps (tiny-char preset model): the learning test's task (tests/deploy/test_learning.py).
 - The multi-turn lookup task (a hidden key/value table read through a `<lookup>K7</lookup>` tool) lives in
-  actors/lookup_env.py: its generator `lookup_items` and its environment `LookupEnv` (actors/env.py).
+  actors/envs/lookup.py: its generator `lookup_items` and its environment `LookupEnv` (actors/envs/env.py).
 
 A task generator is `fn(size: int, seed: int, **options) -> list[dict]` with `question`, `answer`, `metadata`;
-a reward is `fn(response: str, response_ids: list[int], item: actors.data.Prompt) -> float`.
+a reward is `fn(response: str, response_ids: list[int], item: actors.tasks.data.Prompt) -> float`.
 """
 from __future__ import annotations
 

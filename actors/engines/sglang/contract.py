@@ -1,14 +1,14 @@
-"""What the SGLang engine (actors/sglang_engine.py, in the actor's process) and the attention backends it
-registers (actors/sglang_triton_backend.py, actors/sglang_kv_backend.py, in SGLang's scheduler subprocess) agree on
-across that process boundary: backend names, environment-variable names, the budget carried in a request id, and
-the decode graph backends sparse mode accepts. Both sides import it; it imports neither (docs/sglang.md)."""
+"""What the SGLang engine (engine.py here, in the actor's process) and the attention backends it registers
+(triton_backend.py, kv_backend.py, in SGLang's scheduler subprocess) agree on across that process boundary:
+backend names, environment-variable names, the budget carried in a request id, and the decode graph backends
+sparse mode accepts. Both sides import it; it imports neither (docs/sglang.md)."""
 from __future__ import annotations
 
 SPARSE_BACKEND = "sparse_rl_kv"
 """Name of our attention backend in SGLang's registry (`attention_backend=` of `sglang.Engine`): SGLang's Triton
-kernels over the compressed KV (actors/sglang_triton_backend.py)."""
+kernels over the compressed KV (actors/engines/sglang/triton_backend.py)."""
 TORCH_SPARSE_BACKEND = "sparse_rl_kv_torch"
-"""The torch reference backend (actors/sglang_kv_backend.py): eager, no CUDA graphs."""
+"""The torch reference backend (actors/engines/sglang/kv_backend.py): eager, no CUDA graphs."""
 COMPRESSOR_ENV = "SPARSE_RL_KV_COMPRESSOR"
 """Environment variable carrying the CompressorConfig (JSON) to SGLang's scheduler subprocess."""
 KV_BUDGET_RID = ":sparse_rl_kv_budget="

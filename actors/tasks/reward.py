@@ -69,7 +69,7 @@ class RewardConfig:
     """The verifiable reward of training and evaluation. "" = the math reward (math-verify of the response's
     final answer against the item's `answer`). Otherwise "package.module:function", a user's own reward (as
     verl's `custom_reward_function.path`, slime's `--custom-rm-path`, TRL's `reward_funcs`), called once per
-    sample as `function(response: str, response_ids: list[int], item: actors.data.Prompt) -> float`; `item`
+    sample as `function(response: str, response_ids: list[int], item: actors.tasks.data.Prompt) -> float`; `item`
     carries `question`, `answer`, `prompt_id` and the task's `metadata` dict. A value >= 1 counts as correct
     in `accuracy`. A function that raises on a sample scores that sample 0 and is counted in `reward_errors`."""
     truncated: Optional[float] = None
@@ -100,7 +100,7 @@ def load_reward_function(spec: str) -> RewardFn | None:
     return load_callable(spec, "reward.function") if spec else None
 
 
-MATH_REWARD = "actors.reward:math_reward"
+MATH_REWARD = "actors.tasks.reward:math_reward"
 """The math reward's spec, as the worker process calls it: math_reward(response, gold)."""
 
 
@@ -120,9 +120,9 @@ class RewardScorer:
         self.truncated = cfg.truncated
         self.name = cfg.function or "math"
         self.timeout_s = cfg.timeout_s
-        # an actors.data.Prompt argument: its module is imported when the worker starts, not in a sample's time
+        # an actors.tasks.data.Prompt argument: its module is imported when the worker starts, not in a sample's time
         self.code = UserCode(cfg.function or MATH_REWARD, cfg.timeout_s, name=f"reward function {self.name}",
-                             setting="actors.reward.timeout_s", preload=("actors.data",) if cfg.function else ())
+                             setting="actors.reward.timeout_s", preload=("actors.tasks.data",) if cfg.function else ())
         self.last_error = ""
 
     @property

@@ -3,7 +3,7 @@
 Sources: a GSM8K JSONL file (e.g. the 100 real GSM8K test items vendored in actors/data/gsm8k_test.jsonl,
 see actors/data/SOURCE.md), reasoning-gym generators (basic_arithmetic, gsm_symbolic, ...), whose items are
 converted to the same shape, and a user's own task generator (`DataConfig.function`, e.g. the synthetic tasks
-in actors/tasks.py). Nothing is downloaded.
+in actors/tasks/builtin.py). Nothing is downloaded.
 """
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from actors.config import DEFAULT_INSTRUCTION, DataConfig, load_callable
-from actors.reward import gold_answer
+from actors.tasks.reward import gold_answer
 from actors.user_code import UserCodeError, call_with_timeout
 
-DATA_DIR = Path(__file__).resolve().parent / "data"
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+"""The data files shipped with the package: actors/data (the package's, not this room's)."""
 EVAL_SETS = {"gsm8k_test": DATA_DIR / "gsm8k_test.jsonl"}
 """Evaluation sets shipped with the package, by name."""
 
@@ -27,7 +28,7 @@ class Prompt:
     question: str
     """The problem text."""
     answer: str
-    """Gold final answer (the text after '####', commas removed), compared by actors.reward.math_reward."""
+    """Gold final answer (the text after '####', commas removed), compared by actors.tasks.reward.math_reward."""
     prompt_ids: list[int] = field(default_factory=list)
     """Chat-templated token ids of the question + instruction ([] until `tokenize_prompts`)."""
     metadata: dict = field(default_factory=dict)

@@ -72,7 +72,7 @@ class Sample:
     """float32 [T, K]: their log-probs, the same distribution as logp_sparse (log_softmax(logits / temperature);
     temperature 0: log_softmax(logits)); None without topk_logprobs."""
     trainable: np.ndarray | None = None
-    """uint8 [T] for a multi-turn episode (actors/episode.py): 1 where the sampler generated the token, 0 on the
+    """uint8 [T] for a multi-turn episode (actors/envs/episode.py): 1 where the sampler generated the token, 0 on the
     environment's and the chat template's tokens; None (an engine's own samples): every token was sampled."""
     eviction_steps: np.ndarray | None = None
     """With the engine's record_evictions: uint16 [layers, heads, P + T], per key of this sample's own tokens
