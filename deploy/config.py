@@ -389,10 +389,9 @@ def check_multiturn(run: RunConfig) -> None:
 def check_user_code(run: RunConfig) -> None:
     """Import the user code the config names (actors.reward.function, actors.data.function with source
     function), so that a typo fails before anything starts. Raises ConfigError naming the field."""
+    # late: math_verify (actors.tasks.reward) only when a config is checked
     from actors.envs.env import check_env_factory
-    from actors.tasks.data import (
-        load_task_function,  # late: math_verify (actors.tasks.reward) only when a config is checked
-    )
+    from actors.tasks.data import load_task_function
     from actors.tasks.reward import load_reward_function
     try:
         load_reward_function(run.actors.reward.function)
