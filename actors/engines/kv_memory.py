@@ -9,7 +9,7 @@ The torch engine (actors/engines/torch_engine.py) allocates, per layer, K and V 
 (P = prompt width of the batch, the longest prompt; N = max_new_tokens), and reports as a sequence's peak KV
 bytes (`Sample.kv_peak_bytes`) these buffers plus the largest K/V transient beside them: one layer's prompt
 K/V at prefill (P tokens), or one compaction chunk (min(32, B) tokens) when compressing. This module is that
-formula, so the preflight can size a run before anything starts; tests/actors/test_kv_budget.py checks it
+formula, so the preflight can size a run before anything starts; tests/actors/engines/test_torch_engine.py checks it
 against the engine's measured buffers.
 
 `compression_event_bytes` bounds the transient device memory of one compression call of the SGLang sparse backend

@@ -15,7 +15,7 @@ from deploy.config import ConfigError, load_config
 from deploy.record import resume_config
 
 ROOT = Path(__file__).resolve().parents[2]
-TASKS = ROOT / "tests" / "actors"  # held_out_tasks.py: 12 distinct questions per seed
+TASKS = ROOT / "tests" / "actors" / "tasks"  # held_out_tasks.py: 12 distinct questions per seed
 TWELVE = ["actors.data.source=function", "actors.data.function=held_out_tasks:twelve", "actors.data.size=8",
           "actors.reward.function=actors.tasks:digits_reward", "eval.data=train_task"]
 

@@ -11,7 +11,7 @@ from deploy.config import ConfigError, load_config, rollout_config
 from deploy.model_cache import TINY_LLAMA, resolve_model
 from deploy.preflight import preflight
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "actors" / "templates"
+TEMPLATES = Path(__file__).resolve().parents[1] / "actors" / "envs" / "templates"
 
 
 @pytest.mark.parametrize("overrides,names", [

@@ -2,7 +2,7 @@
 cache (no model hub): SmolLM2-135M-Instruct's (its own ChatML template, with a default system message and "\\n"
 after each end-of-turn) and tiny-char's (the test presets' character tokenizer, whose template writes role
 letters and no boundary). No other model's chat template is on the machine or in the .venv; a template that is
-not append-only (tests/actors/templates/strips_think.jinja, Qwen3-like: earlier <think> blocks stripped) is
+not append-only (tests/actors/envs/templates/strips_think.jinja, Qwen3-like: earlier <think> blocks stripped) is
 vendored and fails the check.
 
 What is checked: the append-only check passes the shipped templates and fails, in one line naming the template,

@@ -1,4 +1,4 @@
-"""A task generator for the held-out draw's tests (tests/actors/test_held_out.py, tests/deploy/test_eval_draw.py):
+"""A task generator for the held-out draw's tests (tests/actors/tasks/test_held_out.py, tests/deploy/test_eval_draw.py):
 12 distinct questions per seed, none shared between seeds, so a held-out draw (another seed) finds exactly 12
 distinct problems that are not training prompts, each repeated. Imported as `held_out_tasks:twelve` with this
 folder on sys.path (PYTHONPATH for a subprocess)."""
