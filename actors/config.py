@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from actors.engine import check_sampling
+from actors.engines.base import check_sampling
 from compressors import CompressorConfig
 
 DEFAULT_INSTRUCTION = "Solve the problem step by step. Write the final answer on the last line as '#### <number>'."
@@ -91,7 +91,7 @@ class SGLangConfig:
 @dataclass
 class EngineConfig:
     backend: str = "torch"
-    """Rollout engine: torch (actors/torch_engine.py, CPU or GPU) | sglang (GPU clusters)."""
+    """Rollout engine: torch (actors/engines/torch_engine.py, CPU or GPU) | sglang (GPU clusters)."""
     dtype: str = "fp32"
     """Model and KV-cache dtype: fp32 | bf16."""
     compressor: CompressorConfig = field(default_factory=CompressorConfig)
@@ -134,7 +134,7 @@ class SamplingConfig:
 
 def validate_training_sampling(sampling) -> None:
     """Training rollouts sample from the full softmax: truncated sampling makes logp_sparse incomparable with
-    the learner's pi_old (SPEC §3). `sampling`: a SamplingConfig or actors.engine.SamplingParams.
+    the learner's pi_old (SPEC §3). `sampling`: a SamplingConfig or actors.engines.base.SamplingParams.
 
     Raises ValueError naming `<class>.top_p` if it is not 1, `<class>.top_k` if it is not 0,
     `<class>.temperature` if it is not > 0 (<class>: SamplingConfig or SamplingParams)."""
@@ -163,7 +163,7 @@ class DataConfig:
     """For source function: "package.module:function", called as `function(size=..., seed=..., **function_options)`
     and returning a list of dicts with `question` and `answer` (str) and optional `metadata` (dict, passed to
     the reward function with the item) and `id`. Synthetic tasks shipped: actors.tasks:copy_numbers,
-    actors.tasks:digits (see actors/tasks.py)."""
+    actors.tasks:digits (see actors/tasks/builtin.py)."""
     function_options: dict = field(default_factory=dict)
     """Keyword arguments of `function` (e.g. {count: 12})."""
     timeout_s: float = 300.0

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 
 from actors.config import DEFAULT_INSTRUCTION
-from actors.data import Prompt, tokenize_prompts
-from actors.engine import SamplingParams
-from actors.reward import RewardConfig, RewardScorer
+from actors.engines.base import SamplingParams
+from actors.tasks.data import Prompt, tokenize_prompts
+from actors.tasks.reward import RewardConfig, RewardScorer
 from compressors import CompressorConfig
 
 
@@ -20,7 +20,7 @@ def mode_engine(engine, tokenizer, mode: str, compressor: CompressorConfig):
     dense | sparse, or (SGLang) a mode other than the engine's own."""
     if mode not in ("dense", "sparse"):
         raise ValueError(f"mode={mode!r}: expected dense | sparse")
-    from actors.torch_engine import TorchEngine
+    from actors.engines.torch_engine import TorchEngine
 
     cfg = CompressorConfig(method="full") if mode == "dense" else compressor
     if isinstance(engine, TorchEngine):
@@ -35,7 +35,7 @@ def mode_engine(engine, tokenizer, mode: str, compressor: CompressorConfig):
 def evaluate_run(engine, tokenizer, items: list[Prompt], mode: str, actors, eval_cfg, seed: int, *, reward=None,
                  envs=None, template=None) -> dict[str, float]:
     """The run's held-out evaluation of `engine`'s weights on `items` in `mode` (dense | sparse): with `envs` (an
-    EnvPool of actors.env) and `template`, episodes of the run's environment (`evaluate_episodes`), else one
+    EnvPool of actors.envs.env) and `template`, episodes of the run's environment (`evaluate_episodes`), else one
     response per item scored by `reward` (`evaluate`). Sampling: eval's temperature, top_p, max_new_tokens and
     batch_size, the rollouts' stop strings (actors.sampling.stop_strings); sparse uses eval.sparse_compressor or
     the run's compressor. actors / eval_cfg: the run config's `actors` and `eval` sections. Returns the metrics of
@@ -53,14 +53,14 @@ def evaluate_run(engine, tokenizer, items: list[Prompt], mode: str, actors, eval
 def evaluate_episodes(engine, pool, template, items: list[Prompt], mode: str, compressor: CompressorConfig, *,
                       max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 16,
                       seed: int = 0, stop_strings: list[str] = ()) -> dict[str, float]:
-    """Multi-turn evaluation (actors/episode.py): one episode per item of `pool`'s environment, in `mode` (see
+    """Multi-turn evaluation (actors/envs/episode.py): one episode per item of `pool`'s environment, in `mode` (see
     mode_engine), each turn at most `max_new_tokens` and ended at the first of `stop_strings`. Returns n, reward
     (mean episode reward), accuracy (episodes with reward >= 1), reward_errors (0: no reward function runs),
     env_errors (episodes the environment failed: errors, timeouts and lost workers),
     response_length (mean tokens after the prompt, observations included), kv_peak_bytes (mean per episode,
     bytes), turns and tool_calls (means)."""
-    from actors.env import ENV_FAILURES
-    from actors.episode import run_episodes
+    from actors.envs.env import ENV_FAILURES
+    from actors.envs.episode import run_episodes
 
     engine = mode_engine(engine, template.tokenizer, mode, compressor)
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, n=1, seed=seed,

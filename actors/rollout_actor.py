@@ -26,15 +26,15 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from actors.data import load_train_prompts
-from actors.engine import SamplingParams
-from actors.env import ENV_FAILURES, EnvPool
-from actors.episode import EpisodeSample, run_episodes
+from actors.engines.base import SamplingParams
+from actors.engines.torch_engine import TorchEngine
+from actors.envs.env import ENV_FAILURES, EnvPool
+from actors.envs.episode import EpisodeSample, run_episodes
+from actors.envs.turns import ChatTemplate
 from actors.evaluate import evaluate_run
-from actors.reward import RewardResult, RewardScorer
 from actors.rollout_config import RolloutConfig
-from actors.torch_engine import TorchEngine
-from actors.turns import ChatTemplate
+from actors.tasks.data import load_train_prompts
+from actors.tasks.reward import RewardResult, RewardScorer
 from broker import faults
 from broker import run_state as rs
 from broker.admission import Admission, Claim, ClaimExpired
@@ -52,7 +52,7 @@ def build_engine(engine_cfg, model_path: str, compressor: CompressorConfig, torc
     `record_evictions`: every sample carries its eviction record (torch engine; the config check refuses sglang)."""
     torch.set_num_threads(torch_threads)
     if engine_cfg.backend == "sglang":
-        from actors.sglang_engine import SGLangEngine  # optional: SGLang is installed on GPU machines only
+        from actors.engines.sglang.engine import SGLangEngine  # optional: SGLang is installed on GPU machines only
         return SGLangEngine(model_path, compressor, dtype={"fp32": "float32", "bf16": "bfloat16"}[engine_cfg.dtype],
                             **engine_cfg.sglang.kwargs())
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[engine_cfg.dtype]
@@ -299,7 +299,7 @@ class RolloutWorker:
         try:
             batch.budgets, batch.tiers = self.batch_budgets(batch.prompts, batch.version)
             budgets = batch.budgets if self.budget_varies else None
-            if self.envs is not None:   # multi-turn: every sample an episode of the environment (actors/episode.py)
+            if self.envs is not None:   # multi-turn: every sample an episode of the environment (envs/episode.py)
                 batch.outputs = run_episodes(self.engine_generate, self.envs, self.template, batch.prompts, params,
                                              kv_budgets=budgets, batch_key=f"{batch.indices[0]}-",
                                              # torch: kept caches

@@ -9,8 +9,8 @@ from typing import Optional
 from omegaconf import MISSING
 
 from actors.config import DataConfig, EngineConfig, SamplingConfig
-from actors.env import EnvConfig
-from actors.reward import RewardConfig
+from actors.envs.env import EnvConfig
+from actors.tasks.reward import RewardConfig
 from broker.config import BrokerConfig
 from compressors import CompressorConfig
 
@@ -38,8 +38,8 @@ class ActorsConfig:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
-    """Multi-turn rollouts (actors/env.py, actors/episode.py): with `env.factory` set, each sample is an episode
-    of the environment, whose reward replaces `reward`'s."""
+    """Multi-turn rollouts (actors/envs/env.py, actors/envs/episode.py): with `env.factory` set, each sample is an
+    episode of the environment, whose reward replaces `reward`'s."""
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """User code with a time limit: the one seam through which the actors call code a user configured, where a call
-that never returns can be abandoned. Reward functions (actors/reward.py, `actors.reward.timeout_s`) and task
-generators (actors/data.py, `actors.data.timeout_s`) run through `UserCode`; the environment steps of multi-turn
+that never returns can be abandoned. Reward functions (actors/tasks/reward.py, `actors.reward.timeout_s`) and task
+generators (actors/tasks/data.py, `actors.data.timeout_s`) run through `UserCode`; the environment steps of multi-turn
 rollouts are meant to run through it too when they land (one `UserCode` per environment function, called per step).
 
 Why a process: a Python thread cannot be stopped, so a function that never returns (`while True: pass`, a regex
@@ -116,7 +116,8 @@ class UserCode:
     errors of the arguments as they are. The arguments and the result must pickle (a generator's items come back
     as a list, consumed within the call's time); what they reference must be
     importable in the worker: `preload` names modules the worker imports before its first call (e.g.
-    "actors.data" for an `actors.data.Prompt` argument), so that importing them is not counted in a call's time.
+    "actors.tasks.data" for an `actors.tasks.data.Prompt` argument), so that importing them is not counted in a
+    call's time.
     `timeout_s` 0: no limit, the function is called in this process (as plain code; a call that never returns
     holds its thread). Calls are serialized (one at a time, from any thread); `timeouts` counts the calls that
     timed out. The worker is stopped by `close()`, when the UserCode is garbage-collected, and at exit.

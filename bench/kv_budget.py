@@ -10,7 +10,7 @@ line.", reward actors.tasks:count_reward; the ~45-token prompt fits the 48-token
 with the length (the copy task compresses its prompt at prefill instead). Temperature: the config's (1.0).
 
 1. Preflight: for several configs, the preflight's predicted peak KV bytes per sequence (deploy/preflight.py,
-   actors/kv_memory.py) against the torch engine's measured peak (`Sample.kv_peak_bytes`).
+   actors/engines/kv_memory.py) against the torch engine's measured peak (`Sample.kv_peak_bytes`).
 2. Exact vs top-k: the fixed arm's batch of step --exact-step (same prompts and seed), sampled dense and under
    R-KV --kv-budget, each with the whole vocabulary's log-probs (topk_logprobs = vocab size); the exact alpha_t =
    sum_x min(p, q) against the bounds from its first K entries (K = the actors' top-k and --exact-k): p5 of exact
@@ -64,8 +64,8 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirna
 
 import torch  # noqa: E402
 
-from actors.engine import SamplingParams  # noqa: E402
-from actors.torch_engine import TorchEngine  # noqa: E402
+from actors.engines.base import SamplingParams  # noqa: E402
+from actors.engines.torch_engine import TorchEngine  # noqa: E402
 from compressors.budget import length_budget  # noqa: E402
 from learner.acceptance import acceptance_bounds, acceptance_metrics  # noqa: E402
 from learner.budget_control import BudgetController  # noqa: E402
@@ -131,7 +131,7 @@ def preflight_checks() -> list[dict]:
     """Predicted vs measured peak KV bytes per sequence for several configs (module docstring, 1)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from actors.data import load_train_prompts
+    from actors.tasks.data import load_train_prompts
     from deploy.config import load_config
     from deploy.model_cache import SMOLLM2, TINY_LLAMA, resolve_model
     from deploy.preflight import preflight
@@ -376,9 +376,9 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from actors.data import load_train_prompts
-    from actors.kv_memory import ModelShape
-    from actors.reward import RewardScorer
+    from actors.engines.kv_memory import ModelShape
+    from actors.tasks.data import load_train_prompts
+    from actors.tasks.reward import RewardScorer
     from broker.schema import group_wire_bytes
     from deploy.config import ACCEPT_TOPK, load_config
     from deploy.model_cache import resolve_model

@@ -1,16 +1,16 @@
 """Multi-turn KV memory and speed with the episode's cache kept across turns (issue 36 item 5).
 
 The lookup task's KV-stress variant on the shipped tiny Llama (tests' tiny-llama: SmolLM2's tokenizer and chat
-template, random weights): each episode is a lookup item (actors/lookup_env.py); every turn samples `--turn-tokens`
+template, random weights): each episode is a lookup item (actors/envs/lookup.py); every turn samples `--turn-tokens`
 tokens (ignore_eos: the random model never calls the tool, so the turns are scripted), then the tool's answer
-arrives as an observation rendered through the chat template (actors/turns.py), the asked entry first
+arrives as an observation rendered through the chat template (actors/envs/turns.py), the asked entry first
 (`K7 = 42`) padded with `--pad-entries` more entries of the table, so that the whole episode exceeds the budget
 and the answer's value sits turns back. Engines on the same model, batch and seeds, all measured in this run:
 
     dense       method full, cache kept across turns (one prefill of the new ids per turn)
     sparse      R-KV at --kv-budget / --interval, cache kept, compressor.protect_observation on (default)
     unprotected the same with protect_observation off (the observation compressed at its own prefill)
-    reprefill   method full, every turn re-prefills the history (what actors/episode.py did before issue 36)
+    reprefill   method full, every turn re-prefills the history (what actors/envs/episode.py did before issue 36)
 
 Peak KV bytes per episode after k = 1..N turns are the engine's measured buffers (Sample.kv_peak_bytes, max over
 the first k turns), not counted tokens; `value_seen` is the fraction of (layer, KV head, value token) of the asked
@@ -40,11 +40,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from actors.engine import SamplingParams  # noqa: E402
-from actors.kv_memory import ModelShape, episode_kv_peak_bytes_per_sequence  # noqa: E402
-from actors.lookup_env import lookup_items  # noqa: E402
-from actors.torch_engine import TorchEngine  # noqa: E402
-from actors.turns import ChatTemplate  # noqa: E402
+from actors.engines.base import SamplingParams  # noqa: E402
+from actors.engines.kv_memory import ModelShape, episode_kv_peak_bytes_per_sequence  # noqa: E402
+from actors.engines.torch_engine import TorchEngine  # noqa: E402
+from actors.envs.lookup import lookup_items  # noqa: E402
+from actors.envs.turns import ChatTemplate  # noqa: E402
 from compressors import CompressorConfig  # noqa: E402
 from deploy.model_cache import TINY_LLAMA, resolve_model  # noqa: E402
 

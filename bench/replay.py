@@ -39,10 +39,10 @@ def rollouts(cfg, model_path: str):
     """One batch of the preset's rollouts (groups_per_step prompts x G samples) with eviction records."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from actors.data import load_train_prompts
-    from actors.engine import SamplingParams
-    from actors.reward import RewardScorer
-    from actors.torch_engine import TorchEngine
+    from actors.engines.base import SamplingParams
+    from actors.engines.torch_engine import TorchEngine
+    from actors.tasks.data import load_train_prompts
+    from actors.tasks.reward import RewardScorer
     from broker.schema import SampleRecord, TrajectoryGroup
 
     tok = AutoTokenizer.from_pretrained(model_path)

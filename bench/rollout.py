@@ -26,8 +26,8 @@ import torch  # noqa: E402
 from tokenizers import Tokenizer, models  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
-from actors.engine import SamplingParams  # noqa: E402
-from actors.torch_engine import TorchEngine  # noqa: E402
+from actors.engines.base import SamplingParams  # noqa: E402
+from actors.engines.torch_engine import TorchEngine  # noqa: E402
 from compressors import CompressorConfig  # noqa: E402
 
 

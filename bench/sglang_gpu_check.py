@@ -137,7 +137,7 @@ def engine_kwargs(args, dtype: str, dense: bool, batch: int, pool_tokens: int | 
     max_new_tokens of growth per request, admits what the bounded cache really needs. `triton` (dense only):
     SGLang's Triton attention backend under the sparse engine's scheduler settings (`SPARSE_REQUIRED`:
     overlap scheduling off, no radix cache, no chunked prefill, page size 1, no prefill graph)."""
-    from actors.sglang_engine import SPARSE_REQUIRED
+    from actors.engines.sglang.engine import SPARSE_REQUIRED
 
     if args.tiny:
         kw = dict(device="cpu", max_total_tokens=pool_tokens or 4096, mem_fraction_static=0.5,
@@ -158,7 +158,7 @@ def engine_kwargs(args, dtype: str, dense: bool, batch: int, pool_tokens: int | 
 def run_engine(args, compressor, dtype: str, prompts, params, pool_tokens: int | None = None, triton: bool = False):
     """Start an SGLangEngine, generate once (timed), shut it down. Returns (samples, seconds, pool stats of the
     sparse backend or None, KV bytes per token)."""
-    from actors.sglang_engine import KV_STATS_ENV, SGLangEngine
+    from actors.engines.sglang.engine import KV_STATS_ENV, SGLangEngine
 
     stats_path = Path(args.model_dir) / f"kv_stats_{os.getpid()}.json"
     if stats_path.exists():
@@ -178,7 +178,7 @@ def run_engine(args, compressor, dtype: str, prompts, params, pool_tokens: int |
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from actors.engine import SamplingParams
+    from actors.engines.base import SamplingParams
     from compressors import CompressorConfig
 
     device = "cpu" if (args.tiny or args.dry_run or not torch.cuda.is_available()) else "cuda"
@@ -233,7 +233,7 @@ def main(argv=None) -> dict:
     if not args.skip_equivalence:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from actors.torch_engine import TorchEngine
+        from actors.engines.torch_engine import TorchEngine
 
         eq_prompts = prompts[:args.eq_prompts]
         eq_params = SamplingParams(temperature=0.0, max_new_tokens=args.eq_len, ignore_eos=True)

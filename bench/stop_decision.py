@@ -87,9 +87,9 @@ def main(argv=None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from actors.data import load_train_prompts
-    from actors.engine import SamplingParams
+    from actors.engines.base import SamplingParams
     from actors.rollout_actor import build_engine
+    from actors.tasks.data import load_train_prompts
     from deploy.config import load_config
     from deploy.model_cache import resolve_model
 

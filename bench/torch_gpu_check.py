@@ -11,7 +11,7 @@ Steps, each measured in this run:
      prompts x 1 sample, --response-len new tokens, temperature 1; tokens/s, and the peak memory allocated
      during generation above what was allocated before it (`torch.cuda.max_memory_allocated`: K/V plus the
      activations and sampler buffers beside them);
-  3. the preflight's prediction of the peak K/V bytes of the batch (actors/kv_memory.py, the formula
+  3. the preflight's prediction of the peak K/V bytes of the batch (actors/engines/kv_memory.py, the formula
      `sparse-rl preflight` uses) beside that measurement and beside the engine's own buffer count.
 Prints a table, then ONE JSON object as the last line. Budget: under 8 minutes on one H200 (not yet run on a
 GPU: no GPU was lent when it was written).
@@ -71,9 +71,9 @@ def build(args, device):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from actors.engine import SamplingParams
-    from actors.kv_memory import ModelShape, kv_peak_bytes_per_sequence
-    from actors.torch_engine import TorchEngine
+    from actors.engines.base import SamplingParams
+    from actors.engines.kv_memory import ModelShape, kv_peak_bytes_per_sequence
+    from actors.engines.torch_engine import TorchEngine
     from compressors import CompressorConfig
 
     cuda = torch.cuda.is_available() and not args.tiny

@@ -42,9 +42,9 @@ class SampleRecord:
     sends 0). None: every response token is trainable (single-turn). A group sends masks for all samples or none
     (a sample without one gets all ones)."""
     eviction_steps: np.ndarray | None = None
-    """uint16 [layers, heads, P + T]: the rollout's eviction record over the sample's own tokens (actors.engine.Sample;
-    what learner.policy_target=sparse replays); zlib-compressed on the wire. None: not sent (all samples of a
-    group send one or none)."""
+    """uint16 [layers, heads, P + T]: the rollout's eviction record over the sample's own tokens
+    (actors.engines.base.Sample; what learner.policy_target=sparse replays); zlib-compressed on the wire. None:
+    not sent (all samples of a group send one or none)."""
 
 
 @dataclass

@@ -383,7 +383,7 @@ class ActorPool:
     def evaluate(self) -> dict:
         """Evaluation split over the live actors (generation stopped): each mode's items are sharded."""
         handles = [self.actors[i] for i in self.ready()]
-        from actors.data import load_eval_items
+        from actors.tasks.data import load_eval_items
 
         items = load_eval_items(self.cfg.eval.data, self.cfg.eval.limit, train=self.cfg.actors.data, seed=self.cfg.seed,
                                 draw=self.cfg.eval.draw)

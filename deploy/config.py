@@ -364,7 +364,7 @@ def check_sglang(run: RunConfig) -> None:
           "actors.engine.compressor.budget_schedule='length' grows the budget within a trajectory: the torch engine "
           "only (actors.engine.backend=torch); the SGLang engine's budget is fixed per request")
     if compressor.method != "full":
-        from actors.sglang_engine import check_sparse_kwargs  # late: only a sparse SGLang run needs it
+        from actors.engines.sglang.engine import check_sparse_kwargs  # late: only a sparse SGLang run needs it
         try:
             check_sparse_kwargs(run.actors.engine.sglang.kwargs())
         except ValueError as e:
@@ -408,9 +408,10 @@ def check_multiturn(run: RunConfig) -> None:
 def check_user_code(run: RunConfig) -> None:
     """Import the user code the config names (actors.reward.function, actors.data.function with source
     function), so that a typo fails before anything starts. Raises ConfigError naming the field."""
-    from actors.data import load_task_function  # late: math_verify (actors.reward) only when a config is checked
-    from actors.env import check_env_factory
-    from actors.reward import load_reward_function
+    # late: math_verify (actors.tasks.reward) only when a config is checked
+    from actors.envs.env import check_env_factory
+    from actors.tasks.data import load_task_function
+    from actors.tasks.reward import load_reward_function
     try:
         load_reward_function(run.actors.reward.function)
         if run.actors.data.source == "function":
@@ -423,8 +424,8 @@ def check_user_code(run: RunConfig) -> None:
 
 def check_eval_data(run: RunConfig, *, check_files: bool = True) -> None:
     """eval.data is "train_task" (not with a gsm8k_jsonl training source: a file has no held-out part), a name
-    in actors.data.EVAL_SETS, or (check_files) an existing file."""
-    from actors.data import EVAL_SETS
+    in actors.tasks.data.EVAL_SETS, or (check_files) an existing file."""
+    from actors.tasks.data import EVAL_SETS
 
     name = run.eval.data
     if name == "train_task":
@@ -438,10 +439,10 @@ def check_eval_data(run: RunConfig, *, check_files: bool = True) -> None:
 
 
 def check_data(run: RunConfig) -> None:
-    """Read the training prompts and the evaluation items the way the run will (actors/data.py), so that a
+    """Read the training prompts and the evaluation items the way the run will (actors/tasks/data.py), so that a
     malformed file, an empty one, rows without string `question`/`answer` or a generator that yields nothing
     fail here, naming the field, the file and the line: `actors.data.path=F: line N: <reason>`."""
-    from actors.data import DataFileError, train_problems
+    from actors.tasks.data import DataFileError, train_problems
 
     data = run.actors.data
     try:
@@ -458,7 +459,7 @@ def check_data(run: RunConfig) -> None:
 def check_eval_items(run: RunConfig) -> None:
     """Read the evaluation items the way the run (or `sparse-rl eval`) will: a malformed or empty eval.data file,
     or a generator that yields nothing, fails naming eval.data, the file and the line."""
-    from actors.data import DataFileError, load_eval_items
+    from actors.tasks.data import DataFileError, load_eval_items
 
     try:
         load_eval_items(run.eval.data, run.eval.limit, train=run.actors.data, seed=run.seed, draw=run.eval.draw)

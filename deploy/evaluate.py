@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 
-from actors.data import load_eval_items
-from actors.env import EnvPool
+from actors.envs.env import EnvPool
+from actors.envs.turns import ChatTemplate
 from actors.evaluate import evaluate_run
-from actors.reward import RewardScorer
 from actors.rollout_actor import build_engine
-from actors.turns import ChatTemplate
+from actors.tasks.data import load_eval_items
+from actors.tasks.reward import RewardScorer
 from compressors import CompressorConfig
 from deploy.config import RunConfig
 from deploy.model_cache import resolve_model

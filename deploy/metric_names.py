@@ -49,7 +49,7 @@ _BY_SECTION: dict[str, dict[str, str]] = {
         "actor_queue_wait_s": "actor_queue_wait_s", "actor_admission_wait_s": "actor_admission_wait_s",
         "producer_backpressure_wait_s": "producer_backpressure_wait_s",
         "actors_live": "actors_live", "actors_replaced": "actors_replaced",
-        # multi-turn episodes (actors/episode.py): per episode, and the environment's failures (counts)
+        # multi-turn episodes (actors/envs/episode.py): per episode, and the environment's failures (counts)
         "turns_per_episode": "turns_per_episode", "tool_calls_per_episode": "tool_calls_per_episode",
         "env_token_fraction": "env_token_fraction", "env_errors": "env_errors", "env_timeouts": "env_timeouts",
         "env_lost": "env_lost",

@@ -20,10 +20,10 @@ COUNT_WARMUP = {"size": 64, "seed": 1234, "restate_share": 0.625, "start_low": 5
 """The count warm-up's demonstrations: `size` count_numbers problems with starts in [51, 100], outside every
 preset's range (starts 1-50), so no training or held-out problem is seen; a `restate_share` of the answers, spread
 evenly (example i restates when floor((i + 1) * share) > floor(i * share)), in the restating format ("25 of 46"),
-the others plain (actors.tasks.count_demonstration)."""
+the others plain (actors.tasks.builtin.count_demonstration)."""
 SMOLLM2_LOOKUP_WARM = "smollm2-135m-lookup-warm"
 LOOKUP_WARMUP = {"size": 64, "seed": 4321, "tool_share": 0.375, "keys": 8, "hops": 1}
-"""The lookup warm-up's demonstrations (actors.lookup_env.lookup_demonstration): `size` lookup_items episodes of
+"""The lookup warm-up's demonstrations (actors.envs.lookup.lookup_demonstration): `size` lookup_items episodes of
 their own seed (their tables are named after it, so no training or held-out question is seen), a `tool_share`
 of them, spread evenly as in COUNT_WARMUP, calling the tool and answering with the value, the others guessing at
 once. Loss on the assistant's tokens only."""
@@ -125,8 +125,8 @@ def _warm_smollm2_count(out: Path) -> None:
     under a decode-time KV budget can prefer the format that survives eviction (docs/results.md 6.6)."""
     from transformers import AutoTokenizer
 
-    from actors.data import Prompt, tokenize_prompts
-    from actors.tasks import count_demonstration, count_numbers
+    from actors.tasks.builtin import count_demonstration, count_numbers
+    from actors.tasks.data import Prompt, tokenize_prompts
     from learner.warmup import supervised_warmup
 
     base = resolve_model(SMOLLM2)
@@ -147,15 +147,15 @@ def _warm_smollm2_lookup(out: Path, w: dict = LOOKUP_WARMUP) -> None:
     """SmolLM2-135M-Instruct after the lookup task's supervised warm-up (`w`: LOOKUP_WARMUP, or
     LOOKUP_STRESS_WARMUP with its `asked` and `pad_entries`): it either calls the lookup tool and answers with the
     value read, or guesses at once, so that RL through the multi-turn pipeline has a choice to settle (issue 35
-    item 5). The demonstrations are token streams as the rollout actor builds them (actors/turns.py: the prompt
+    item 5). The demonstrations are token streams as the rollout actor builds them (actors/envs/turns.py: the prompt
     rendered, a call ended by its stop string, the tool's observation with the template's boundary, the answer
     ended by the end-of-turn id)."""
     import random
 
     from transformers import AutoTokenizer
 
-    from actors.lookup_env import demonstration_stream, lookup_items
-    from actors.turns import ChatTemplate
+    from actors.envs.lookup import demonstration_stream, lookup_items
+    from actors.envs.turns import ChatTemplate
     from learner.warmup import supervised_warmup
 
     base = resolve_model(SMOLLM2)

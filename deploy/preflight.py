@@ -4,7 +4,7 @@ of `sparse-rl train`, before anything starts.
 From the model's config (layers, KV heads, head dim; the engine dtype) and the run config (longest training
 prompt, actors.sampling.max_new_tokens, samples_per_prompt, prompts_per_batch, the largest KV budget the run
 can use over its schedule / controller / tiers, interval), it predicts the torch engine's peak KV bytes per
-sequence and per actor batch, dense and sparse (actors/kv_memory.py), and how many sequences fit in the KV
+sequence and per actor batch, dense and sparse (actors/engines/kv_memory.py), and how many sequences fit in the KV
 memory of one rollout actor:
 
 - `preflight.kv_memory_gb` when set (> 0);
@@ -15,16 +15,17 @@ A config whose sparse batch does not fit fails (PreflightError, a ConfigError: e
 and the numbers; one whose dense batch does not fit but sparse does starts (that is what compression is for);
 a budget at or above prompt + response gets a warning (nothing would ever be evicted), and so does a prompt
 longer than the smallest budget (it is compressed at prefill: the long-context regime, not the paper's).
-Multi-turn on the torch engine (the episode's cache kept across turns, actors/episode.py): the sparse peak is
+Multi-turn on the torch engine (the episode's cache kept across turns, actors/envs/episode.py): the sparse peak is
 kv_budget + interval + the longest turn prefill (`longest_turn_prefill`: an observation of env.max_obs_tokens in
 its template, + the last sampled id), whatever env.max_turns; the dense one the whole episode (prompt +
-env.max_total_tokens); actors.kv_memory.episode_kv_peak_bytes_per_sequence.
+env.max_total_tokens); actors.engines.kv_memory.episode_kv_peak_bytes_per_sequence.
 
 With `actors.engine.backend=sglang` and a compressor, one compression call of the sparse backend
-(actors/sglang_triton_backend.py) holds index tensors, one layer's gathered K/V and the compressor's float32 scores
-outside SGLang's KV pool, i.e. outside `mem_fraction_static`; its upper bound (actors.kv_memory.
-compression_event_bytes, for the batch's rows at max(prompt, budget + interval) live tokens, split as the backend
-splits them under EVENT_BYTES_CAP) is taken off the actor's memory and shown on its own line.
+(actors/engines/sglang/triton_backend.py) holds index tensors, one layer's gathered K/V and the compressor's
+float32 scores outside SGLang's KV pool, i.e. outside `mem_fraction_static`; its upper bound
+(actors.engines.kv_memory.compression_event_bytes, for the batch's rows at max(prompt, budget + interval) live
+tokens, split as the backend splits them under EVENT_BYTES_CAP) is taken off the actor's memory and shown on its
+own line.
 
 It also sizes the broker's queue: one group's wire bytes (broker.schema.group_wire_bytes: 8 bytes per response
 token, + 6 K with actors.sampling.topk_logprobs = K, 120 at K = 20) times the groups the stream can hold
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from actors.kv_memory import (
+from actors.engines.kv_memory import (
     EVENT_METHODS,
     ModelShape,
     compression_event_bytes,
@@ -82,7 +83,7 @@ class PreflightReport:
     sparse backend holds outside SGLang's KV pool (outside mem_fraction_static; `compression_event_bytes`),
     already taken off `memory_bytes`; 0 otherwise."""
     event_rows: int = 0
-    """Rows compressed in that call (the batch, or a chunk of it under actors.kv_memory.EVENT_BYTES_CAP)."""
+    """Rows compressed in that call (the batch, or a chunk of it under actors.engines.kv_memory.EVENT_BYTES_CAP)."""
     event_live: int = 0
     """Live tokens of the longest row in that call: max(prompt, budget + interval)."""
 
@@ -178,17 +179,17 @@ def longest_prompt(cfg: RunConfig, model_path: str) -> int:
         return cfg.preflight.max_prompt_tokens
     from transformers import AutoTokenizer
 
-    from actors.data import load_train_prompts
+    from actors.tasks.data import load_train_prompts
     prompts = load_train_prompts(cfg.actors.data, AutoTokenizer.from_pretrained(model_path), seed=cfg.seed)
     return max(len(p.prompt_ids) for p in prompts)
 
 
 def check_chat_template(model_path: str):
-    """Multi-turn rollouts keep sampled ids verbatim (actors/turns.py): the model's chat template must be
+    """Multi-turn rollouts keep sampled ids verbatim (actors/envs/turns.py): the model's chat template must be
     append-only. Returns the ChatTemplate; raises ConfigError (one line naming the template) when it is not."""
     from transformers import AutoTokenizer
 
-    from actors.turns import ChatTemplate, TemplateNotAppendOnly
+    from actors.envs.turns import ChatTemplate, TemplateNotAppendOnly
     try:
         return ChatTemplate.build(AutoTokenizer.from_pretrained(model_path))
     except TemplateNotAppendOnly as e:
@@ -230,7 +231,7 @@ def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: i
         template = check_chat_template(model_path)
     dense = kv_peak_bytes_per_sequence(shape, prompt, new, high, c.interval, compress=False)
     sparse = kv_peak_bytes_per_sequence(shape, prompt, new, high, c.interval, compress=compress)
-    if a.env.factory and a.engine.backend == "torch":   # the episode's cache kept across turns (actors/episode.py)
+    if a.env.factory and a.engine.backend == "torch":   # the episode's cache kept across turns (actors/envs/episode.py)
         longest = longest_turn_prefill(a.env, template)
         dense, sparse = (episode_kv_peak_bytes_per_sequence(shape, prompt, turn_new, a.env.max_total_tokens, longest,
                                                             high, c.interval, compress=kind)
@@ -294,9 +295,9 @@ def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: i
 
 def sglang_event(shape: ModelShape, q_heads: int, c, budget: int, prompt: int, rows: int) -> tuple[int, int, int]:
     """(bytes, rows per call, live tokens) of the largest compression call of the SGLang sparse backend
-    (actors/sglang_triton_backend.py `_event_chunks`) for `rows` requests due at once at `budget` tokens: live =
+    (actors/engines/sglang/triton_backend.py `_event_chunks`) for `rows` requests due at once at `budget` tokens: live =
     max(prompt, budget + interval) (a prompt compressed at prefill; a decode row compressed at most interval tokens
-    after it reached its budget), the rows split as the backend does under actors.kv_memory.EVENT_BYTES_CAP;
+    after it reached its budget), the rows split as the backend does under actors.engines.kv_memory.EVENT_BYTES_CAP;
     bytes = `compression_event_bytes`. c: the CompressorConfig."""
     live = max(prompt, budget + c.interval)
     args = (budget, c.window, q_heads, shape.kv_heads, shape.head_dim, shape.dtype_bytes, c.method)

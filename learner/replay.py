@@ -7,7 +7,7 @@ P + T] over the sample's own tokens (prompt, then response), the number of respo
 key was evicted (`EVICTION_NEVER` = never; heads = the model's KV heads, or 1 when every head kept the same set).
 In the learner's right-padded layout the query at position q (0-based over prompt + response) sees key k iff
 k <= q and q < P + eviction_steps[k] (and always itself), which is the engine's "query column < eviction
-column" (actors/torch_engine.py) re-based to the sample.
+column" (actors/engines/torch_engine.py) re-based to the sample.
 
 `replay_attention` is registered with transformers' AttentionInterface as "sparse_rl_replay": with the keyword
 `replay_evicted_at` (int32 [B, layers, heads, L], local query index of each key's eviction) it builds each

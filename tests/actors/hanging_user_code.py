@@ -1,6 +1,6 @@
-"""User code that hangs, for tests/actors/test_user_code.py: importable as `hanging_user_code:<function>` (pytest
-puts tests/actors on sys.path; a run started by a test gets it on PYTHONPATH). The hangs busy-loop (`while True:
-pass`, a CPU core at 100 %), they do not sleep: what a user's runaway code does."""
+"""User code that hangs, for tests/actors/test_user_code.py: importable as `hanging_user_code:<function>`
+(tests/actors/conftest.py puts this folder on sys.path; a run started by a test gets it on PYTHONPATH). The hangs
+busy-loop (`while True: pass`, a CPU core at 100 %), they do not sleep: what a user's runaway code does."""
 from __future__ import annotations
 
 import os

@@ -1,6 +1,6 @@
-"""Environments for tests/actors/test_env.py, importable as `scripted_envs:<factory>` (pytest puts tests/actors on
-sys.path; the env worker process gets the caller's sys.path). What an env does is chosen by the action text, so
-one pool can hold well-behaved and misbehaving episodes at once."""
+"""Environments for tests/actors/envs/test_env.py (and the episode tests), importable as `scripted_envs:<factory>`
+(tests/actors/conftest.py puts this folder on sys.path; the env worker process gets the caller's sys.path). What
+an env does is chosen by the action text, so one pool can hold well-behaved and misbehaving episodes at once."""
 from __future__ import annotations
 
 import json

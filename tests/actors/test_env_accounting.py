@@ -4,7 +4,7 @@ rollout/env_timeouts, rollout/env_lost), never as a reward-function error."""
 import numpy as np
 import pytest
 
-from actors.episode import EpisodeSample
+from actors.envs.episode import EpisodeSample
 from actors.rollout_actor import episode_reward, group_counts
 from deploy.metric_names import mlflow_name
 

@@ -8,9 +8,9 @@ import json
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.config import DEFAULT_INSTRUCTION
-from actors.data import Prompt, tokenize_prompts
+from actors.engines.torch_engine import TorchEngine
 from actors.evaluate import evaluate
-from actors.torch_engine import TorchEngine
+from actors.tasks.data import Prompt, tokenize_prompts
 from compressors import CompressorConfig
 from deploy.model_cache import TINY_CHAR, resolve_model
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from actors.data import Prompt, task_problems
-from actors.reward import RewardConfig, RewardResult, RewardScorer
+from actors.tasks.data import Prompt, task_problems
+from actors.tasks.reward import RewardConfig, RewardResult, RewardScorer
 from actors.user_code import UserCode, UserCodeError, UserCodeTimeout, call_with_timeout
 
 HERE = Path(__file__).resolve().parent  # holds hanging_user_code.py

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from deploy.config import CONFIG_DIR, ConfigError, load_config
 
@@ -16,6 +17,59 @@ from deploy.config import CONFIG_DIR, ConfigError, load_config
 def test_every_preset_loads(preset):
     cfg = load_config(preset, check_files=False)  # the qwen presets name /models/..., a cluster's volume
     assert cfg.model and cfg.actors.count >= 1
+
+
+DOTTED = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+"""A value naming a callable, "package.module:function" (user code: reward, task generator, environment)."""
+
+
+def dotted_paths(node) -> list[str]:
+    """Every string value of a config (as a container) that names a callable."""
+    if isinstance(node, dict):
+        return [p for v in node.values() for p in dotted_paths(v)]
+    if isinstance(node, list):
+        return [p for v in node for p in dotted_paths(v)]
+    return [node] if isinstance(node, str) and DOTTED.match(node) else []
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+def test_every_dotted_path_a_preset_names_resolves(preset):
+    """The presets' user code (actors.tasks:count_numbers, actors.envs.lookup:LookupEnv, ...) imports as the run's
+    config check imports it, and every other value of the form module:function resolves to a callable."""
+    from actors.config import load_callable
+    from deploy.config import check_user_code
+
+    cfg = load_config(preset, check_files=False)
+    check_user_code(cfg)
+    for spec in dotted_paths(OmegaConf.to_container(OmegaConf.structured(cfg))):
+        assert callable(load_callable(spec, preset))
+
+
+def test_the_presets_name_their_user_code_by_dotted_path():
+    """Control for the test above: the dotted paths it resolves are found (9 presets name some)."""
+    named = {p.stem: dotted_paths(OmegaConf.to_container(OmegaConf.structured(load_config(p.stem, check_files=False))))
+             for p in CONFIG_DIR.glob("*.yaml")}
+    assert len([name for name, paths in named.items() if paths]) == 9, named
+    assert set(named["tiny-lookup"]) == {"actors.envs.lookup:lookup_items", "actors.envs.lookup:LookupEnv"}
+
+
+def test_a_run_config_saved_with_the_lookup_envs_old_module_resumes(tmp_path):
+    """A run's config.yaml written before the lookup environment moved to actors/envs/lookup.py names
+    actors.lookup_env:lookup_items and actors.lookup_env:LookupEnv: `--resume` still loads it (actors/lookup_env.py
+    re-exports both), with the same callables."""
+    from actors.config import load_callable
+    from actors.envs.lookup import LookupEnv, lookup_items
+    from deploy.record import resume_config
+
+    saved = OmegaConf.structured(load_config("tiny-lookup"))
+    saved.actors.data.function = "actors.lookup_env:lookup_items"
+    saved.actors.env.factory = "actors.lookup_env:LookupEnv"
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(saved))
+    cfg = resume_config(tmp_path)
+    assert (cfg.actors.data.function, cfg.actors.env.factory) == ("actors.lookup_env:lookup_items",
+                                                                  "actors.lookup_env:LookupEnv")
+    assert load_callable(cfg.actors.data.function, "data.function") is lookup_items
+    assert load_callable(cfg.actors.env.factory, "env.factory") is LookupEnv
 
 
 def test_presets_ship_in_the_package():

@@ -15,7 +15,7 @@ from deploy.config import ConfigError, load_config
 from deploy.record import resume_config
 
 ROOT = Path(__file__).resolve().parents[2]
-TASKS = ROOT / "tests" / "actors"  # held_out_tasks.py: 12 distinct questions per seed
+TASKS = ROOT / "tests" / "actors" / "tasks"  # held_out_tasks.py: 12 distinct questions per seed
 TWELVE = ["actors.data.source=function", "actors.data.function=held_out_tasks:twelve", "actors.data.size=8",
           "actors.reward.function=actors.tasks:digits_reward", "eval.data=train_task"]
 
@@ -51,7 +51,7 @@ def test_eval_draw_is_checked():
 def test_the_main_jobs_held_out_items_are_the_same_in_both_draws():
     """The main job's 32 held-out items have no repeated question: the new draw gives the same items, so README's
     figures stand."""
-    from actors.data import load_eval_items
+    from actors.tasks.data import load_eval_items
 
     cfg = load_config("smollm2-count-warm", check_files=False)
     new, old = (load_eval_items("train_task", cfg.eval.limit, train=cfg.actors.data, seed=cfg.seed, draw=d)

@@ -11,7 +11,7 @@ from deploy.config import ConfigError, load_config, rollout_config
 from deploy.model_cache import TINY_LLAMA, resolve_model
 from deploy.preflight import preflight
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "actors" / "templates"
+TEMPLATES = Path(__file__).resolve().parents[1] / "actors" / "envs" / "templates"
 
 
 @pytest.mark.parametrize("overrides,names", [
@@ -64,8 +64,8 @@ def test_the_preflight_sizes_a_kept_episode_by_its_longest_observation():
     (whatever actors.env.max_total_tokens), the dense one grows with the episode."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from actors.kv_memory import ModelShape, episode_kv_peak_bytes_per_sequence
-    from actors.turns import ChatTemplate
+    from actors.engines.kv_memory import ModelShape, episode_kv_peak_bytes_per_sequence
+    from actors.envs.turns import ChatTemplate
     from deploy.preflight import longest_turn_prefill
 
     model = resolve_model(TINY_LLAMA)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.engine import SamplingParams
-from actors.kv_memory import ModelShape, kv_peak_bytes_per_sequence
+from actors.engines.base import SamplingParams
+from actors.engines.kv_memory import ModelShape, kv_peak_bytes_per_sequence
 from deploy.config import load_config
 from deploy.model_cache import TINY_LLAMA, resolve_model
 from deploy.preflight import PreflightError, preflight
@@ -55,8 +55,8 @@ CONFIGS = [
 def test_prediction_matches_measured_peak_kv_bytes(overrides):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from actors.data import load_train_prompts
-    from actors.torch_engine import TorchEngine
+    from actors.engines.torch_engine import TorchEngine
+    from actors.tasks.data import load_train_prompts
     from compressors.budget import budget_range
 
     cfg = load_config("tiny", overrides)
@@ -211,9 +211,9 @@ def test_sglang_engine_accepts_varying_budgets():
 
 def test_compression_event_bound_by_hand():
     """Issue 38 item 3: the SGLang sparse backend's transient memory per compression call (outside
-    mem_fraction_static), actors.kv_memory.compression_event_bytes, for Qwen2.5-1.5B (12 query / 2 KV heads, head_dim
-    128, bf16) at budget 512 + interval 128 (640 live tokens), window 8, R-KV, 64 rows."""
-    from actors.kv_memory import EVENT_BYTES_CAP, compression_event_bytes, event_calls, event_chunk_rows
+    mem_fraction_static), actors.engines.kv_memory.compression_event_bytes, for Qwen2.5-1.5B (12 query / 2 KV
+    heads, head_dim 128, bf16) at budget 512 + interval 128 (640 live tokens), window 8, R-KV, 64 rows."""
+    from actors.engines.kv_memory import EVENT_BYTES_CAP, compression_event_bytes, event_calls, event_chunk_rows
 
     # S = 64*2*640 = 81,920 scores; E = 64*(640-512) = 8,192 evicted positions
     # index: 8*(3*64 + 2*64*640 + 64*512 + 64*8 + 2*8,192) = 1,054,208 + 64*640 (bool) 40,960 + 8*64*640 (slots)

@@ -78,10 +78,10 @@ def _generate_groups(cfg) -> list[list[TrajectoryGroup]]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from actors.data import load_train_prompts
-    from actors.engine import SamplingParams
-    from actors.reward import RewardScorer
-    from actors.torch_engine import TorchEngine
+    from actors.engines.base import SamplingParams
+    from actors.engines.torch_engine import TorchEngine
+    from actors.tasks.data import load_train_prompts
+    from actors.tasks.reward import RewardScorer
 
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(cfg.model)

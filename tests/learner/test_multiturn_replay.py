@@ -1,5 +1,5 @@
 """Eviction replay of multi-turn episodes (issue 36 item 2): the torch engine keeps each episode's compressed cache
-across turns and its record covers the whole episode (observations included, actors/episode.py). Through the wire
+across turns and its record covers the whole episode (observations included, actors/envs/episode.py). Through the wire
 format and the learner's collate and replayed forward (learner.policy_target=sparse) the log-probs of every
 sampled token of every turn equal the engine's logp_sparse (fp32, to 1e-4), and records broken the ways a
 multi-turn re-basing could break them are seen. The shipped tiny Llama in fp32; a real environment (LedgerEnv,
@@ -13,12 +13,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from actors.data import Prompt
-from actors.engine import SamplingParams
-from actors.env import EnvConfig, EnvPool
-from actors.episode import run_episodes
-from actors.torch_engine import TorchEngine
-from actors.turns import ChatTemplate
+from actors.engines.base import SamplingParams
+from actors.engines.torch_engine import TorchEngine
+from actors.envs.env import EnvConfig, EnvPool
+from actors.envs.episode import run_episodes
+from actors.envs.turns import ChatTemplate
+from actors.tasks.data import Prompt
 from broker.schema import SampleRecord, TrajectoryGroup, decode_group, encode_group
 from compressors import CompressorConfig
 from deploy.model_cache import TINY_LLAMA, resolve_model

@@ -1,6 +1,6 @@
 """Eviction replay (issue 34, learner/replay.py): the learner's replayed forward gives the compressed sampler's
 log-probs and gradient. Real torch engine rollouts (tiny random Llama, R-KV, three budgets in one generate call)
-go through the wire format and the learner's collate; the reference is tests/actors/test_torch_engine.py's
+go through the wire format and the learner's collate; the reference is tests/actors/engines/test_torch_engine.py's
 teacher-forced HF forward with per-layer masks built from the engine's own batch record."""
 import copy
 
@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from actors.engine import SamplingParams
-from actors.torch_engine import TorchEngine
+from actors.engines.base import SamplingParams
+from actors.engines.torch_engine import TorchEngine
 from broker.schema import SampleRecord, TrajectoryGroup, decode_group, encode_group
 from compressors import CompressorConfig
 from learner.config import LearnerConfig
 from learner.learner import Learner
-from tests.actors.test_torch_engine import PROMPTS, eviction_masks, reference_logp, tiny_model, tiny_tokenizer  # noqa: F401
+from tests.actors.engines.test_torch_engine import PROMPTS, eviction_masks, reference_logp, tiny_model, tiny_tokenizer  # noqa: F401
 
 BUDGETS = [10, 20, 10, 14]     # three distinct budgets: three sub-batches of one generate call
 CFG = CompressorConfig(method="rkv", kv_budget=12, window=4, interval=5)
@@ -112,7 +112,7 @@ def test_replayed_gradient_equals_the_masked_reference_and_a_wrong_record_is_see
     for rec, samples in subs:
         layer_masks, _ = eviction_masks(samples, rec)
         with torch.enable_grad():
-            from tests.actors.test_torch_engine import padded_batch
+            from tests.actors.engines.test_torch_engine import padded_batch
             ids, mask, pos = padded_batch(samples, rec["prompt_width"])
             logits = ref_model(input_ids=ids, attention_mask=mask, position_ids=pos, layer_masks=layer_masks).logits
             lp = logits.float().log_softmax(-1)

@@ -14,9 +14,9 @@ import torch
 
 pytest.importorskip("sglang.srt", reason="needs the SGLang lane venv: bash scripts/setup_sglang_cpu.sh")
 
-from actors import sglang_triton_backend as backend
-from actors.engine import SamplingParams
-from actors.sglang_engine import budget_rid, rid_budget, sglang_request
+from actors.engines.base import SamplingParams
+from actors.engines.sglang import triton_backend as backend
+from actors.engines.sglang.engine import budget_rid, rid_budget, sglang_request
 
 pytestmark = pytest.mark.sglang
 RUN_BUDGET = 16

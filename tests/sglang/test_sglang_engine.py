@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
-from actors.engine import SamplingParams
-from actors.sglang_engine import SGLangEngine, sglang_sender_group
+from actors.engines.base import SamplingParams
+from actors.engines.sglang.engine import SGLangEngine, sglang_sender_group
 from tests.sglang.conftest import CPU_ENGINE_KWARGS
 
 pytestmark = pytest.mark.sglang

@@ -1,7 +1,7 @@
 """The transient memory of one compression call of the `sparse_rl_kv` backend (issue 38 item 3), measured: the CPU
 allocator's peak during `_compress_group` (torch.profiler, profile_memory) stays under its computed bound
-(actors.kv_memory.compression_event_bytes), and an event over `event_bytes_cap` is split into calls that each stay
-under it, with the same result as one call. The backend's compression runs here on a bare instance (its K/V
+(actors.engines.kv_memory.compression_event_bytes), and an event over `event_bytes_cap` is split into calls that
+each stay under it, with the same result as one call. The backend's compression runs here on a bare instance (its K/V
 buffers, request table and query ring built by hand; no SGLang engine), so the shapes can be those of a real model."""
 import copy
 
@@ -12,8 +12,8 @@ from torch.profiler import ProfilerActivity, profile
 
 pytest.importorskip("sglang.srt", reason="needs the SGLang lane venv: bash scripts/setup_sglang_cpu.sh")
 
-from actors.kv_memory import SIMILARITY_BLOCK, compression_event_bytes
-from actors.sglang_triton_backend import SparseTritonAttnBackend
+from actors.engines.kv_memory import SIMILARITY_BLOCK, compression_event_bytes
+from actors.engines.sglang.triton_backend import SparseTritonAttnBackend
 from compressors import CompressorConfig
 from compressors.scores import _BLOCK_ELEMENTS
 

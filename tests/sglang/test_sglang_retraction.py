@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("sglang.srt", reason="needs the SGLang lane venv: bash scripts/setup_sglang_cpu.sh")
 
-from actors.engine import SamplingParams
-from actors.sglang_engine import SGLangEngine
+from actors.engines.base import SamplingParams
+from actors.engines.sglang.engine import SGLangEngine
 from compressors import CompressorConfig
 from tests.sglang.conftest import CPU_ENGINE_KWARGS
 

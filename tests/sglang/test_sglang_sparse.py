@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from actors.engine import SamplingParams
-from actors.sglang_engine import KV_STATS_ENV, TORCH_SPARSE_BACKEND, SGLangEngine
+from actors.engines.base import SamplingParams
+from actors.engines.sglang.engine import KV_STATS_ENV, TORCH_SPARSE_BACKEND, SGLangEngine
 from compressors import CompressorConfig
 from tests.sglang.conftest import CPU_ENGINE_KWARGS
 from tests.sglang.tiny import max_logp_shift, torch_references

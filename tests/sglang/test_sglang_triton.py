@@ -1,4 +1,4 @@
-"""The `sparse_rl_kv` backend (SGLang's own Triton kernels, actors/sglang_triton_backend.py) on CPU through
+"""The `sparse_rl_kv` backend (SGLang's own Triton kernels, actors/engines/sglang/triton_backend.py) on CPU through
 Triton's interpreter (TRITON_INTERPRET=1, set in conftest): same tokens and logp_sparse as the torch reference
 backend and as TorchEngine under the same evictions, evicted slots freed, per-request budgets, and the
 graph-replay metadata path checked every step (no host sync, persistent buffers, equal to the eager path)."""
@@ -10,10 +10,10 @@ import torch
 pytest.importorskip("sglang.srt", reason="needs the SGLang lane venv: bash scripts/setup_sglang_cpu.sh")
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
-from actors.engine import SamplingParams
-from actors.sglang_engine import KV_STATS_ENV, TORCH_SPARSE_BACKEND, SGLangEngine
-from actors.sglang_triton_backend import SELF_CHECK_ENV
-from actors.torch_engine import TorchEngine
+from actors.engines.base import SamplingParams
+from actors.engines.sglang.engine import KV_STATS_ENV, TORCH_SPARSE_BACKEND, SGLangEngine
+from actors.engines.sglang.triton_backend import SELF_CHECK_ENV
+from actors.engines.torch_engine import TorchEngine
 from compressors import CompressorConfig
 from tests.sglang.conftest import CPU_ENGINE_KWARGS
 from tests.sglang.tiny import (

@@ -9,10 +9,10 @@ import pytest
 pytest.importorskip("sglang.srt", reason="needs the SGLang lane venv: bash scripts/setup_sglang_cpu.sh")
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
-from actors.engine import SamplingParams
-from actors.sglang_engine import KV_STATS_ENV, SGLangEngine
-from actors.sglang_triton_backend import SELF_CHECK_ENV
-from actors.torch_engine import TorchEngine
+from actors.engines.base import SamplingParams
+from actors.engines.sglang.engine import KV_STATS_ENV, SGLangEngine
+from actors.engines.sglang.triton_backend import SELF_CHECK_ENV
+from actors.engines.torch_engine import TorchEngine
 from compressors import CompressorConfig
 from compressors.config import PHASES
 from tests.sglang.test_sglang_triton import KWARGS

@@ -13,8 +13,8 @@ import torch
 
 pytest.importorskip("sglang.srt", reason="needs the SGLang lane venv: bash scripts/setup_sglang_cpu.sh")
 
-from actors import sglang_triton_backend as backend
-from actors.sglang_engine import SPARSE_REQUIRED, SGLangEngine, check_sparse_settings
+from actors.engines.sglang import triton_backend as backend
+from actors.engines.sglang.engine import SPARSE_REQUIRED, SGLangEngine, check_sparse_settings
 from compressors import CompressorConfig
 
 pytestmark = pytest.mark.sglang
@@ -150,7 +150,7 @@ def test_sparse_engine_refuses_setting_at_start(setting, value):
 def test_sparse_engine_turns_the_prefill_graph_off():
     """SGLang 0.5.23 defaults to a breakable (piecewise) prefill CUDA graph on CUDA: sparse mode sets it off
     (the CPU lane's default is off already, so this is the only place the GPU default is checked)."""
-    from actors.sglang_engine import sparse_engine_kwargs
+    from actors.engines.sglang.engine import sparse_engine_kwargs
 
     for name in ("sparse_rl_kv", "sparse_rl_kv_torch"):
         kw = sparse_engine_kwargs(name)
@@ -190,7 +190,7 @@ def test_torch_reference_backend_refuses_aligned_phase():
     """compressor.phase aligned is built in sparse_rl_kv only: the reference backend refuses it at start."""
     import dataclasses
 
-    from actors.sglang_engine import TORCH_SPARSE_BACKEND
+    from actors.engines.sglang.engine import TORCH_SPARSE_BACKEND
 
     with pytest.raises(ValueError, match="compressor.phase='aligned'"):
         SGLangEngine("/nonexistent-model", compressor_cfg=dataclasses.replace(SPARSE, phase="aligned"),
@@ -219,7 +219,7 @@ def test_sparse_engine_refuses_environment(monkeypatch, env, value, named):
 def test_deterministic_inference_accepts_the_backend():
     from sglang.srt.arg_groups.choices import DETERMINISTIC_ATTENTION_BACKEND_CHOICES
 
-    from actors.sglang_engine import SPARSE_BACKEND, register_sglang_plugin
+    from actors.engines.sglang.engine import SPARSE_BACKEND, register_sglang_plugin
 
     register_sglang_plugin()
     assert SPARSE_BACKEND in DETERMINISTIC_ATTENTION_BACKEND_CHOICES

@@ -44,7 +44,7 @@ def torch_references(model_dir: Path, compressor_cfg, prompts, params) -> tuple[
     (sparse references, dense references), the SGLang lane's ground truth."""
     from transformers import AutoTokenizer
 
-    from actors.torch_engine import TorchEngine
+    from actors.engines.torch_engine import TorchEngine
     from compressors import CompressorConfig
 
     model = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
@@ -68,8 +68,8 @@ def join_prompts() -> list[list[int]]:
 def generate_each(eng, prompts: list[list[int]], max_new: tuple[int, ...]) -> list[tuple[list[int], "torch.Tensor"]]:
     """Greedy (ignore_eos) in one SGLang call with one max_new_tokens per request, sampling params otherwise as
     `SGLangEngine.generate` sends them: [(response ids, logp_sparse float32 tensor)] in prompt order."""
-    from actors.engine import SamplingParams
-    from actors.sglang_engine import sglang_request
+    from actors.engines.base import SamplingParams
+    from actors.engines.sglang.engine import sglang_request
 
     request = sglang_request(SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True), [0] * len(prompts),
                              None)

@@ -1,0 +1,114 @@
+"""The rollout-engine interface every backend implements (torch now, SGLang on GPU clusters).
+
+Token ids in, token ids out: the learner never re-tokenises text (docs/ARCHITECTURE.md, "Contracts").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+import numpy as np
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    """Logits are divided by this before softmax; logp_sparse is the log-softmax of logits/temperature."""
+    max_new_tokens: int = 256
+    """Response length limit in tokens (finish_reason 'length' when reached)."""
+    top_p: float = 1.0
+    """Nucleus sampling; training rollouts require 1.0 (SPEC §3), evaluation may use less."""
+    top_k: int = 0
+    """Top-k sampling, 0 = off; training rollouts require 0."""
+    n: int = 1
+    """G: samples per prompt."""
+    stop_strings: list[str] = field(default_factory=list)
+    """Generation stops at the first token after which the decoded response contains one of these (that token
+    is kept; finish_reason 'stop')."""
+    seed: int | None = None
+    """Seed of the sampling generator; equal seeds and inputs give equal samples."""
+    ignore_eos: bool = False
+    """Keep sampling past EOS until max_new_tokens or a stop string (benchmarks of fixed length)."""
+    topk_logprobs: int = 0
+    """K: also return, at every response position, the K most likely tokens of the sampling distribution and
+    their log-probs (`Sample.topk_ids` / `Sample.topk_logprobs`); 0 = off. The learner's acceptance rate
+    (learner/acceptance.py, Sparrow §3.1) is computed from them."""
+
+
+def check_sampling(owner: str, *, temperature: float, max_new_tokens: int, top_p: float, top_k: int,
+                   topk_logprobs: int = 0, **counts: int) -> None:
+    """Range checks shared by SamplingParams and actors.config.SamplingConfig: temperature >= 0,
+    max_new_tokens >= 1, 0 < top_p <= 1, top_k >= 0, topk_logprobs >= 0, and each of `counts` (e.g. n) >= 1.
+
+    Raises ValueError naming every bad field as `owner.field`."""
+    checks = [(temperature >= 0, "temperature", temperature, ">= 0"),
+              (max_new_tokens >= 1, "max_new_tokens", max_new_tokens, ">= 1"),
+              (0 < top_p <= 1, "top_p", top_p, "in (0, 1]"),
+              (top_k >= 0, "top_k", top_k, ">= 0 (0 = off)"),
+              (topk_logprobs >= 0, "topk_logprobs", topk_logprobs, ">= 0 (0 = off)")]
+    checks += [(value >= 1, name, value, ">= 1") for name, value in counts.items()]
+    bad = [f"{owner}.{name}={value}: expected {rule}" for ok, name, value, rule in checks if not ok]
+    if bad:
+        raise ValueError("; ".join(bad))
+
+
+@dataclass
+class Sample:
+    """One generated response. `logp_sparse[t]` is float32, log pi_sparse(response_ids[t] | prefix)."""
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logp_sparse: np.ndarray
+    finish_reason: str
+    """'stop' (EOS or stop string) | 'length' (max_new_tokens)."""
+    kv_retained_tokens: int
+    """Tokens in the KV cache (per layer, per KV head) when the response ended."""
+    kv_peak_bytes: int
+    """Peak bytes of this sequence's K and V over all layers (measured buffer sizes, not counted tokens)."""
+    topk_ids: np.ndarray | None = None
+    """With SamplingParams.topk_logprobs = K: int32 [T, K], the K most likely tokens of the sampling
+    distribution at each response position (most likely first); None otherwise."""
+    topk_logprobs: np.ndarray | None = None
+    """float32 [T, K]: their log-probs, the same distribution as logp_sparse (log_softmax(logits / temperature);
+    temperature 0: log_softmax(logits)); None without topk_logprobs."""
+    trainable: np.ndarray | None = None
+    """uint8 [T] for a multi-turn episode (actors/envs/episode.py): 1 where the sampler generated the token, 0 on the
+    environment's and the chat template's tokens; None (an engine's own samples): every token was sampled."""
+    eviction_steps: np.ndarray | None = None
+    """With the engine's record_evictions: uint16 [layers, heads, P + T], per key of this sample's own tokens
+    (prompt, then response) the number of response tokens generated when it was evicted (65535 = never);
+    heads = the model's KV heads, or 1 when every head kept the same keys. What the learner replays
+    (learner/replay.py, learner.policy_target=sparse); None otherwise."""
+
+
+class RolloutEngine(Protocol):
+    weight_version: int
+    """Version of the weights the engine currently samples with."""
+
+    tokenizer: object
+    """The model's Hugging Face tokenizer."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 kv_budgets: list[int] | None = None) -> list[list[Sample]]:
+        """Generate `params.n` samples for each prompt; returns one list of n Samples per prompt. `kv_budgets`:
+        one KV budget (tokens) per prompt (SPEC §5.1: schedules, controller, tiers), None = the compressor's."""
+        ...
+
+    def expected_weights(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(Hugging Face name, full shape, dtype) of every weight the engine takes, tied aliases included: what
+        broker.weight_sync.WeightReceiver.receive checks the learner's WeightManifest against."""
+        ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Replace weights by Hugging Face parameter name; raises ValueError naming every unknown name or
+        wrong shape/dtype before anything is changed. Sets `weight_version = version`."""
+        ...
+
+
+def check_params(prompts: list[list[int]], params: SamplingParams) -> None:
+    """Every engine's input check: raises ValueError when `prompts` is empty or holds an empty prompt, or when
+    `params` is out of range (check_sampling)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
+    check_sampling("SamplingParams", temperature=params.temperature, max_new_tokens=params.max_new_tokens,
+                   top_p=params.top_p, top_k=params.top_k, topk_logprobs=params.topk_logprobs, n=params.n)

@@ -1,0 +1,179 @@
+"""Predicted KV-cache bytes of the torch engine (issue 13, the preflight): plain integers, no torch.
+
+The torch engine (actors/engines/torch_engine.py) allocates, per layer, K and V buffers
+`[rows, kv_heads, capacity, head_dim]` of the model dtype, with
+
+    capacity = min(B + interval, min(P, B) + N)   compressing (B = kv_budget)
+    capacity = P + N                              dense (method full)
+
+(P = prompt width of the batch, the longest prompt; N = max_new_tokens), and reports as a sequence's peak KV
+bytes (`Sample.kv_peak_bytes`) these buffers plus the largest K/V transient beside them: one layer's prompt
+K/V at prefill (P tokens), or one compaction chunk (min(32, B) tokens) when compressing. This module is that
+formula, so the preflight can size a run before anything starts; tests/actors/engines/test_torch_engine.py checks it
+against the engine's measured buffers.
+
+`compression_event_bytes` bounds the transient device memory of one compression call of the SGLang sparse backend
+(actors/engines/sglang/triton_backend.py), which lives outside SGLang's KV pool; `event_chunk_rows` /
+`event_calls` split an event so that each call stays under `EVENT_BYTES_CAP` (docs/sglang.md, "Limits").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+COMPACT_CHUNK = 32
+"""Slots moved per step of the torch engine's in-place compaction (actors.engines.torch_engine.COMPACT_CHUNK)."""
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """KV-relevant shape of a decoder: layers, KV heads, head dim (elements), bytes per element of the cache."""
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token over all layers and KV heads, bytes."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @classmethod
+    def from_hf_config(cls, config, dtype: str) -> "ModelShape":
+        """From a transformers config (num_hidden_layers, num_key_value_heads or num_attention_heads, head_dim or
+        hidden_size / num_attention_heads) and the engine dtype name (fp32 | bf16). Raises KeyError for another
+        dtype name."""
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(config.num_hidden_layers, kv_heads, head_dim, DTYPE_BYTES[dtype])
+
+
+def cache_capacity(prompt_tokens: int, max_new_tokens: int, kv_budget: int, interval: int, compress: bool) -> int:
+    """Slots per layer and KV head the torch engine allocates for a batch of prompt width `prompt_tokens`."""
+    if not compress:
+        return prompt_tokens + max_new_tokens
+    return min(kv_budget + interval, min(prompt_tokens, kv_budget) + max_new_tokens)
+
+
+def kv_peak_bytes_per_sequence(shape: ModelShape, prompt_tokens: int, max_new_tokens: int, kv_budget: int,
+                               interval: int, compress: bool) -> int:
+    """Predicted `Sample.kv_peak_bytes` of the torch engine, bytes: the cache buffers of one sequence plus the
+    largest transient (prefill: one layer's prompt K/V; compressing: also one compaction chunk).
+
+    All arguments are token counts (ints >= 1), `compress` False for method full (then kv_budget and interval
+    are ignored). Raises ValueError for a count < 1."""
+    if min(prompt_tokens, max_new_tokens) < 1 or (compress and min(kv_budget, interval) < 1):
+        raise ValueError(f"prompt_tokens={prompt_tokens}, max_new_tokens={max_new_tokens}, kv_budget={kv_budget}, "
+                         f"interval={interval}: expected >= 1")
+    per_slot_layer = 2 * shape.kv_heads * shape.head_dim * shape.dtype_bytes  # K + V of one token in one layer
+    capacity = cache_capacity(prompt_tokens, max_new_tokens, kv_budget, interval, compress)
+    transient = per_slot_layer * prompt_tokens
+    if compress:
+        transient = max(transient, per_slot_layer * min(COMPACT_CHUNK, kv_budget))
+    return shape.layers * per_slot_layer * capacity + transient
+
+
+def episode_kv_peak_bytes_per_sequence(shape: ModelShape, prompt_tokens: int, max_new_tokens: int, total_tokens: int,
+                                       longest_prefill: int, kv_budget: int, interval: int, compress: bool) -> int:
+    """Upper bound of `Sample.kv_peak_bytes` over every turn of one multi-turn episode whose cache the torch engine
+    keeps across turns (actors/envs/episode.py, compressor.protect_observation on), bytes: the first turn as
+    `kv_peak_bytes_per_sequence(prompt_tokens, max_new_tokens)`; a later turn prefills at most `longest_prefill`
+    ids (the longest observation with its template tokens, + 1: the last sampled id) into the kept cache, whose
+    older part its prefill compresses to kv_budget, so its buffers hold at most kv_budget + interval +
+    longest_prefill slots (dense: prompt_tokens + total_tokens, the whole episode), plus one layer's prefill K/V
+    (or, compressing, a compaction chunk). Whatever the number of turns; `total_tokens`: the most tokens of the
+    episode after its prompt (actors.env.max_total_tokens). Token counts are ints >= 1; raises ValueError for a
+    count < 1."""
+    if min(total_tokens, longest_prefill) < 1:
+        raise ValueError(f"total_tokens={total_tokens}, longest_prefill={longest_prefill}: expected >= 1")
+    first = kv_peak_bytes_per_sequence(shape, prompt_tokens, max_new_tokens, kv_budget, interval, compress)
+    per_slot_layer = 2 * shape.kv_heads * shape.head_dim * shape.dtype_bytes
+    if not compress:
+        return max(first, shape.layers * per_slot_layer * (prompt_tokens + total_tokens)
+                   + per_slot_layer * max(prompt_tokens, longest_prefill))
+    later = shape.layers * per_slot_layer * (kv_budget + interval + longest_prefill) + per_slot_layer * max(
+        longest_prefill, min(COMPACT_CHUNK, kv_budget))
+    return max(first, later)
+
+
+SIMILARITY_BLOCK = 1 << 24
+"""Entries of one row block of R-KV's key-similarity matrix (compressors.scores._BLOCK_ELEMENTS)."""
+EVENT_METHODS = ("rkv", "snapkv", "streamingllm")
+"""Compressor methods the SGLang sparse backend runs (it refuses h2o at start)."""
+EVENT_BYTES_CAP = 1 << 30
+"""Transient bytes one call of the SGLang sparse backend's compression (`_compress_group`) may allocate: the rows
+of one event are split into `event_calls` near-equal chunks of at most `event_chunk_rows` rows each, so that
+`compression_event_bytes` stays under it."""
+
+
+def compression_event_bytes(rows: int, live: int, budget: int, window: int, q_heads: int, kv_heads: int,
+                            head_dim: int, dtype_bytes: int, method: str = "rkv") -> int:
+    """Upper bound of the device bytes that one call of the `sparse_rl_kv` backend's compression
+    (actors/engines/sglang/triton_backend.py `_compress_group`) holds at once, outside SGLang's KV pool and so outside
+    `mem_fraction_static`: its index tensors, one layer's gathered K/V and queries, the compressor's float32
+    scores and sort, and the gathered kept K/V. Layers run one after another and free their tensors, so the
+    bound does not grow with the number of layers. Allocator rounding and fragmentation are not counted.
+
+    rows: requests compressed in the call (g); live: tokens of the longest one (n, the rows are left-padded to
+    it); budget: tokens kept (B < n); window: the compressor's window (w); q_heads / kv_heads / head_dim: the
+    model's attention shape; dtype_bytes: bytes per K/V element (2 for bf16); method: rkv | snapkv |
+    streamingllm. Returns bytes (int). Raises ValueError on a count < 1, B >= n, or another method. The bound is
+    the same for both selections: `shared` scores every head on the first layer as `per_head` does, then sorts
+    g n entries (at most S) and reuses that kept set on the other layers, so it holds no tensor `per_head` does
+    not.
+
+    Terms (bytes; S = g Hkv n score entries; E = g (n - B) evicted positions at most):
+    - index tensors, the whole call: int64 [g] x 3, [g, n] x 2 (packed), [g, B], [g, w], [E] x 2 (packed copy),
+      bool [g, n], int64 slots [g, n], target [g, B];
+    - plus the largest of the phases:
+      building the slots, 12 g n (int32 gather + its int64 copy); after the layers, 24 E (freed slots + the
+      indices that point them at slot 0); in a layer: K and V gathered, 2 g n Hkv D e, and the queries,
+      g w Hq D e, plus the largest of: the kept K (or V) gathered, g Hkv B D (e + 4) (a float32 copy on the
+      CPU for 16-bit dtypes); the window importance (rkv, snapkv), 8 g Hq w D (float32 queries, reshaped) +
+      8 g Hkv n D (float32 keys + matmul's copy) + 4 g Hq w n (logits) + 12 g Hkv w n (max over the group,
+      scaled, masked, softmax); R-KV's redundancy, 4 g Hkv n (the importance) + 4 x 4 g Hkv n D (normalised
+      keys, their flip, matmul's two operand copies) + 5 x the similarity block in float32 + bool (two blocks
+      when there is more than one) + 24 S (first similar key and value per row, and their concatenation);
+      the selection, 36 S (masked scores, flip, sort values + indices, and as much scratch for a device sort).
+    Checked against the CPU allocator's measured peak (tests/sglang/test_sglang_event_memory.py)."""
+    g, n, B, w, hq, hkv, D, e = rows, live, budget, window, q_heads, kv_heads, head_dim, dtype_bytes
+    if min(g, n, B, w, hq, hkv, D, e) < 1 or B >= n:
+        raise ValueError(f"rows={g}, live={n}, budget={B}, window={w}, heads {hq}/{hkv}, head_dim={D}, "
+                         f"dtype_bytes={e}: expected counts >= 1 and budget < live")
+    if method not in EVENT_METHODS:
+        raise ValueError(f"method={method!r}: expected rkv | snapkv | streamingllm")
+    S, E = g * hkv * n, g * (n - B)
+    index = 8 * (3 * g + 2 * g * n + g * B + g * w + 2 * E) + g * n + 8 * g * n + 8 * g * B
+    layer = 2 * g * n * hkv * D * e + g * w * hq * D * e
+    scores = [g * hkv * B * D * (e + 4), 36 * S]
+    if method in ("rkv", "snapkv"):
+        scores.append(8 * g * hq * w * D + 8 * g * hkv * n * D + 4 * g * hq * w * n + 12 * g * hkv * w * n)
+    if method == "rkv":
+        block_rows = min(n, max(1, SIMILARITY_BLOCK // S))
+        block = g * hkv * block_rows * n
+        scores.append(4 * g * hkv * n + 16 * g * hkv * n * D + 5 * block * (1 if block_rows == n else 2) + 24 * S)
+    return index + max(12 * g * n, 24 * E, layer + max(scores))
+
+
+def event_chunk_rows(live: int, budget: int, window: int, q_heads: int, kv_heads: int, head_dim: int,
+                     dtype_bytes: int, method: str = "rkv", cap: int = EVENT_BYTES_CAP) -> int:
+    """The most rows one compression call may hold so that `compression_event_bytes` (same arguments) stays at or
+    under `cap` bytes; at least 1 (a single row whose bound exceeds the cap is compressed alone)."""
+    def fits(g: int) -> bool:
+        return compression_event_bytes(g, live, budget, window, q_heads, kv_heads, head_dim, dtype_bytes,
+                                       method) <= cap
+    lo, hi = 1, 1
+    while fits(hi * 2) and hi < 1 << 20:
+        hi *= 2
+    hi *= 2
+    while hi - lo > 1:                    # fits(lo) or lo == 1; not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def event_calls(rows: int, chunk_rows: int) -> int:
+    """Compression calls for `rows` due rows of one budget at most `chunk_rows` rows each (`event_chunk_rows`); the
+    backend splits them evenly (numpy.array_split), so a call holds at most ceil(rows / calls) rows."""
+    return -(-rows // chunk_rows)

@@ -1,0 +1,631 @@
+"""SGLang rollout engine (GPU clusters): `sglang.Engine` in-process, same interface as `TorchEngine`.
+
+Token ids in (`input_ids`), token ids out (`output_ids`), per-token log-probs from SGLang's sampler
+(`meta_info["output_token_logprobs"]`), so the learner never re-tokenises (docs/ARCHITECTURE.md). With
+`SamplingParams.topk_logprobs = K` the request asks for `top_logprobs_num = K` and the K most likely tokens at
+each position come from `meta_info["output_top_logprobs"]` (per position a list of (logprob, token_id, text),
+the top-k of the same tempered log-probs the sampler returns for the sampled token).
+
+Log-prob semantics (read in sglang 0.5.23 `srt/layers/sampler.py`, `Sampler.forward`; checked by
+tests/sglang at temperature 0.7): for temperature > 0 SGLang divides the logits by the temperature in place,
+takes softmax, samples, and returns `log(probs)` = log_softmax(logits / temperature) -- the learner's
+definition of logp_sparse (SPEC §3 "Temperature"). Temperature 0 is greedy (SGLang sets top_k = 1) and
+returns log_softmax(logits). The environment variable `SGLANG_RETURN_ORIGINAL_LOGPROB=1` switches SGLang to
+untempered log-probs; this engine refuses to start with it set.
+
+Sparse mode (`compressor_cfg.method != "full"`): attention runs in our SGLang attention backend
+`sparse_rl_kv` (actors/engines/sglang/kv_backend.py, registered through SGLang's plugin entry point
+`sglang.srt.plugins`), which compresses each request's KV with `compressors/` every `interval` decode steps,
+per layer and KV head, and gives the evicted KV slots back to SGLang's allocator. See docs/sglang.md.
+
+Weight updates, two paths (docs/sglang.md, "Weight updates"):
+- `load_weights(named_tensors, version)` (the `RolloutEngine` protocol): the actor receives the learner's
+  broadcast with `broker.weight_sync.WeightReceiver` and hands the tensors to SGLang with
+  `update_weights_from_tensor` (CUDA IPC handles on GPU, no copy through the host).
+- `join_weight_group` + `receive_weights_from_distributed`: SGLang joins the learner's collective group
+  itself and receives the broadcast straight into its model (`update_weights_from_distributed`, bucketed),
+  for a learner that drives SGLang's own protocol (`sglang_sender_group` builds the matching group).
+Every update runs inside `begin_weight_update` / `end_weight_update` (required since 0.5.23), flushes the
+prefix cache, and every engine call has a timeout; a failed call raises `RuntimeError` with SGLang's message.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import tempfile
+from dataclasses import asdict, replace
+from datetime import timedelta
+from typing import Iterable
+
+import numpy as np
+import torch
+
+from actors.engines.base import Sample, SamplingParams, check_params
+from actors.engines.sglang.contract import (  # noqa: F401  (re-exported: the engine's callers name them here)
+    COMPRESSOR_ENV,
+    DECODE_GRAPH_BACKENDS,
+    JOINS_ENV,
+    KV_BUDGET_RID,
+    KV_STATS_ENV,
+    SPARSE_BACKEND,
+    TORCH_SPARSE_BACKEND,
+    budget_rid,
+    rid_budget,
+)
+from compressors import CompressorConfig
+
+
+def sglang_request(params: SamplingParams, budgets: list[int], run_budget: int | None) -> dict:
+    """The keyword arguments of one `sglang.Engine.async_generate` call for len(budgets) prompts x `params.n`
+    samples (prompt-major): `sampling_params` (one dict per request) and, only where needed, `rid` and
+    `top_logprobs_num`. `budgets`: one KV budget (tokens) per prompt; `run_budget`: the backend's own budget
+    (None: not the sparse_rl_kv backend, budgets not sent). Request ids carry a budget (`budget_rid`) only when
+    some prompt's differs from the run's, so a run at one budget sends SGLang's own ids, and no custom logit
+    processor is attached ever (SGLang would run it on every decode step)."""
+    sampling = []
+    for j in range(len(budgets) * params.n):
+        sp = {"temperature": params.temperature, "max_new_tokens": params.max_new_tokens,
+              "top_p": params.top_p, "stop": list(params.stop_strings) or None, "ignore_eos": params.ignore_eos,
+              "no_stop_trim": True, "skip_special_tokens": False}
+        if params.top_k > 0:
+            sp["top_k"] = params.top_k
+        if params.seed is not None:
+            sp["sampling_seed"] = params.seed + j % params.n
+        sampling.append(sp)
+    request = {"sampling_params": sampling}
+    if run_budget is not None and set(budgets) != {run_budget}:
+        request["rid"] = [budget_rid(budgets[j // params.n]) for j in range(len(sampling))]
+    if params.topk_logprobs > 0:
+        request["top_logprobs_num"] = params.topk_logprobs
+    return request
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def register_sglang_plugin() -> None:
+    """SGLang general plugin (entry point `sglang.srt.plugins: sparse_rl_kv`): registers the attention backends
+    `sparse_rl_kv` (SGLang's Triton kernels, actors/engines/sglang/triton_backend.py) and `sparse_rl_kv_torch` (the
+    torch reference, actors/engines/sglang/kv_backend.py), adds them to SGLang's `--attention-backend` choices and
+    to its deterministic-inference list (so `sampling_seed` is honoured). SGLang calls this in every one of its
+    processes before parsing server args; it imports nothing heavy until a backend is built."""
+    from sglang.srt.arg_groups.choices import (
+        ATTENTION_BACKEND_CHOICES,
+        DETERMINISTIC_ATTENTION_BACKEND_CHOICES,
+        add_attention_backend_choices,
+        add_deterministic_attention_backend_choices,
+    )
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+
+    names = [SPARSE_BACKEND, TORCH_SPARSE_BACKEND]
+    add_attention_backend_choices([n for n in names if n not in ATTENTION_BACKEND_CHOICES])
+    add_deterministic_attention_backend_choices([SPARSE_BACKEND] if SPARSE_BACKEND not in
+                                                DETERMINISTIC_ATTENTION_BACKEND_CHOICES else [])
+
+    @register_attention_backend(SPARSE_BACKEND)
+    def _create(runner):
+        from actors.engines.sglang.triton_backend import SparseTritonAttnBackend
+
+        return SparseTritonAttnBackend(runner, CompressorConfig(**json.loads(os.environ[COMPRESSOR_ENV])))
+
+    @register_attention_backend(TORCH_SPARSE_BACKEND)
+    def _create_torch(runner):
+        from actors.engines.sglang.kv_backend import SparseKVAttnBackend
+
+        return SparseKVAttnBackend(runner, CompressorConfig(**json.loads(os.environ[COMPRESSOR_ENV])))
+
+
+SPARSE_REQUIRED = {"disable_radix_cache": True, "chunked_prefill_size": -1, "page_size": 1,
+                   "disable_overlap_schedule": True, "enable_mixed_chunk": False, "tp_size": 1, "pp_size": 1,
+                   "dp_size": 1, "kv_cache_dtype": "auto", "speculative_algorithm": None,
+                   "cuda_graph_backend_prefill": "disabled",
+                   "enable_torch_compile": False, "debug_cuda_graph": False}
+"""`sglang.Engine` settings sparse mode needs, and why (docs/sglang.md, "Sparse mode"): no radix prefix cache
+(a compressed prefix is not the prefix's KV); no chunked prefill or mixed chunks (a prompt is compressed after
+its whole prefill); page size 1 (slots are freed one token at a time); no overlap scheduling (compression
+between steps would race the next step's scheduling); one GPU per engine (tensor/pipeline/data parallel 1);
+KV in the model dtype (no fp8); no speculative decoding; no prefill CUDA graph (SGLang 0.5.23 turns on its breakable,
+piecewise prefill graph by default on CUDA: the prefill's ring write and compression bookkeeping were never run inside
+one), no torch.compile and no breakable decode graph (`debug_cuda_graph`): only eager prefill and SGLang's full decode
+graph were checked."""
+
+
+
+
+def sparse_engine_kwargs(backend: str = SPARSE_BACKEND) -> dict:
+    """`sglang.Engine` settings of sparse mode: `SPARSE_REQUIRED` plus the attention backend (`sparse_rl_kv`:
+    SGLang's Triton kernels, CUDA graphs stay on; `sparse_rl_kv_torch`: the torch reference, eager)."""
+    kwargs = {"attention_backend": backend, **SPARSE_REQUIRED}
+    if backend == TORCH_SPARSE_BACKEND:
+        kwargs["disable_cuda_graph"] = True
+    return kwargs
+
+
+def check_sparse_settings(engine_kwargs: dict, backend: str = SPARSE_BACKEND) -> None:
+    """Refuse, before SGLang starts, engine settings sparse mode would silently break: ValueError naming the
+    setting. Checked: `check_sparse_kwargs`, then SGLANG_PLUGINS without `sparse_rl_kv` (SGLang would not load our
+    plugin), SGLANG_USE_HND_KVCACHE (KV layout), SGLANG_ENABLE_METADATA_GLUE_GRAPH (it would capture the
+    between-steps compression)."""
+    check_sparse_kwargs(engine_kwargs, backend)
+    allowed = os.environ.get("SGLANG_PLUGINS")
+    if allowed and "sparse_rl_kv" not in {x.strip() for x in allowed.split(",")}:
+        raise ValueError(f"SGLANG_PLUGINS={allowed!r} does not list sparse_rl_kv: SGLang would not register the "
+                         "sparse attention backend; add it")
+    for env in ("SGLANG_USE_HND_KVCACHE", "SGLANG_ENABLE_METADATA_GLUE_GRAPH"):
+        if os.environ.get(env, "").lower() in ("1", "true", "yes"):
+            raise ValueError(f"{env} is set: sparse KV compression needs SGLang's token-major KV layout and an "
+                             "eager metadata step; unset it")
+
+
+def check_sparse_kwargs(engine_kwargs: dict, backend: str = SPARSE_BACKEND) -> None:
+    """The engine settings alone (no environment; the config check runs it on actors.engine.sglang): ValueError
+    `engine setting <key>=...` for a key of `SPARSE_REQUIRED` given with another value, an attention backend other
+    than `backend`, or a CUDA-graph backend sparse mode was not checked under."""
+    for key, need in SPARSE_REQUIRED.items():
+        got = engine_kwargs.get(key, need)
+        if key == "chunked_prefill_size" and got is None:
+            continue
+        if key == "kv_cache_dtype" and got in (None, "auto", str(engine_kwargs.get("dtype", "auto"))):
+            continue
+        if got != need:
+            raise ValueError(f"engine setting {key}={got!r}: sparse KV compression needs {key}={need!r} "
+                             f"(docs/sglang.md, Sparse mode)")
+    got = engine_kwargs.get("attention_backend", backend)
+    if got != backend:
+        raise ValueError(f"engine setting attention_backend={got!r}: sparse mode runs in {backend!r}")
+    got = engine_kwargs.get("cuda_graph_backend_decode")
+    if got is not None and got not in DECODE_GRAPH_BACKENDS:
+        raise ValueError(f"engine setting cuda_graph_backend_decode={got!r}: sparse KV compression runs under "
+                         f"SGLang's full decode graph or eager, expected one of {DECODE_GRAPH_BACKENDS}")
+    graphs = engine_kwargs.get("cuda_graph_config")
+    graphs = graphs.to_dict() if hasattr(graphs, "to_dict") else graphs or {}
+    for phase, allowed in (("prefill", ("disabled",)), ("decode", DECODE_GRAPH_BACKENDS)):
+        got = (graphs.get(phase) or {}).get("backend")
+        if got is not None and got not in allowed:
+            raise ValueError(f"engine setting cuda_graph_config={{{phase!r}: {{'backend': {got!r}}}}}: sparse KV "
+                             f"compression needs the {phase} graph backend in {allowed}")
+
+
+class SGLangEngine:
+    """RolloutEngine on an in-process `sglang.Engine` (sglang >= 0.5.23) for Hugging Face causal LMs.
+
+    model_path: local directory of a Hugging Face model (config, weights, tokenizer); nothing is downloaded.
+    compressor_cfg: `CompressorConfig`; method "full" = dense (SGLang's own attention backend and prefix
+        cache), anything else = sparse mode through the `sparse_rl_kv` backend (validated here).
+    weight_version: version of the weights at `model_path`.
+    timeout_s: limit in seconds on every engine call (generate, each weight-update step).
+    sparse_backend: "sparse_rl_kv" (SGLang's Triton kernels, CUDA graphs on) | "sparse_rl_kv_torch" (the torch
+        reference backend, eager); sparse mode only.
+    engine_kwargs: passed to `sglang.Engine` (device, dtype, mem_fraction_static, ...); in sparse mode
+        `sparse_engine_kwargs()` is added, and a setting that contradicts it is refused (`check_sparse_settings`).
+    Raises ValueError on an invalid compressor config, a sparse-mode setting it cannot honour (naming the
+        setting; nothing is started), or with `SGLANG_RETURN_ORIGINAL_LOGPROB` set; whatever `sglang.Engine`
+        raises if the model cannot be loaded.
+    Must be created under `if __name__ == "__main__":` (SGLang spawns its scheduler subprocess).
+    """
+
+    def __init__(self, model_path: str, compressor_cfg: CompressorConfig | None = None, weight_version: int = 0,
+                 timeout_s: float = 600.0, sparse_backend: str = SPARSE_BACKEND, **engine_kwargs):
+        import sglang
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes"):
+            raise ValueError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return untempered log-probs, "
+                             "but logp_sparse must be log_softmax(logits / temperature); unset it")
+        self.compressor_cfg = compressor_cfg or CompressorConfig(method="full")
+        self.compressor_cfg.validate()
+        self.sparse = self.compressor_cfg.method != "full"
+        self.timeout_s = timeout_s
+        self.weight_version = weight_version
+        kwargs = dict(engine_kwargs)
+        if self.sparse:
+            if self.compressor_cfg.budget_schedule == "length":
+                raise ValueError("compressor.budget_schedule='length' grows the budget within a trajectory: the torch "
+                                 "engine only; the SGLang engine's budget is fixed per request")
+            if sparse_backend not in (SPARSE_BACKEND, TORCH_SPARSE_BACKEND):
+                raise ValueError(f"sparse_backend={sparse_backend!r}: "
+                                 f"expected {SPARSE_BACKEND} | {TORCH_SPARSE_BACKEND}")
+            if sparse_backend == TORCH_SPARSE_BACKEND and self.compressor_cfg.phase != "request":
+                raise ValueError(f"compressor.phase={self.compressor_cfg.phase!r}: "
+                                 f"the {TORCH_SPARSE_BACKEND} reference "
+                                 f"backend compresses in phase 'request' only; use {SPARSE_BACKEND}")
+            check_sparse_settings(kwargs, sparse_backend)
+            os.environ[COMPRESSOR_ENV] = json.dumps(asdict(self.compressor_cfg))
+            kwargs.update(sparse_engine_kwargs(sparse_backend))
+        self.joins_path = None
+        """`JOINS_ENV`'s file of this engine (compressor.phase aligned, sparse mode), else None."""
+        if self.sparse and self.compressor_cfg.phase == "aligned":
+            fd, self.joins_path = tempfile.mkstemp(prefix="sparse-rl-kv-joins-", suffix=".txt")
+            os.close(fd)
+            os.environ[JOINS_ENV] = self.joins_path
+        else:
+            os.environ.pop(JOINS_ENV, None)       # an earlier engine's file is not this one's
+        self.sparse_backend = sparse_backend if self.sparse else None
+        kwargs.setdefault("skip_tokenizer_init", False)
+        self.engine = sglang.Engine(model_path=model_path, **kwargs)
+        self.tokenizer = self.engine.tokenizer_manager.tokenizer
+        self._failure, self._task, self._subprocesses = None, None, None
+        self.engine.loop.run_until_complete(self._watch_subprocesses())
+        self.subprocesses()
+
+        # Manifest of the served model (HF names, shapes, dtype) from its config, on the meta device.
+        hf_config = AutoConfig.from_pretrained(model_path)
+        with torch.device("meta"):
+            meta_model = AutoModelForCausalLM.from_config(hf_config)
+        dtype = DTYPES.get(str(kwargs.get("dtype", "bfloat16")).replace("torch.", ""), torch.bfloat16)
+        if kwargs.get("dtype") in (None, "auto"):
+            dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.bfloat16
+            dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        self.dtype = dtype
+        self.manifest = {name: (tuple(p.shape), dtype) for name, p in meta_model.named_parameters()}
+        self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        self.kv_bytes_per_token = (2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim
+                                   * torch.empty(0, dtype=dtype).element_size())
+        """Bytes of K and V of one token over all layers in SGLang's pool."""
+
+    # ---------------------------------------------------------------- generation
+    def expected_weights(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(HF name, shape, dtype) of every weight the served model takes, tied `lm_head.weight` included (what
+        the weight receiver checks a manifest against: RolloutEngine.expected_weights)."""
+        expected = [(name, shape, dtype) for name, (shape, dtype) in self.manifest.items()]
+        if self.tied_embeddings and "lm_head.weight" not in self.manifest:
+            expected.append(("lm_head.weight", *self.manifest["model.embed_tokens.weight"]))
+        return expected
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 kv_budgets: list[int] | None = None) -> list[list[Sample]]:
+        """Sample `params.n` responses per prompt (token ids); one list of n Samples per prompt, in order.
+
+        kv_budgets: one KV budget (tokens) per prompt, or None for `compressor_cfg.kv_budget` (issue 13:
+        schedules, controller, difficulty tiers). A budget other than the run's rides in the request id
+        (`sglang_request`); the `sparse_rl_kv` backend reads it at the request's prefill and compresses the
+        request to it (all requests still decode in one batch). Only in sparse mode with `sparse_rl_kv`; a dense
+        engine ignores them.
+
+        Each of the n samples is its own SGLang request (prompt-major); with `params.seed` sample j gets
+        `sampling_seed = seed + j`, which SGLang honours only when the engine runs with
+        `enable_deterministic_inference=True` (otherwise its engine-wide `random_seed` decides).
+        finish_reason: "stop" (EOS or a stop string; the token completing it is kept) | "length".
+        kv_retained_tokens / kv_peak_bytes: dense = prompt + response - 1 tokens (the last token's KV is never
+        written); sparse = the same count under the compression schedule (the backend applies exactly this
+        schedule; under compressor.phase aligned from the engine decode step each request joined at, which the
+        backend records at its prefill; the measured pool usage of the whole engine is in `kv_pool_stats()`).
+        Raises ValueError on empty prompts or invalid params; RuntimeError if SGLang aborts a request, the
+        call exceeds `timeout_s`, one of this engine's SGLang subprocesses failed, or (sparse mode) SGLang
+        retracted a request (`num_retractions` > 0: re-prefilled, its compression history restarted).
+        """
+        check_params(prompts, params)
+        budgets = self._check_budgets(prompts, kv_budgets)
+        rows = [p for p in prompts for _ in range(params.n)]
+        run_budget = self.compressor_cfg.kv_budget if self.sparse_backend == SPARSE_BACKEND else None
+        request = sglang_request(params, budgets, run_budget)
+        outs = self._call(self.engine.async_generate(input_ids=[list(r) for r in rows], return_logprob=True,
+                                                     **request), "generate")
+        joined = self._read_joins()
+        samples = []
+        for j, (row, out) in enumerate(zip(rows, outs)):
+            meta = out["meta_info"]
+            reason = meta["finish_reason"]
+            kind = reason.get("type") if isinstance(reason, dict) else reason
+            if kind not in ("stop", "length"):
+                raise RuntimeError(f"SGLang finished a request with finish_reason={reason!r} (expected stop|length)")
+            if self.sparse and meta.get("num_retractions"):
+                raise RuntimeError(f"SGLang retracted a request {meta['num_retractions']} time(s) (KV pool full): "
+                                   "it was re-prefilled and compressed from scratch, so its logp_sparse does not "
+                                   "follow the compression schedule; give SGLang more KV (actors.engine.sglang."
+                                   "mem_fraction_static, max_total_tokens) or admit fewer requests (actors.engine."
+                                   "sglang.max_running_requests, schedule_conservativeness)")
+            response = list(out["output_ids"])
+            token_logprobs = meta["output_token_logprobs"]
+            if [t for _, t, _ in token_logprobs] != response:
+                raise RuntimeError("SGLang output_token_logprobs token ids differ from output_ids")
+            retained, peak = self._kv_tokens(len(row), len(response), budgets[j // params.n],
+                                             self._joined_at(joined, meta.get("id")))
+            samples.append(Sample(prompt_ids=list(row), response_ids=response,
+                                  logp_sparse=np.asarray([lp for lp, _, _ in token_logprobs], dtype=np.float32),
+                                  finish_reason=kind, kv_retained_tokens=retained,
+                                  kv_peak_bytes=peak * self.kv_bytes_per_token,
+                                  **(_top_logprobs(meta, len(response)) if params.topk_logprobs > 0 else {})))
+        return [samples[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+
+    def _check_budgets(self, prompts: list[list[int]], kv_budgets: list[int] | None) -> list[int]:
+        """One budget per prompt (the config's when None); ValueError naming kv_budgets for a wrong length, a
+        budget the compressor config rejects, or differing budgets on the torch reference backend."""
+        budget = self.compressor_cfg.kv_budget
+        if kv_budgets is None:
+            return [budget] * len(prompts)
+        if len(kv_budgets) != len(prompts):
+            raise ValueError(f"kv_budgets has {len(kv_budgets)} values for {len(prompts)} prompts")
+        budgets = [int(b) for b in kv_budgets]
+        if not self.sparse:
+            return budgets
+        for b in sorted(set(budgets)):
+            try:
+                replace(self.compressor_cfg, kv_budget=b, budget_schedule="constant", budget_control="off",
+                        budget_tiers="off").validate()
+            except ValueError as e:
+                raise ValueError(f"kv_budgets: {e}") from None
+        if self.sparse_backend != SPARSE_BACKEND and set(budgets) != {budget}:
+            raise ValueError(f"kv_budgets: per-request budgets need sparse_backend={SPARSE_BACKEND!r}")
+        return budgets
+
+    def _read_joins(self) -> dict[str, int] | None:
+        """compressor.phase aligned: {request id: engine decode steps before its first} from the backend's join
+        file (`JOINS_ENV`), which is then emptied (every request of the call has finished); else None."""
+        if self.joins_path is None:
+            return None
+        with open(self.joins_path, "r+") as f:
+            lines = f.read().split()
+            f.truncate(0)
+        return dict(zip(lines[0::2], map(int, lines[1::2])))
+
+    def _joined_at(self, joined: dict[str, int] | None, rid) -> int:
+        """Engine decode steps run before request `rid`'s first (aligned: its phase; 0 under phase request).
+        Raises RuntimeError when the backend recorded no prefill for it."""
+        if joined is None:
+            return 0
+        if rid not in joined:
+            raise RuntimeError(f"compressor.phase=aligned: the {SPARSE_BACKEND} backend recorded no prefill for "
+                               f"request {rid!r} in {self.joins_path}, so its KV count is unknown")
+        return joined[rid]
+
+    def _kv_tokens(self, prompt_len: int, response_len: int, budget: int, joined_at: int = 0) -> tuple[int, int]:
+        """(tokens in this sequence's KV when it ended, peak tokens it held) under the compression schedule of
+        the sparse backend: the prompt compressed at prefill if longer than kv_budget; at decode step s (s = 1
+        for the forward of the first sampled token), after the step's attention, compressed to kv_budget if it
+        holds more and s % interval == 0 (compressor.phase request), or (joined_at + s) % interval == 0 (aligned:
+        `joined_at` = the engine decode steps run before the request's first, recorded by the backend at its
+        prefill, so joined_at + s is the engine step the backend tests). Exact under both phases."""
+        held = prompt_len
+        if not self.sparse:
+            return held + response_len - 1, held + response_len - 1
+        interval = self.compressor_cfg.interval
+        peak = held
+        held = min(held, budget)
+        for step in range(1, response_len):
+            held += 1
+            peak = max(peak, held)
+            if (joined_at + step) % interval == 0 and held > budget:
+                held = budget
+        return held, peak
+
+    def kv_pool_stats(self) -> dict | None:
+        """Measured KV slot usage written by the sparse backend when `SPARSE_RL_KV_STATS` names a file:
+        {"peak_used_slots", "freed_slots", "compressions", "pool_slots"} (slots = tokens of K and V over all
+        layers); None when not in sparse mode or not enabled."""
+        path = os.environ.get(KV_STATS_ENV)
+        if not self.sparse or not path or not os.path.exists(path):
+            return None
+        with open(path) as f:
+            return json.load(f)
+
+    # ---------------------------------------------------------------- weight updates
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Replace weights by Hugging Face name (tensors on any device; same names/shapes as the model, any
+        float dtype: SGLang casts on load). Checks every name and shape against the model's manifest first and
+        raises ValueError naming all problems before anything is sent. Then begin_weight_update ->
+        update_weights_from_tensor (flush_cache) -> end_weight_update; sets `weight_version = version`.
+        Raises RuntimeError with SGLang's message if any step fails or times out (the weights may then be
+        partly updated: reload or retry)."""
+        named = list(named_tensors)
+        problems = []
+        for name, t in named:
+            if name == "lm_head.weight" and self.tied_embeddings and name not in self.manifest:
+                continue
+            if name not in self.manifest:
+                problems.append(f"unknown parameter {name!r}")
+            elif tuple(t.shape) != self.manifest[name][0]:
+                problems.append(f"{name}: shape {tuple(t.shape)} != model {self.manifest[name][0]}")
+            elif not t.is_floating_point():
+                problems.append(f"{name}: dtype {t.dtype} is not a float dtype")
+        if problems:
+            raise ValueError("load_weights rejected the update (nothing changed): " + "; ".join(problems))
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+
+        tm = self.engine.tokenizer_manager
+        obj = UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=self.engine._serialize_tensors_per_rank(named, None),
+            flush_cache=True, weight_version=str(version))
+        self._weight_session(lambda: tm.update_weights_from_tensor(obj, None), "update_weights_from_tensor")
+        self.weight_version = version
+
+    def join_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                          group_name: str = "sparse_rl_weights", backend: str = "nccl") -> None:
+        """SGLang joins the learner's weight-broadcast group as ranks rank_offset..rank_offset+tp_size-1
+        (`init_weights_update_group`). The learner must be rank 0 of a group built like
+        `sglang_sender_group` (same address, port, world size, group name, backend) at the same time.
+        Raises RuntimeError with SGLang's message on failure or timeout."""
+        from sglang.srt.managers.io_struct import InitWeightsUpdateGroupReqInput
+
+        obj = InitWeightsUpdateGroupReqInput(master_address=master_address, master_port=master_port,
+                                             rank_offset=rank_offset, world_size=world_size,
+                                             group_name=group_name, backend=backend)
+        self._check(self._call(self.engine.tokenizer_manager.init_weights_update_group(obj, None),
+                               "init_weights_update_group"), "init_weights_update_group")
+        self.weight_group = group_name
+
+    def receive_weights_from_distributed(self, buckets: list[list[tuple[str, str, tuple[int, ...]]]],
+                                         version: int) -> None:
+        """Receive one weight sync straight into SGLang's model over the group of `join_weight_group`.
+
+        buckets: per bucket, (name, dtype name e.g. "bfloat16", shape) of each tensor in broadcast order; for
+            each bucket the learner broadcasts the tensors from rank 0 in that order (`dist.broadcast(t, 0,
+            group)`) while this call waits (`update_weights_from_distributed`; the first bucket is received
+            only after `begin_weight_update` returned: start broadcasting once this call is running).
+        Runs begin_weight_update -> one update_weights_from_distributed per bucket (prefix cache flushed with
+        the last) -> end_weight_update and sets `weight_version = version`. Raises ValueError for names or
+        shapes not in the model, RuntimeError with SGLang's message on failure or timeout.
+        """
+        from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
+
+        problems = [f"{n}: {tuple(s)} vs model {self.manifest.get(n, (None,))[0]}" for b in buckets
+                    for n, _, s in b if n in self.manifest and tuple(s) != self.manifest[n][0]]
+        problems += [f"unknown parameter {n!r}" for b in buckets for n, _, _ in b
+                     if n not in self.manifest and not (n == "lm_head.weight" and self.tied_embeddings)]
+        if problems:
+            raise ValueError("receive_weights_from_distributed rejected the manifest: " + "; ".join(problems))
+        tm = self.engine.tokenizer_manager
+
+        async def _all_buckets():
+            for i, bucket in enumerate(buckets):
+                obj = UpdateWeightsFromDistributedReqInput(
+                    names=[n for n, _, _ in bucket], dtypes=[d for _, d, _ in bucket],
+                    shapes=[list(s) for _, _, s in bucket], group_name=self.weight_group,
+                    flush_cache=i == len(buckets) - 1, weight_version=str(version))
+                self._check(await tm.update_weights_from_distributed(obj, None), f"update_weights_from_distributed "
+                            f"(bucket {i})")
+            return True, "ok"
+
+        self._weight_session(_all_buckets, "receive_weights_from_distributed")
+        self.weight_version = version
+
+    def _weight_session(self, make_update, what: str) -> None:
+        """begin_weight_update -> await make_update() -> end_weight_update, each with the timeout; end is
+        attempted even when the update failed, then the first error is raised."""
+        from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput
+
+        tm = self.engine.tokenizer_manager
+        self._check(self._call(tm.begin_weight_update(BeginWeightUpdateReqInput(), None), "begin_weight_update"),
+                    "begin_weight_update")
+        try:
+            self._check(self._call(make_update(), what), what)
+        finally:
+            self._check(self._call(tm.end_weight_update(EndWeightUpdateReqInput(), None), "end_weight_update"),
+                        "end_weight_update")
+
+    async def _watch_subprocesses(self) -> None:
+        """A failing SGLang subprocess (scheduler, detokenizer) sends this process SIGQUIT, and SGLang's own
+        handler then SIGKILLs the whole process tree, this process included: no error, no cleanup. Replace
+        that handler (on the engine's loop, after SGLang installs its own): the pending engine call raises
+        RuntimeError instead, later calls too, and `shutdown()` stops what is left."""
+        import signal
+        import threading
+
+        self.engine.tokenizer_manager.auto_create_handle_loop()     # installs SGLang's handler (idempotent)
+        if threading.current_thread() is threading.main_thread():
+            self.engine.loop.add_signal_handler(signal.SIGQUIT, _on_subprocess_failure)
+        _LIVE_ENGINES.add(self)
+
+    def _fail(self, dead: list[str] | None = None) -> None:
+        which = f" ({', '.join(dead)})" if dead else ""
+        self._failure = (f"an SGLang subprocess failed{which} (its traceback, if any, is in the log above)")
+        if self._task is not None:
+            self._task.cancel()
+
+    def subprocesses(self) -> dict[int, str]:
+        """This engine's SGLang subprocesses (`Engine.get_all_child_pids()`: scheduler, detokenizer), pid -> the
+        title SGLang gave it ("sglang::scheduler", "sglang::detokenizer"; read once, while they run)."""
+        import psutil
+
+        if getattr(self, "_subprocesses", None) is None:
+            names = {}
+            for pid in self.engine.get_all_child_pids():
+                try:
+                    names[pid] = (psutil.Process(pid).cmdline() or ["?"])[0]
+                except psutil.Error:
+                    names[pid] = "?"
+            self._subprocesses = names
+        return self._subprocesses
+
+    def dead_subprocesses(self) -> list[str]:
+        """This engine's SGLang subprocesses that no longer run (gone or a zombie), as "title pid N"."""
+        import psutil
+
+        dead = []
+        for pid, name in self.subprocesses().items():
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    continue
+            except psutil.Error:        # gone (or the pid now belongs to someone else's process)
+                pass
+            dead.append(f"{name} pid {pid}")
+        return dead
+
+    def _call(self, coro, what: str):
+        """Run an engine coroutine on SGLang's event loop with `timeout_s`; TimeoutError or a failed SGLang
+        subprocess of this engine (found gone before the call, or signalled during it) -> RuntimeError naming
+        the call."""
+        if self._failure is None:
+            dead = self.dead_subprocesses()
+            if dead:
+                self._fail(dead)
+                coro.close()
+                raise RuntimeError(f"SGLang {what} failed: {self._failure}")
+        if self._failure is not None:
+            coro.close()
+            raise RuntimeError(f"SGLang {what} refused: {self._failure}; shut the engine down")
+        self._task = self.engine.loop.create_task(asyncio.wait_for(coro, self.timeout_s))
+        try:
+            return self.engine.loop.run_until_complete(self._task)
+        except asyncio.TimeoutError as e:
+            raise RuntimeError(f"SGLang {what} did not finish within timeout_s={self.timeout_s}") from e
+        except asyncio.CancelledError:
+            if self._failure is None:
+                raise
+            raise RuntimeError(f"SGLang {what} failed: {self._failure}") from None
+        finally:
+            self._task = None
+
+    @staticmethod
+    def _check(result, what: str) -> None:
+        """Raise RuntimeError with SGLang's message if an engine call reports failure."""
+        if isinstance(result, tuple):
+            ok, message = result[0], result[1] if len(result) > 1 else ""
+        else:
+            ok, message = getattr(result, "success", True), getattr(result, "message", "")
+        if not ok:
+            raise RuntimeError(f"SGLang {what} failed: {message}")
+
+    def shutdown(self) -> None:
+        """Stop SGLang's subprocesses. SGLang 0.5.23 kills *every* child process of this process here
+        (`kill_process_tree(getpid(), include_parent=False)`), the subprocesses of other live engines too: run
+        one engine per process, or shut them down together."""
+        _LIVE_ENGINES.discard(self)
+        self.engine.shutdown()
+        if self.joins_path is not None and os.path.exists(self.joins_path):
+            os.remove(self.joins_path)
+
+
+def _top_logprobs(meta: dict, length: int) -> dict:
+    """Sample fields topk_ids int32 [T, K] / topk_logprobs float32 [T, K] from one request's
+    `meta_info["output_top_logprobs"]` (per position a list of K (logprob, token_id, text)). Raises
+    RuntimeError when SGLang returned another number of positions than response tokens, or none at one."""
+    rows = meta.get("output_top_logprobs") or []
+    if len(rows) != length or any(not r for r in rows):
+        raise RuntimeError(f"SGLang output_top_logprobs has {len(rows)} positions (some empty?) for {length} tokens")
+    return {"topk_ids": np.asarray([[t for _, t, _ in r] for r in rows], dtype=np.int32),
+            "topk_logprobs": np.asarray([[lp for lp, _, _ in r] for r in rows], dtype=np.float32)}
+
+
+_LIVE_ENGINES: set = set()
+"""The SGLangEngines of this process that have not been shut down."""
+
+
+def _on_subprocess_failure() -> None:
+    """SIGQUIT from a failed SGLang subprocess. The signal does not say whose: the engines with a subprocess gone
+    fail their call (SGLang's watchdog signals only once the process is gone); when none is (a scheduler that
+    raised signals before it exits), every live engine fails, so a dead scheduler never looks like a live one."""
+    engines = list(_LIVE_ENGINES)
+    found = [(eng, eng.dead_subprocesses()) for eng in engines]
+    found = [(eng, dead) for eng, dead in found if dead]
+    for eng, dead in found or [(eng, None) for eng in engines]:
+        eng._fail(dead)
+
+
+def sglang_sender_group(master_address: str, master_port: int, world_size: int,
+                        group_name: str = "sparse_rl_weights", backend: str = "nccl", timeout_s: float = 600.0):
+    """The learner's end (rank 0) of the group SGLang builds in `init_weights_update_group`: the same
+    rendezvous as SGLang's `init_custom_process_group` -- `tcp://addr:port` (rank 0 hosts the TCPStore), keys
+    under `PrefixStore(group_name)`, torch's `_new_process_group_helper(group_name=group_name)` -- so both
+    ends meet. Returns the ProcessGroup; broadcast with `dist.broadcast(t, src=0, group=pg)`. Depends only on
+    torch (the learner needs no SGLang). Call it concurrently with `SGLangEngine.join_weight_group`."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size,
+                                              timeout=timeout))
+    store.set_timeout(timeout)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                      group_name=group_name, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg

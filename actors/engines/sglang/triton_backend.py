@@ -1,0 +1,631 @@
+"""SGLang attention backend `sparse_rl_kv`: KV compression (docs/SPEC.md §5) on SGLang's own Triton kernels.
+
+`SparseTritonAttnBackend` subclasses SGLang 0.5.23's `TritonAttnBackend` and reuses its decode and extend
+kernels unchanged; it overrides only the metadata building, so CUDA graphs stay on. Schedule as
+`actors.engines.torch_engine.TorchEngine`: a prompt longer than its budget is compressed right after its prefill; at
+decode step s (s = 1 for the forward of the first sampled token), after the step's attention, a request
+holding more than its budget is compressed if s % interval == 0 (`compressor.phase` request; aligned: if this
+engine's decode step count g, the `decode_steps` stat, has g % interval == 0, one phase for every request), each
+layer scored with its last `window` queries (post-RoPE). Each batched compression is one event
+(`compression_events`; `compressions` counts the requests compressed).
+
+Layout (one suffix per request). SGLang keeps token t of request row r in slot `req_to_token[r, t]` of every
+layer's K/V buffer `[slots, kv_heads, head_dim]`. A compression of a row holding L tokens keeps, per layer and
+KV head, `B` tokens (its budget, time order) and packs them into the slots of row positions [L - B, L); the
+slots of [start, L - B) are freed to SGLang's allocator (one call per step) and those positions point at slot 0.
+The live KV of a request is then always the suffix [start_r, seq_len) -- SGLang's sliding-window form -- so
+the decode kernels read it through one `kv_indptr`/`kv_indices` table built with `kv_start_idx = start_r` and
+lengths `seq_len - start_r` everywhere (kv splits too). RoPE needs nothing: keys are stored rotated and
+positions stay logical. Attention over the packed slots of (layer, head) is exactly attention over that
+(layer, head)'s kept tokens.
+
+Where each part runs:
+- in the graph (decode): SGLang's KV write and Triton decode kernel, then the query written into a ring buffer
+  `qwin[layer, row, position % window]` (device ops only);
+- metadata (`_update_decode_kv_buffers`, used by SGLang's capture/replay path, and the eager decode path):
+  device ops only, into the parent's persistent buffers (`kv_indptr`, `cuda_graph_kv_indices`,
+  `cuda_graph_num_kv_splits`), no host sync;
+- between steps (`init_forward_metadata_out_graph` / `init_forward_metadata`, before the metadata): the rows
+  due for compression since the last forward are compressed in one eager call (per layer batched over all
+  due rows, left-padded; one group per distinct budget) and their slots freed with one allocator call. Which
+  rows are due is known on the host from a mirror of each row's length, start and step (rows enter at their
+  prefill, leave when SGLang frees the row), checked against SGLang's host `seq_lens_sum` every step.
+- prefill: the parent's extend kernel (batched); then the last `window` queries go to the ring.
+
+Per-request budgets: `SGLangEngine.generate(..., kv_budgets=)` puts a budget that is not the run's at the end of
+the request's id (`actors.engines.sglang.engine.budget_rid`); the backend reads it from `ForwardBatch.rids` at the
+request's prefill only. No custom logit processor is attached, so nothing of ours runs per decode step.
+
+Limits (checked at start, ValueError naming the setting, see `check_server_args`): page size 1, no radix
+cache, no chunked prefill, tp/pp/dp/dcp 1, no overlap scheduling, model-dtype KV (no fp8), the plain
+`[slots, heads, dim]` MHA pool, no sliding window, no speculative decoding, no metadata glue graph.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+import torch
+from sglang.srt.layers.attention.triton_backend import ForwardMetadata, TritonAttnBackend
+from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
+
+from actors.engines.kv_memory import EVENT_BYTES_CAP, compression_event_bytes, event_calls, event_chunk_rows
+from actors.engines.sglang.contract import JOINS_ENV, KV_STATS_ENV, rid_budget
+from compressors import CompressorConfig, build_compressor, gather_kv
+
+SELF_CHECK_ENV = "SPARSE_RL_KV_SELF_CHECK"
+"""When "1": every decode step runs the graph-replay metadata path instead of the eager one, on a batch padded
+by SGLang 0.5.23's own CUDA-graph padding code (`padded_replay_view`: its decode input buffers and slot registry,
+then `build_replay_fb_view`, padded up to the smallest capture size that holds it, the padded lanes holding
+stale request rows of live requests on two steps in three), under a host-sync guard; checks the result equals
+the eager path and the host mirror, that padded lanes read only the padding slot, have no negative length and
+write no live row's query ring, and serves the forward from the replay buffers (CPU lane)."""
+PAD_ROW = 0
+"""SGLang's padding request row: `ReqToTokenPool` hands out rows from 1, so row 0 is never a live request's;
+padded graph lanes read and write only it (its start stays 0, its `req_to_token` entries point at slot 0)."""
+PAD_TAILS = ("reset", "stale_rows", "stale_all")
+"""The padded tails the self-check replays in turn (`padded_replay_view`)."""
+
+
+class KVBudgetCarrier(CustomLogitProcessor):
+    """The earlier budget carrier (no longer attached): a no-op custom logit processor that made SGLang hand each
+    request's `custom_params` to the model worker's batch, at the cost of SGLang's per-decode-step custom
+    processor pass. Kept for tests/sglang/test_sglang_triton_safety.py, which shows the decode guard failing
+    on that path."""
+
+    def __call__(self, logits, custom_param_list=None):
+        return logits
+
+
+class HostSyncError(RuntimeError):
+    """A device tensor was read on the host inside code that must be graph-safe."""
+
+
+class NoHostSync(torch.overrides.TorchFunctionMode):
+    """Raise HostSyncError, while active, on anything that makes the host wait for the device: a tensor -> Python
+    value (.item, .tolist, int/float/bool/index of a tensor, .numpy), a copy to the host (.cpu, .to("cpu"), .to of
+    a device tensor onto the CPU), an op whose output size depends on the data (nonzero, argwhere, masked_select,
+    one-argument where, boolean-mask indexing or assignment), and a blocking host-to-device copy (.to / copy_ of
+    a CPU tensor onto an accelerator without non_blocking=True; never seen on the CPU lane, where the device is
+    the CPU). Triton's own launcher frames are exempt (under TRITON_INTERPRET=1 the interpreter copies kernel
+    arguments through numpy; a real GPU launch only passes pointers)."""
+
+    BANNED = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
+              torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy,
+              torch.Tensor.nonzero, torch.nonzero, torch.Tensor.argwhere, torch.argwhere, torch.Tensor.masked_select,
+              torch.masked_select}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        why = _host_sync(func, args, kwargs)
+        if why and not _inside_triton():
+            raise HostSyncError(f"host sync {why} in graph-safe code")
+        return func(*args, **kwargs)
+
+
+def _is_cpu(device) -> bool:
+    return isinstance(device, (str, torch.device)) and torch.device(device).type == "cpu"
+
+
+def _host_sync(func, args, kwargs) -> str | None:
+    """Why `func(*args, **kwargs)` would make the host wait for the device (NoHostSync), or None."""
+    name = getattr(func, "__name__", str(func))
+    if func in NoHostSync.BANNED:
+        return name
+    if func is torch.where and len(args) + len(kwargs) == 1:
+        return "where(condition) (nonzero)"
+    if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) > 1:
+        index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index):
+            return f"boolean-mask {'indexing' if func is torch.Tensor.__getitem__ else 'assignment'}"
+    if func is torch.Tensor.to:
+        src = args[0]
+        target = kwargs.get("device", next((a for a in args[1:] if isinstance(a, (str, torch.device))), None))
+        if target is not None and _is_cpu(target) and isinstance(src, torch.Tensor):
+            return 'to("cpu")'
+        if target is not None and not _is_cpu(target) and src.device.type == "cpu" and not kwargs.get(
+                "non_blocking", False):
+            return "blocking host-to-device to()"
+    if func is torch.Tensor.copy_ and len(args) > 1 and isinstance(args[1], torch.Tensor):
+        dst, src = args[0], args[1]
+        if (dst.device.type == "cpu") != (src.device.type == "cpu") and not (
+                dst.device.type != "cpu" and kwargs.get("non_blocking", len(args) > 2 and args[2])):
+            return "blocking copy_ between host and device"
+    return None
+
+
+def _inside_triton() -> bool:
+    import sys
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        if f"{os.sep}triton{os.sep}" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def real_lanes(fb) -> int:
+    """Real (unpadded) lanes of forward batch `fb`: its batch_size minus the CUDA-graph padding lanes of a replay
+    view (`num_padding`; 0 or absent on an eager batch). Host int, read from host fields (no device sync)."""
+    return fb.batch_size - int(getattr(fb, "num_padding", 0) or 0)
+
+
+class SparseTritonAttnBackend(TritonAttnBackend):
+    """SGLang's Triton attention over each request's live KV suffix, compressed with `compressors/`.
+
+    runner: SGLang's ModelRunner; cfg: CompressorConfig (rkv | snapkv | streamingllm; h2o and full raise
+    ValueError). Raises ValueError naming the setting when the runner breaks the layout assumptions.
+    """
+
+    needs_cpu_seq_lens = True        # the host mirror is checked against seq_lens_sum every step
+
+    def __init__(self, runner, cfg: CompressorConfig):
+        if cfg.method in ("h2o", "full"):
+            raise ValueError(f"compressor.method={cfg.method!r} is not supported by the SGLang sparse backend "
+                             "(h2o needs per-slot attention mass; full should use SGLang's own backend)")
+        check_runner(runner)
+        super().__init__(runner)
+        self.enable_lean_attention = False      # its eager gate reads the dense seq_lens_sum
+        self.cfg, self._compressors = cfg, {}
+        self.kv_pool, self.allocator = runner.token_to_kv_pool, runner.token_to_kv_pool_allocator
+        self.start_layer, self.num_layers = self.kv_pool.start_layer, self.kv_pool.layer_num
+        rows = self.req_to_token.shape[0]
+        k0 = self.kv_pool.get_key_buffer(self.start_layer)
+        self.head_dim, self.kv_dtype_bytes = k0.shape[-1], k0.element_size()
+        self.qwin = torch.zeros(self.num_layers, rows, cfg.window, self.num_head, self.head_dim,
+                                dtype=runner.model_config.dtype, device=self.device)
+        """Query ring [layers, rows, window, q_heads, head_dim]: position p of row r at slot p % window."""
+        self.start_dev = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        """Device copy of each row's live start (positions before it hold no KV)."""
+        self.lane_rows = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        """Persistent [lanes] int64: the request row each decode lane reads and writes (the graph reads it by
+        address): the lane's own row for a real lane, PAD_ROW for a padded lane (`_live_kv_indices`)."""
+        self.lane_ids = torch.arange(rows, dtype=torch.int64, device=self.device)
+        self.pad_row = torch.full((), PAD_ROW, dtype=torch.int64, device=self.device)
+        self.real_bs = 0
+        """Real (unpadded) lanes of the batch whose metadata is being built (host int, from num_padding)."""
+        self.alive = np.zeros(rows, dtype=bool)
+        self.seq_len, self.start = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
+        self.steps, self.budget = np.zeros(rows, dtype=np.int64), np.full(rows, cfg.kv_budget, dtype=np.int64)
+        self.pending: set[int] = set()
+        self.extend_ring = None
+        self.stats = {"peak_used_slots": 0, "freed_slots": 0, "compressions": 0, "pool_slots": self.allocator.size,
+                      "compression_events": 0, "last_extend_decode_step": 0, "used_at_last_extend": 0,
+                      "max_live_by_budget": {}, "self_checks": 0, "decode_steps": 0,
+                      "graph_replays": 0, "graph_captures": 0, "padded_lanes_checked": 0, "stale_lanes_checked": 0,
+                      "compression_calls": 0, "event_bytes_bound": 0}
+        self.stats_path = os.environ.get(KV_STATS_ENV)
+        self.joins_path = os.environ.get(JOINS_ENV) if cfg.phase == "aligned" else None
+        self.self_check = os.environ.get(SELF_CHECK_ENV) == "1"
+        self.event_bytes_cap = EVENT_BYTES_CAP
+        """Bytes one compression call may hold outside SGLang's pool (`_event_chunks`)."""
+        self._ptrs, self._pad_buffers = None, None
+        self._runner = runner             # its capture buckets (padded_replay_view)
+        self._wrap_pools(runner)
+
+    def _wrap_pools(self, runner) -> None:
+        """Slot 0 (SGLang's padding slot) is dropped when freeing (compressed rows point evicted positions at
+        it); a freed request row leaves the host mirror."""
+        free, pool = self.allocator.free, runner.req_to_token_pool
+        free_rows, clear = pool.free_rows, pool.clear
+
+        def free_slots(free_index: torch.Tensor):
+            free(free_index[free_index != 0])
+
+        def free_req_rows(indices):
+            self._leave(list(indices))
+            free_rows(indices)
+
+        def clear_rows():
+            self._leave(np.flatnonzero(self.alive).tolist())
+            clear()
+
+        self.allocator.free, pool.free_rows, pool.clear = free_slots, free_req_rows, clear_rows
+
+    def _leave(self, rows: list[int]) -> None:
+        for r in rows:
+            self.alive[r] = False
+            self.pending.discard(r)
+
+    # ------------------------------------------------------------------ between steps (eager)
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        """SGLang's CUDA-graph metadata entry (decode runner: capture with in_capture=True, every replay with
+        False, on the padded replay view): replays first run the between-steps work (eager), then the graph
+        metadata (device ops only). Counts `graph_captures` / `graph_replays` (decode) in the stats."""
+        if forward_batch.forward_mode.is_decode():
+            self.stats["graph_captures" if in_capture else "graph_replays"] += 1
+        if not in_capture:
+            self._between_steps(forward_batch)
+        self._graph_metadata(forward_batch, in_capture)
+
+    def _graph_metadata(self, fb, in_capture: bool) -> None:
+        """The parent's graph metadata into its persistent buffers, with this batch's real lane count known to
+        `_live_kv_indices` (lanes past it are padding)."""
+        self.real_bs = real_lanes(fb)
+        super().init_forward_metadata_out_graph(fb, in_capture)
+
+    def init_forward_metadata(self, forward_batch):
+        fb = forward_batch
+        if fb.forward_mode.is_decode() and fb.spec_info is None and self.self_check:
+            return self._self_checked_decode_metadata(fb)
+        self._between_steps(fb)
+        if not fb.forward_mode.is_decode() or fb.spec_info is not None:
+            return super().init_forward_metadata(fb)
+        self.forward_metadata = self._eager_decode_metadata(fb)
+
+    def _between_steps(self, fb) -> None:
+        """Compress the rows that became due in the last forward, then advance the host mirror for this one."""
+        mode = fb.forward_mode
+        if mode.is_idle():
+            return
+        self.stats["peak_used_slots"] = max(self.stats["peak_used_slots"],
+                                            int(self.allocator.size - self.allocator.available_size()))
+        self.compress_pending()
+        if mode.is_decode():
+            self._advance_decode(fb)
+        elif mode.is_extend():
+            self._enter_extend(fb)
+        self._write_stats()
+
+    def _advance_decode(self, fb) -> None:
+        rows = np.flatnonzero(self.alive)
+        real_bs = real_lanes(fb)
+        self.seq_len[rows] += 1
+        self.steps[rows] += 1
+        expected = int(self.seq_len[rows].sum())
+        if len(rows) != real_bs or (fb.seq_lens_sum is not None and fb.seq_lens_sum - (fb.batch_size - real_bs)
+                                    * self.get_cuda_graph_seq_len_fill_value() != expected):
+            raise RuntimeError(f"sparse_rl_kv host mirror drifted from SGLang's batch ({len(rows)} rows, "
+                               f"{expected} tokens vs batch {real_bs}, seq_lens_sum {fb.seq_lens_sum}): a scheduler "
+                               "mode the backend does not support (see check_server_args)")
+        live = self.seq_len[rows] - self.start[rows]
+        seen = self.stats["max_live_by_budget"]
+        for b in np.unique(self.budget[rows]):
+            key = str(int(b))
+            seen[key] = max(seen.get(key, 0), int(live[self.budget[rows] == b].max()))
+        self.stats["decode_steps"] += 1
+        step = self.stats["decode_steps"] if self.cfg.phase == "aligned" else self.steps[rows]
+        due = rows[(step % self.cfg.interval == 0) & (live > self.budget[rows])]
+        self.pending.update(due.tolist())
+
+    def _enter_extend(self, fb) -> None:
+        if fb.extend_prefix_lens_cpu is not None and any(fb.extend_prefix_lens_cpu):
+            raise RuntimeError("sparse_rl_kv got an extend with a cached prefix; it needs disable_radix_cache=True "
+                               "and chunked_prefill_size=-1 (sparse_engine_kwargs())")
+        rows_t = fb.req_pool_indices_cpu if fb.req_pool_indices_cpu is not None else fb.req_pool_indices.cpu()
+        rows = rows_t.numpy().astype(np.int64)[:fb.batch_size]
+        lens = np.asarray(fb.extend_seq_lens_cpu[:len(rows)], dtype=np.int64)
+        rids = fb.rids if fb.rids is not None else [None] * len(rows)
+        budgets = [rid_budget(rid, self.cfg.kv_budget) for rid in rids[:len(rows)]]
+        self.alive[rows], self.seq_len[rows], self.start[rows], self.steps[rows] = True, lens, 0, 0
+        self.budget[rows] = budgets
+        self.start_dev[torch.from_numpy(rows).to(self.device)] = 0
+        self.pending.update(rows[lens > self.budget[rows]].tolist())
+        self.stats["used_at_last_extend"] = int(self.allocator.size - self.allocator.available_size())
+        self.stats["last_extend_decode_step"] = self.stats["decode_steps"]
+        if self.joins_path and fb.rids is not None:    # each request's phase, for SGLangEngine's KV counts
+            with open(self.joins_path, "a") as f:
+                f.write("".join(f"{rid} {self.stats['decode_steps']}\n" for rid in rids[:len(rows)]))
+        # ring positions of the last `window` prompt queries of each request (token index, row, ring slot)
+        w, offsets = self.cfg.window, np.concatenate([[0], np.cumsum(lens)])
+        tok = np.concatenate([np.arange(max(0, n - w), n) + o for n, o in zip(lens, offsets[:-1])])
+        pos = np.concatenate([np.arange(max(0, n - w), n) for n in lens])
+        row = np.repeat(rows, np.minimum(lens, w))
+        self.extend_ring = tuple(torch.from_numpy(a).to(self.device) for a in (tok, row, pos % w))
+
+    def compressor_for(self, budget: int):
+        if budget not in self._compressors:
+            self._compressors[budget] = build_compressor(dataclasses.replace(
+                self.cfg, kv_budget=int(budget), budget_schedule="constant", budget_control="off",
+                budget_tiers="off"))
+        return self._compressors[budget]
+
+    def compress_pending(self) -> None:
+        """Compress every pending row to its budget (all layers; one batched call per layer and distinct
+        budget, rows left-padded to the longest), then free their evicted slots with one allocator call."""
+        if not self.pending:
+            return
+        rows = np.array(sorted(self.pending), dtype=np.int64)
+        self.pending.clear()
+        rows = rows[np.argsort(self.budget[rows], kind="stable")]          # grouped by budget, host (mirror)
+        budgets, first = np.unique(self.budget[rows], return_index=True)
+        freed = torch.cat([self._compress_group(chunk, b) for b, group in zip(budgets, np.split(rows, first[1:]))
+                           for chunk in self._event_chunks(group, b)])
+        self.allocator.free(freed)
+        self.stats["freed_slots"] += freed.numel()
+        self.stats["compressions"] += len(rows)
+        self.stats["compression_events"] += 1
+
+    def _event_chunks(self, group: np.ndarray, budget) -> list[np.ndarray]:
+        """`group` (request rows due at one budget) split into consecutive chunks of at most
+        `actors.engines.kv_memory.event_chunk_rows` rows (`event_calls` chunks of near-equal size), so that each
+        `_compress_group` call's transient device memory, bounded by `compression_event_bytes` (outside SGLang's KV
+        pool), stays under `self.event_bytes_cap` bytes (a single row above it is compressed alone). Host only (the
+        mirror). Counts `compression_calls` and keeps the largest bound of a call, `event_bytes_bound` (bytes), in the
+        stats."""
+        live, budget = int((self.seq_len[group] - self.start[group]).max()), int(budget)
+        shape = (budget, self.cfg.window, self.num_head, self.kv_pool.head_num, self.head_dim, self.kv_dtype_bytes,
+                 self.cfg.method)
+        chunks = np.array_split(group,
+                                event_calls(len(group), event_chunk_rows(live, *shape, cap=self.event_bytes_cap)))
+        self.stats["compression_calls"] += len(chunks)
+        self.stats["event_bytes_bound"] = max(self.stats["event_bytes_bound"],
+                                              compression_event_bytes(len(chunks[0]), live, *shape))
+        return chunks
+
+    def _write_stats(self) -> None:
+        if self.stats_path:
+            with open(self.stats_path, "w") as f:
+                json.dump(self.stats, f)
+
+    def _to_device(self, *arrays) -> list[torch.Tensor]:
+        """Host arrays (built from the mirror) as int64 device tensors of their shapes, in one copy: packed into one
+        buffer, pinned and sent with non_blocking=True on an accelerator (the host does not wait; PyTorch's caching
+        host allocator keeps the pinned buffer until the copy has run); on the CPU the packed buffer itself."""
+        flat = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64).ravel() for a in arrays]))
+        if torch.device(self.device).type != "cpu":
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        ends = np.cumsum([np.size(a) for a in arrays])
+        return [flat[e - np.size(a):e].view(np.shape(a)) for a, e in zip(arrays, ends)]
+
+    def _compress_group(self, rows: np.ndarray, budget) -> torch.Tensor:
+        """Compress rows (all holding more than `budget` live tokens) to `budget`; returns the freed slots. The
+        index arrays are built on the host from the mirror (numpy: left-padded live positions, the evicted
+        positions [start, length - budget) of every row) and reach the device in one pinned non-blocking copy
+        (`_to_device`); no per-row loop, nothing read back from the device."""
+        w = self.cfg.window
+        length, start = self.seq_len[rows], self.start[rows]
+        new_start = length - budget
+        n = (length - start).max()
+        pos = length[:, None] - n + np.arange(n)[None, :]                       # left-padded live positions
+        live = pos >= start[:, None]
+        evict_row, evict_col = np.where(live & (pos < new_start[:, None]))       # host numpy, the mirror
+        rows_t, pos_t, valid, target_pos, qpos, evict_row, evict_col, new_start_t = self._to_device(
+            rows, np.maximum(pos, 0), live, new_start[:, None] + np.arange(budget)[None, :],
+            (length[:, None] - w + np.arange(w)[None, :]) % w, evict_row, evict_col, new_start)
+        valid = valid.bool()
+        slots = self.req_to_token[rows_t[:, None], pos_t].long().masked_fill(~valid, 0)
+        target = self.req_to_token[rows_t[:, None], target_pos].long()
+        compressor, keep = self.compressor_for(budget), None
+        heads = torch.arange(self.kv_pool.head_num, device=self.device)[None, :, None]
+        for li in range(self.num_layers):
+            k_buf = self.kv_pool.get_key_buffer(li + self.start_layer)
+            v_buf = self.kv_pool.get_value_buffer(li + self.start_layer)
+            ks, vs = k_buf[slots].transpose(1, 2), v_buf[slots].transpose(1, 2)   # [g, Hkv, n, D]
+            if keep is None or self.cfg.selection != "shared":
+                queries = self.qwin[li][rows_t[:, None], qpos].transpose(1, 2)     # [g, Hq, w, D]
+                keep = compressor.select(ks, queries, valid)                       # [g, Hkv, budget]
+            k_buf[target[:, None, :], heads] = gather_kv(ks, keep)
+            v_buf[target[:, None, :], heads] = gather_kv(vs, keep)
+            del ks, vs                      # freed before the next layer's gather (compression_event_bytes)
+        freed = slots[evict_row, evict_col]                 # live slots of the evicted positions (never slot 0)
+        self.req_to_token[rows_t[evict_row], pos_t[evict_row, evict_col]] = 0
+        self.start[rows] = new_start
+        self.start_dev[rows_t] = new_start_t
+        return freed
+
+    # ------------------------------------------------------------------ metadata (device ops only)
+    def _live_kv_indices(self, plan, bs: int, seq_lens, req_pool_indices, kv_indptr, kv_indices):
+        """Fill kv_indptr[:bs+1] and kv_indices with each request's live suffix [start, seq_len); returns
+        (kv_indptr[:bs+1], live lengths [bs] int64). Lanes from `self.real_bs` on are CUDA-graph padding: their
+        request row is replaced by PAD_ROW in `self.lane_rows` (the rows the graph's ring write uses), whatever
+        SGLang left in req_pool_indices there (zeros in 0.5.23; a stale row of a live request if a padded tail
+        is not reset), so a padded lane reads only the padding slot, its length is SGLang's fill value (>= 0)
+        and it never writes a live row's query ring. Device ops only (graph-safe: no host sync)."""
+        rows = self.lane_rows[:bs]
+        torch.where(self.lane_ids[:bs] < self.real_bs, req_pool_indices[:bs], self.pad_row, out=rows)
+        start = self.start_dev[rows]
+        live = seq_lens[:bs] - start
+        kv_indptr[1:bs + 1] = torch.cumsum(live, dim=0)
+        self.kv_index_translator.pack_read_stream(plan, req_pool_indices=rows, seq_lens=live,
+                                                  indptr=kv_indptr[:bs + 1], out=kv_indices, kv_start_idx=start)
+        return kv_indptr[:bs + 1], live
+
+    def _update_decode_kv_buffers(self, plan, bs, seq_lens, req_pool_indices):
+        """SGLang's capture/replay hook for decode (`_apply_cuda_graph_metadata`): the live suffixes into the
+        persistent `kv_indptr` / `cuda_graph_kv_indices`; the live lengths size the kv splits."""
+        kv_indptr, live = self._live_kv_indices(plan, bs, seq_lens, req_pool_indices, self.kv_indptr,
+                                                self.cuda_graph_kv_indices)
+        return kv_indptr, self.window_kv_indptr, None, live
+
+    def _eager_decode_metadata(self, fb) -> ForwardMetadata:
+        """Decode metadata outside a CUDA graph (fresh work buffers, as the parent's eager path)."""
+        bs, dev = fb.batch_size, self.device
+        self.real_bs = bs
+        kv_indices = torch.empty(fb.seq_lens_sum if fb.seq_lens_sum is not None else bs * self.max_context_len,
+                                 dtype=torch.int64, device=dev)
+        kv_indptr, live = self._live_kv_indices(fb.kv_loc_plan, bs, fb.seq_lens, fb.req_pool_indices,
+                                                self.kv_indptr, kv_indices)
+        num_kv_splits = torch.empty(bs, dtype=torch.int32, device=dev)
+        uneven = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.get_num_kv_splits(num_kv_splits, live, uneven)
+        return ForwardMetadata(
+            attn_logits=torch.empty(bs, self.num_head, self.max_kv_splits, self.v_head_dim, dtype=torch.float32,
+                                    device=dev),
+            attn_lse=torch.empty(bs, self.num_head, self.max_kv_splits, dtype=torch.float32, device=dev),
+            max_extend_len=None, num_kv_splits=num_kv_splits, kv_indptr=kv_indptr, kv_indices=kv_indices,
+            qo_indptr=None, custom_mask=None, mask_indptr=None, window_kv_indptr=self.window_kv_indptr,
+            window_kv_indices=None, window_num_kv_splits=None, window_kv_offsets=None, uneven_batch=uneven)
+
+    def padded_replay_view(self, fb):
+        """The replay view SGLang 0.5.23's decode CUDA-graph runner hands `init_forward_metadata_out_graph` for
+        decode batch `fb` (`DecodeCudaGraphRunner.load_batch`), built with the runner's own code: its capture
+        buckets (`get_batch_sizes_to_capture` of this engine's runner), `_pad_to_bucket` (the smallest captured
+        size >= the batch), its `DecodeInputBuffers` + decode slot registry (`fill_from`: the padded tail's
+        req_pool_indices / positions / out_cache_loc reset to 0, seq_lens to the fill value), then
+        `build_replay_fb_view`. Then a fault is injected into the padded tail, in turn by self-check step:
+        `PAD_TAILS[k % 3]` -- "reset": as SGLang leaves it; "stale_rows": each padded lane holds the request
+        row and position (minus 1) of a live request of this batch, seq_lens reset (what a padded tail that is
+        not reset would carry from the previous replay: SGLang's KEEP_PAD policy, its pre-planned load);
+        "stale_all": seq_lens (minus 1) stale too. Returns (view, tail kind, stale lanes), or (None, "eager", 0)
+        for a batch larger than every captured size (SGLang decodes it eagerly). Host side, eager (the
+        self-check's setup, not graph code)."""
+        from sglang.srt.model_executor.cuda_graph_buffer_registry import build_decode_registry
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+        from sglang.srt.model_executor.runner.base_cuda_graph_runner import (
+            BaseCudaGraphRunner,
+            get_batch_sizes_to_capture,
+        )
+        from sglang.srt.model_executor.runner.decode_cuda_graph_runner import build_replay_fb_view
+        from sglang.srt.model_executor.runner_utils.buffers import DecodeInputBuffers
+
+        fill, raw = self.get_cuda_graph_seq_len_fill_value(), fb.batch_size
+        if self._pad_buffers is None:
+            buckets, _ = get_batch_sizes_to_capture(self._runner)
+            max_bs = max(buckets)
+            buffers = DecodeInputBuffers.create(
+                device=self.device, max_bs=max_bs, max_num_token=max_bs, hidden_size=1,
+                next_token_logits_buffer=torch.empty(0, device=self.device), dtype=torch.float32, num_dp_ranks=1,
+                pp_size=1, is_encoder_decoder=False, require_mlp_tp_gather=False, seq_len_fill_value=fill,
+                encoder_len_fill_value=0, num_tokens_per_req=1, cache_loc_dtype=fb.out_cache_loc.dtype,
+                enable_mamba_track=False)
+            registry = build_decode_registry(device=self.device, max_bs=max_bs, max_num_token=max_bs,
+                                             seq_len_fill_value=fill, cache_loc_dtype=fb.out_cache_loc.dtype,
+                                             share_pool=False, source=buffers)
+            self._pad_buffers = (sorted(buckets), buffers, registry)
+        buckets, buffers, registry = self._pad_buffers
+        if raw > buckets[-1]:
+            return None, "eager", 0
+        bs = BaseCudaGraphRunner._pad_to_bucket(raw, buckets)
+        registry.fill_from(fb, raw_bs=raw, padded_bs=bs, raw_num_tokens=raw, padded_num_tokens=bs)
+        tail = PAD_TAILS[self.stats["self_checks"] % len(PAD_TAILS)]
+        stale = bs - raw if tail != "reset" else 0
+        if stale:
+            src = torch.arange(stale, device=self.device) % raw
+            buffers.req_pool_indices[raw:bs] = fb.req_pool_indices[src]
+            buffers.positions[raw:bs] = fb.positions[src] - 1
+            if tail == "stale_all":
+                buffers.seq_lens[raw:bs] = fb.seq_lens[src] - 1
+        view = build_replay_fb_view(forward_batch=fb, buffers=buffers, bs=bs, raw_bs=raw, num_tokens=bs,
+                                    global_num_tokens_cpu=None, seq_len_fill_value=fill,
+                                    capture_forward_mode=ForwardMode.DECODE, is_encoder_decoder=False)
+        return view, tail, stale
+
+    def _self_checked_decode_metadata(self, fb) -> None:
+        """SELF_CHECK_ENV: this decode step's metadata through the replay path on SGLang's padded view
+        (`padded_replay_view`): the between-steps work, then the graph metadata under NoHostSync into the
+        persistent graph buffers; checks them against the eager path and the host mirror (real lanes), that
+        every lane's live length is >= 0, that padded lanes read only the padding slot 0, and that the graph's
+        ring write of the padded lanes leaves every live row's query ring untouched; serves this forward from
+        the graph buffers. Raises RuntimeError naming each failed check."""
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        if self._ptrs is None:
+            self.init_cuda_graph_state(self.req_to_token.shape[0], self.req_to_token.shape[0])
+        view, _, stale = self.padded_replay_view(fb)
+        if view is None:                                # larger than every capture bucket: SGLang runs it eagerly
+            self._between_steps(fb)
+            self.forward_metadata = self._eager_decode_metadata(fb)
+            return
+        raw, bs = fb.batch_size, view.batch_size
+        self._between_steps(view)                       # the replay's eager half, on the padded view
+        eager = self._eager_decode_metadata(fb)
+        eager_indptr = eager.kv_indptr.clone()          # the same persistent kv_indptr: keep the eager result
+        with NoHostSync():
+            self._graph_metadata(view, False)
+        graph = self._build_cuda_graph_forward_metadata(bs, ForwardMode.DECODE, None)
+        ptrs = (self.kv_indptr.data_ptr(), self.cuda_graph_kv_indices.data_ptr(),
+                self.cuda_graph_num_kv_splits.data_ptr(), self.cuda_graph_attn_logits.data_ptr(),
+                self.lane_rows.data_ptr())
+        nnz = int(eager_indptr[-1])
+        rpi, lens = fb.req_pool_indices.tolist(), fb.seq_lens.tolist()
+        want = [self.req_to_token[r, int(self.start[r]):n].long() for r, n in zip(rpi, lens)]
+        lane_lens = graph.kv_indptr[1:] - graph.kv_indptr[:-1]
+        problems = []
+        if self._ptrs is not None and ptrs != self._ptrs:
+            problems.append("persistent buffers moved")
+        if not torch.equal(graph.kv_indptr[:raw + 1], eager_indptr):
+            problems.append("kv_indptr differs from the eager path")
+        if not torch.equal(graph.kv_indices[:nnz], eager.kv_indices[:nnz]):
+            problems.append("kv_indices differ from the eager path")
+        if not torch.equal(graph.num_kv_splits[:raw], eager.num_kv_splits):
+            problems.append("num_kv_splits differ from the eager path")
+        if not torch.equal(eager.kv_indices[:nnz], torch.cat(want)):
+            problems.append("kv_indices differ from the host mirror's live suffixes")
+        if bool((lane_lens < 0).any()):
+            problems.append(f"negative live lengths {lane_lens.tolist()} (padded lanes from {raw})")
+        elif bool((graph.kv_indices[nnz:int(graph.kv_indptr[-1])] != 0).any()):
+            problems.append("a padded lane reads a slot other than the padding slot 0")
+        ring = self.qwin[0].clone()
+        w, real_rows = self.cfg.window, self.lane_rows[:raw]
+        q = torch.full((bs, *ring.shape[2:]), float("nan"), dtype=ring.dtype, device=self.device)
+        q[:raw] = ring[real_rows, view.positions[:raw] % w]           # real lanes rewrite what is there
+        self._write_ring(ring, view.positions, q)
+        live_rows = torch.from_numpy(np.flatnonzero(self.alive)).to(self.device)
+        if bool(ring[live_rows].isnan().any()):
+            problems.append("a padded lane wrote into a live row's query ring")
+        if problems:
+            raise RuntimeError("sparse_rl_kv self-check failed: " + "; ".join(problems))
+        self._ptrs = ptrs
+        self.real_bs = raw
+        self.stats["self_checks"] += 1
+        self.stats["padded_lanes_checked"] += bs - raw
+        self.stats["stale_lanes_checked"] += stale
+        self._write_stats()
+        self.forward_metadata = self._build_cuda_graph_forward_metadata(raw, ForwardMode.DECODE, None)
+
+    # ------------------------------------------------------------------ attention
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        """The parent's decode (KV write + Triton kernel over the live suffix), then this step's query into
+        the ring (device ops only, in the graph)."""
+        o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+        ring = self.qwin[layer.layer_id - self.start_layer]
+        self._write_ring(ring, forward_batch.positions, q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim))
+        return o
+
+    def _write_ring(self, ring, positions, q) -> None:
+        """Lane i's query q[i] ([lanes, q_heads, head_dim]) into ring[lane_rows[i], positions[i] % window] of one
+        layer's ring [rows, window, q_heads, head_dim]: padded lanes write PAD_ROW (`_live_kv_indices`). In the
+        graph; device ops only."""
+        ring[self.lane_rows[:q.shape[0]], positions % self.cfg.window] = q.to(ring.dtype)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        """The parent's extend (batched prefill), then the prompts' last `window` queries into the ring."""
+        o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+        tok, row, slot = self.extend_ring
+        ring = self.qwin[layer.layer_id - self.start_layer]
+        ring[row, slot] = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)[tok].to(ring.dtype)
+        return o
+
+
+def check_runner(runner) -> None:
+    """Refuse a ModelRunner whose pools break the suffix layout (ValueError naming the setting)."""
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    pool, alloc = runner.token_to_kv_pool, runner.token_to_kv_pool_allocator
+    if type(alloc) is not TokenToKVPoolAllocator or getattr(runner, "page_size", 1) != 1:
+        raise ValueError(f"sparse_rl_kv needs page_size=1 and SGLang's TokenToKVPoolAllocator, the engine has "
+                         f"page_size={getattr(runner, 'page_size', None)}, {type(alloc).__name__}")
+    if type(pool) is not MHATokenToKVPool or pool.get_key_buffer(pool.start_layer).dim() != 3:
+        raise ValueError(f"sparse_rl_kv needs the [slots, kv_heads, head_dim] MHA KV layout, the engine has "
+                         f"{type(pool).__name__} (SGLANG_USE_HND_KVCACHE or a hybrid/paged pool?)")
+    if runner.kv_cache_dtype != runner.model_config.dtype:
+        raise ValueError(f"kv_cache_dtype={runner.kv_cache_dtype}: sparse_rl_kv needs the model dtype "
+                         f"({runner.model_config.dtype}); fp8 KV is not supported")
+    if runner.sliding_window_size is not None:
+        raise ValueError("sparse_rl_kv does not support sliding-window models")
+    from sglang.srt.runtime_context import get_exec
+
+    graph = get_exec().graph
+    check_graph_settings(graph.cuda_graph_config, graph.enable_torch_compile)
+
+
+def check_graph_settings(cuda_graph_config, enable_torch_compile: bool) -> None:
+    """Refuse, in the scheduler, the graph settings SGLang resolved that sparse mode was never run under
+    (ValueError naming the setting): a prefill CUDA graph (SGLang 0.5.23 defaults to its breakable, piecewise
+    prefill graph on CUDA; `sparse_engine_kwargs()` turns it off), a decode graph other than full / disabled,
+    torch.compile. `SGLangEngine` refuses the same settings before SGLang starts (check_sparse_settings)."""
+    from actors.engines.sglang.contract import DECODE_GRAPH_BACKENDS
+
+    prefill, decode = cuda_graph_config.prefill.backend, cuda_graph_config.decode.backend
+    if prefill != "disabled":
+        raise ValueError(f"cuda_graph_backend_prefill={prefill!r}: sparse_rl_kv runs the prefill eagerly (set "
+                         "cuda_graph_backend_prefill='disabled')")
+    if decode not in DECODE_GRAPH_BACKENDS:
+        raise ValueError(f"cuda_graph_backend_decode={decode!r}: sparse_rl_kv needs one of {DECODE_GRAPH_BACKENDS}")
+    if enable_torch_compile:
+        raise ValueError("enable_torch_compile=True: sparse_rl_kv was not run under torch.compile; turn it off")
