@@ -37,7 +37,8 @@ class LearnerWorker:
         self.phase("loading")
         # here, not at the top: the driver imports this class to start the rank, and the learner's model stack
         # (transformers' modeling code, DeepSpeed) costs it seconds on the run's start path
-        from learner.learner import Learner, init_distributed
+        from learner.distributed import init_distributed
+        from learner.learner import Learner
 
         if world_size > 1:
             init_distributed(rank, world_size, master[0], master[1], timeout_s=lcfg.collective_timeout_s)

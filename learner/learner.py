@@ -10,131 +10,25 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib
 import math
 import os
-import socket
 import time
-from datetime import timedelta
 
 import numpy as np
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from broker.redis_server import free_port
 from broker.schema import TrajectoryGroup
-from broker.weight_sync import WeightManifest, WeightSender, build_manifest
+from broker.weight_sync import WeightSender
 from learner.acceptance import acceptance_metrics
+from learner.batching import micro_batches, token_balanced_split
 from learner.config import LearnerConfig
 from learner.correction import sparse_correction
+from learner.distributed import TORCH_DTYPES, deepspeed_config, init_distributed
 from learner.loss import grpo_advantages, grpo_loss
 from learner.replay import ATTN_IMPLEMENTATION, collate_record, exact_acceptance, logp_gap, replay_metrics, teacher_kl
-
-TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def init_distributed(rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1", master_port: int = 0,
-                     timeout_s: float = 600.0) -> None:
-    """Initialise the learner's default process group (the one DeepSpeed uses) if nothing did yet: gloo on
-    CPU (with DeepSpeed's shared-memory op build skipped, docs/ENVIRONMENT.md), nccl on CUDA; one code path.
-
-    One rank (`world_size` 1): an in-memory store, no socket. N ranks: rank 0 hosts a TCPStore bound to
-    `master_addr`:`master_port` only (127.0.0.1 = loopback, the default; a node address on a cluster), the
-    others connect to it; every collective of the group times out after `timeout_s` seconds, so a rank that
-    died or hangs fails the others' collective instead of blocking them. Sets RANK/WORLD_SIZE/LOCAL_RANK/
-    MASTER_ADDR/MASTER_PORT when absent (LOCAL_RANK 0: each rank sees only its own GPU, as in a Ray actor).
-
-    Raises:
-        ValueError: rank outside [0, world_size), or world_size > 1 without a master_port.
-        torch.distributed.DistStoreError: a rank did not join within `timeout_s`.
-    """
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} must be in [0, {world_size})")
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    for key, value in (("RANK", str(rank)), ("WORLD_SIZE", str(world_size)), ("LOCAL_RANK", "0"),
-                       ("MASTER_ADDR", master_addr)):
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(master_port or free_port()))
-    import deepspeed  # only after DS_ACCELERATOR is set (init_distributed): deepspeed picks its accelerator at import
-
-    if torch.distributed.is_initialized():
-        return
-    if not cuda:
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-        if master_addr in ("127.0.0.1", "localhost"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets on loopback unless told otherwise
-    backend = "nccl" if cuda else "gloo"
-    timeout = timedelta(seconds=timeout_s)
-    if world_size == 1:
-        if os.environ["WORLD_SIZE"] == "1":  # one learner process: an in-memory store, no rendezvous socket
-            torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1,
-                                                 timeout=timeout)
-        # else: an outside launcher set the environment; DeepSpeed's env:// rendezvous below uses it
-    else:
-        if not master_port:
-            raise ValueError("a learner group of several ranks needs the master_port of rank 0's store")
-        listen_fd = None
-        if rank == 0:  # bind the store's socket ourselves: TCPStore alone would listen on every interface
-            global _STORE_SOCKET
-            _STORE_SOCKET = socket.create_server((master_addr, master_port))
-            listen_fd = _STORE_SOCKET.fileno()
-        store = torch.distributed.TCPStore(master_addr, master_port, world_size, is_master=rank == 0,
-                                           timeout=timeout, wait_for_workers=False, master_listen_fd=listen_fd)
-        torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
-
-
-_STORE_SOCKET = None
-"""Rank 0's listening socket of the learner group's store (kept open for the life of the process)."""
-
-
-def token_balanced_split(rows: torch.Tensor, tokens: torch.Tensor, world_size: int) -> list[torch.Tensor]:
-    """Split `rows` (int64 [n], indices of sequences) over `world_size` ranks so that the ranks' token counts
-    are balanced: longest first, each to the rank with the fewest tokens so far (ties: the lower rank).
-    Deterministic, so every rank computes the same split. Each share keeps the order of `rows`; one rank gets
-    `rows` itself. `tokens`: int64 [num_seqs] tokens of every sequence (indexed by row).
-
-    Returns: world_size int64 tensors (possibly empty) that partition `rows`."""
-    if world_size == 1:
-        return [rows]
-    load, owner = [0] * world_size, {}
-    order = sorted(range(len(rows)), key=lambda i: (-int(tokens[rows[i]]), i))
-    for i in order:
-        r = min(range(world_size), key=lambda k: (load[k], k))
-        owner[i] = r
-        load[r] += int(tokens[rows[i]])
-    return [rows[[i for i in range(len(rows)) if owner[i] == r]] for r in range(world_size)]
-
-
-def micro_batches(shares: list[torch.Tensor], size: int, rank: int) -> list[torch.Tensor | None]:
-    """This rank's share cut into micro-batches of `size`, padded with None to the largest count over the
-    ranks: ZeRO-2/3 reduce gradients (and ZeRO-3 gathers parameters) in every backward/forward, so every
-    rank runs the same number of them; a None slot is a forward/backward that contributes nothing."""
-    count = max(-(-len(s) // size) for s in shares)
-    mine = list(shares[rank].split(size)) if len(shares[rank]) else []
-    return mine + [None] * (count - len(mine))
-
-
-def deepspeed_config(cfg: LearnerConfig) -> dict:
-    """The DeepSpeed JSON config for `cfg`. Gradient accumulation is caller-owned
-    (`managed_gradient_accumulation: false`): every `engine.step()` is one optimizer step over the
-    micro-batches backpropagated since the last one."""
-    return {
-        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-        "gradient_accumulation_steps": 1,
-        "managed_gradient_accumulation": False,
-        "gradient_clipping": cfg.grad_clip,
-        "zero_optimization": {"stage": cfg.zero_stage},
-        "bf16": {"enabled": cfg.dtype == "bf16"},
-        "optimizer": {"type": "AdamW", "params": {
-            "lr": cfg.lr, "betas": list(cfg.betas), "eps": cfg.adam_eps, "weight_decay": cfg.weight_decay,
-            "torch_adam": True}},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
+from learner.weights import WeightExport, state_bytes
 
 
 def _entropy(log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -171,6 +65,7 @@ class Learner:
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                     config=deepspeed_config(cfg))
         self.device = self.engine.device
+        self.export = WeightExport(self.engine, self.dtype, cfg.zero_stage)   # the weights, out (learner/weights.py)
         if self.ref_model is not None:
             self.ref_model.to(self.device)
         self.version = 0
@@ -690,97 +585,15 @@ class Learner:
 
     # ------------------------------------------------------------------------------------------------------
     def state_bytes(self) -> dict[str, int]:
-        """Bytes of training state this rank holds, each tensor storage counted once: `parameters` (the module's
-        parameters, or this rank's ZeRO-3 partitions, and the optimizer's master copies), `gradients` (their
-        .grad), `optimizer_state` (Adam moments and every other tensor the ZeRO optimizer keeps: flat buffers,
-        gradient partitions) and `total`; the frozen reference model is left out. Measured, not computed from
-        the parameter count: bench/learner.py compares it over ranks (zero3_state_bytes_per_rank_ratio)."""
-        seen: set[int] = set()
-
-        def nbytes(t) -> int:
-            if not isinstance(t, torch.Tensor) or t.numel() == 0:
-                return 0
-            storage = t.untyped_storage()
-            if storage.data_ptr() in seen:
-                return 0
-            seen.add(storage.data_ptr())
-            return storage.nbytes()
-
-        def tensors(value, depth: int = 0):
-            if isinstance(value, torch.Tensor):
-                yield value
-            elif depth < 3 and isinstance(value, (list, tuple)):
-                for v in value:
-                    yield from tensors(v, depth + 1)
-            elif depth < 3 and isinstance(value, dict):
-                for v in value.values():
-                    yield from tensors(v, depth + 1)
-
-        module = list(self.engine.module.parameters())
-        inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)  # the torch AdamW
-        master = [p for group in inner.param_groups for p in group["params"]]
-        out = {"parameters": sum(nbytes(getattr(p, "ds_tensor", p.data)) for p in module + master)}
-        out["gradients"] = sum(nbytes(p.grad) for p in module + master)
-        state = sum(nbytes(t) for v in inner.state.values() for t in tensors(v))
-        if self.engine.optimizer is not inner:  # the ZeRO wrapper's own buffers
-            state += sum(nbytes(t) for v in vars(self.engine.optimizer).values() for t in tensors(v))
-        out["optimizer_state"] = state
-        out["total"] = sum(out.values())
-        return out
-
-    @staticmethod
-    def full_shape(p: torch.Tensor) -> tuple[int, ...]:
-        """The full shape of a parameter (ZeRO-3 keeps it in `ds_shape`; the local tensor is a partition)."""
-        return tuple(getattr(p, "ds_shape", p.shape))
-
-    def gathered(self, params: list[torch.Tensor]):
-        """Context manager inside which `params` hold their full values: ZeRO-3 gathers them from every rank (a
-        collective: every rank enters it with the same parameters in the same order); other stages hold full
-        parameters already (a no-op)."""
-        if self.cfg.zero_stage != 3:
-            return contextlib.nullcontext()
-        import deepspeed  # only after DS_ACCELERATOR is set (init_distributed, above)
-        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-
-    def weight_manifest(self, bucket_mb: float) -> tuple[WeightManifest, list[torch.Tensor]]:
-        """The weight-sync manifest of the model (broker.weight_sync.build_manifest: Hugging Face names, full
-        shapes, the engine's dtype, tied aliases, buckets of `bucket_mb` MiB) and the live parameter behind each
-        manifest name, in order (ZeRO-3: this rank's partition; enter `gathered` per bucket)."""
-        return build_manifest(self.engine.module.named_parameters(remove_duplicate=False), self.dtype, bucket_mb,
-                              self.full_shape)
+        """Bytes of training state this rank holds (learner.weights.state_bytes)."""
+        return state_bytes(self.engine)
 
     def send_weights(self, sender: WeightSender, peers_gather: bool = False) -> dict[str, float]:
-        """The learner's one weight export: the current weights (version `version`) through `sender`, bucket by
-        bucket (ZeRO-3: each bucket gathered while it is packed). `peers_gather`: the other ranks run
-        `gather_buckets` of the same manifest meanwhile; a failed send then still enters every remaining gather,
-        so that they never wait on this rank. Returns WeightSender.send's stats; raises what it raises."""
-        manifest, tensors = self.weight_manifest(sender.bucket_mb)
-        entered = []
-
-        def gather(params):
-            entered.append(1)
-            return self.gathered(params)
-        try:
-            return sender.send(manifest, tensors, self.version, gather=gather)
-        finally:
-            if peers_gather:
-                passes = 2 if sender.verify else 1
-                for bucket in [b for _ in range(passes) for b in manifest.buckets][len(entered):]:
-                    with self.gathered([tensors[i] for i in bucket]):
-                        pass
+        """The learner's one weight export: the current weights (version `version`) through `sender`
+        (learner.weights.WeightExport.send)."""
+        return self.export.send(sender, self.version, peers_gather)
 
     def gather_buckets(self, bucket_mb: float, passes: int = 1, keep: bool = False) -> dict[str, torch.Tensor]:
-        """Enter the ZeRO-3 gathers of the manifest's buckets `passes` times, in order: what the other ranks do
-        while rank 0 sends (a collective; without ZeRO-3 nothing is). With `keep`, returns CPU copies of the full
-        weights in the engine's dtype by name, tied aliases included (the same tensor object as their target)."""
-        manifest, tensors = self.weight_manifest(bucket_mb)
-        out = {}
-        for _ in range(passes):
-            for bucket in manifest.buckets:
-                with self.gathered([tensors[i] for i in bucket]):
-                    if keep:
-                        out.update({manifest.names[i]: tensors[i].detach().to("cpu", self.dtype, copy=True)
-                                    for i in bucket})
-        if keep:
-            out.update({alias: out[target] for alias, target in manifest.tied.items()})
-        return out
+        """The ZeRO-3 gathers of the weight-sync buckets, `passes` times, with `keep` the full weights by name
+        (learner.weights.WeightExport.gather_buckets)."""
+        return self.export.gather_buckets(bucket_mb, passes, keep)
