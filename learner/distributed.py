@@ -89,3 +89,14 @@ def deepspeed_config(cfg: LearnerConfig) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+def all_reduce(t: torch.Tensor, world_size: int, op=None) -> torch.Tensor:
+    """The sum of `t` (or its reduction by `op`, a torch.distributed.ReduceOp) over the learner's `world_size`
+    ranks, in place (no-op with one rank); returns it."""
+    if world_size > 1:
+        if op is None:
+            torch.distributed.all_reduce(t)
+        else:
+            torch.distributed.all_reduce(t, op=op)
+    return t
