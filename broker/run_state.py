@@ -59,7 +59,6 @@ learner's step had its groups. A part that never wrote, or whose write failed, h
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import json
 import threading
@@ -455,14 +454,6 @@ class PhaseBoard:
                 self.current = phase
             except Exception:
                 self.current = None  # (ignored, see the class; the next call writes again)
-
-    def around(self, fn, phase: str):
-        """`fn`, which first records `phase` at each call (a method that is a phase of its own)."""
-        @functools.wraps(fn)
-        def in_phase(*args, **kwargs):
-            self(phase)
-            return fn(*args, **kwargs)
-        return in_phase
 
     @contextlib.contextmanager
     def during(self, phase: str):

@@ -19,10 +19,6 @@ from deploy.config import RunConfig
 from deploy.rank_calls import AllRanks, on_all_ranks, wait_ranks
 from learner.step import LearnerStep, OneRank, Resume, StepConfig, StepReport
 
-LEARNER_PHASES = (("_backward", "backward"), ("_backward_fused", "backward"), ("_optimizer_step", "optimizer step"))
-"""The parts of Learner.step (its methods) recorded as the rank's phase when each starts (rs.PhaseBoard.around),
-after its first one, recompute, recorded as the step starts (LearnerWorker.step)."""
-
 
 class LearnerWorker:
     def __init__(self, cfg: dict, run_id: str, rank: int = 0, world_size: int = 1,
@@ -37,14 +33,13 @@ class LearnerWorker:
         self.phase("loading")
         # here, not at the top: the driver imports this class to start the rank, and the learner's model stack
         # (transformers' modeling code, DeepSpeed) costs it seconds on the run's start path
-        from learner.learner import Learner, init_distributed
+        from learner.distributed import init_distributed
+        from learner.learner import Learner
 
         if world_size > 1:
             init_distributed(rank, world_size, master[0], master[1], timeout_s=lcfg.collective_timeout_s)
-        self.learner = Learner(self.cfg.model, lcfg)
-        for method, phase in LEARNER_PHASES:  # Learner.step's parts, each recorded when it starts
-            if hasattr(self.learner, method):
-                setattr(self.learner, method, self.phase.around(getattr(self.learner, method), phase))
+        # Learner.step reports its parts (learner.learner.PHASES) to the board as each starts
+        self.learner = Learner(self.cfg.model, lcfg, phase=self.phase)
         self.rank, self.peers = rank, []  # rank 0: Ray handles of ranks 1..N-1
         self.local, version = OneRank(self.learner, lcfg.checkpoint_dir), lambda: self.learner.version
         self.local.step = faults.wrap(self.local.step, "learner.step", rank, when=version)  # a test's faults, or not
@@ -83,7 +78,7 @@ class LearnerWorker:
 
     def step(self, groups: list, staleness: list[int]) -> dict:
         """This rank's Learner.step (every rank gets all the groups)."""
-        self.phase("recompute", starts_step=True)  # then LEARNER_PHASES
+        self.phase("recompute", starts_step=True)  # then the learner's own phases (learner.learner.PHASES)
         metrics = self.local.step(groups, staleness)
         if self.rank:  # (rank 0 goes on with the step protocol, learner/step.py)
             self.phase("idle")

@@ -127,3 +127,12 @@ def grpo_loss(
             "ratio_mean": ((ratio * mask).sum() / masked_tokens).item(),
         }
     return loss, metrics
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, num_seqs: int, num_tokens: float | None) -> torch.Tensor:
+    """A per-token loss [n, T] reduced as the policy loss is (SPEC §3): each sequence's token mean over the
+    minibatch's num_seqs sequences, or, token-mean, the sum over its num_tokens response tokens."""
+    maskf = mask.float()
+    if num_tokens is not None:
+        return (per_token * maskf).sum() / num_tokens
+    return ((per_token * maskf).sum(1) / maskf.sum(1).clamp(min=1)).sum() / num_seqs

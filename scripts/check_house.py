@@ -24,7 +24,6 @@ KNOWN_LONG = {
     # the two central loops, to be put on one screen (the batch cache as a type; one micro-batch function):
     "actors/engines/torch_engine.py:TorchEngine._generate": 106,
     "actors/engines/torch_engine.py:TorchEngine._forward": 62,
-    "learner/learner.py:Learner.step": 71,
     # checks that list every field's rule in one place, to be split by section:
     "deploy/config.py:validate": 75,
     "deploy/preflight.py:preflight": 77,

@@ -3,18 +3,18 @@ import pytest
 import torch
 
 from learner.config import LearnerConfig
-from learner.learner import Learner
+from learner.learner import PHASES, Learner
 from learner.loss import grpo_advantages, grpo_loss
 from tests.learner.conftest import make_groups, tiny_llama
 
 
 def batch_loss(learner, batch, logp_old):
     """Plain GRPO loss of the learner's current policy on `batch` against fixed `logp_old`."""
-    rows = torch.arange(batch["input_ids"].shape[0])
+    rows = torch.arange(batch.input_ids.shape[0])
     with torch.no_grad():
         logp, _ = learner.response_logprobs(learner.engine, batch, rows)
-    mask = batch["response_mask"].float()
-    adv = grpo_advantages(batch["reward"], batch["group_index"])
+    mask = batch.response_mask.float()
+    adv = grpo_advantages(batch.reward, batch.group_index)
     return grpo_loss(logp, logp_old, adv, mask, mask, num_seqs=len(rows))[0].item(), logp
 
 
@@ -27,7 +27,7 @@ def test_step_lowers_loss_and_advances_version(zero_stage, dtype, kl_coef):
     assert (learner.ref_model is None) == (kl_coef == 0)
     groups = make_groups()
     batch = learner.collate(groups)
-    rows = torch.arange(batch["input_ids"].shape[0])
+    rows = torch.arange(batch.input_ids.shape[0])
     with torch.no_grad():
         logp_before, _ = learner.response_logprobs(learner.engine, batch, rows)
     before, _ = batch_loss(learner, batch, logp_before)
@@ -103,7 +103,7 @@ def test_response_logprobs_match_a_full_forward_at_the_sampler_temperature():
     groups = make_groups(num_groups=3, temperature=0.7)     # prompts of different lengths
     groups[1].temperature = 1.3
     batch = learner.collate(groups)
-    rows = torch.arange(batch["input_ids"].shape[0])
+    rows = torch.arange(batch.input_ids.shape[0])
     with torch.no_grad():
         logp, entropy = learner.response_logprobs(learner.engine, batch, rows, with_entropy=True)
         i = 0
@@ -193,3 +193,20 @@ def test_steps_that_are_not_on_policy_recompute_logp_old():
     for cfg in (LearnerConfig(kl_coef=0.0, ppo_epochs=2), LearnerConfig(kl_coef=0.0, minibatch_size=4),
                 LearnerConfig(kl_coef=0.05), LearnerConfig(kl_coef=0.0, zero_stage=1)):
         assert Learner(tiny_llama(), cfg).step(groups, staleness=[0, 0])["logp_old_fused"] == 0.0
+
+
+def test_step_reports_its_phases_through_the_hook():
+    """Learner.step reports its parts through the explicit `phase` hook as each starts (the console's phase lines;
+    nothing wraps the learner's methods by name): backward, then optimizer step, once per optimizer step, on the
+    two-pass step (two epochs of two minibatches) and on the fused one; `gradients` runs a backward."""
+    for cfg, updates in ((LearnerConfig(kl_coef=0.0, ppo_epochs=2, minibatch_size=4, micro_batch_size=3), 4),
+                         (LearnerConfig(kl_coef=0.0, micro_batch_size=3), 1)):
+        seen = []
+        learner = Learner(tiny_llama(), cfg, phase=seen.append)
+        metrics = learner.step(make_groups(), staleness=[0, 0])
+        assert metrics["logp_old_fused"] == float(updates == 1)
+        assert seen == list(PHASES) * updates == ["backward", "optimizer step"] * updates
+        seen.clear()
+        learner.gradients(make_groups())
+        assert seen == ["backward"]
+    Learner(tiny_llama(), LearnerConfig(kl_coef=0.0)).step(make_groups(), staleness=[0, 0])   # no hook: none

@@ -90,8 +90,8 @@ def replayed(learner, groups) -> tuple:
     [S, T] each (one no-grad _replay_forward, the path of logp_old)."""
     batch = learner.collate(groups)
     with torch.no_grad():
-        r = learner._replay_forward(batch, torch.arange(batch["input_ids"].shape[0]), grad=False)
-    return r["logp"], r["logp_dense"], batch["logp_sparse"], batch["response_mask"]
+        r = learner._replay_forward(batch, torch.arange(batch.input_ids.shape[0]), grad=False)
+    return r["logp"], r["logp_dense"], batch.logp_sparse, batch.response_mask
 
 
 def gap(a, b, mask) -> float:

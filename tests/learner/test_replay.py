@@ -53,10 +53,10 @@ def learner_of(model, **overrides):
 def replayed_logp(learner, groups):
     """The learner's replayed and dense log-probs of the collated groups, and logp_sparse: [S, T] each."""
     batch = learner.collate(groups)
-    rows = torch.arange(batch["input_ids"].shape[0])
+    rows = torch.arange(batch.input_ids.shape[0])
     with torch.no_grad():
         r = learner._replay_forward(batch, rows, grad=False)
-    return r["logp"], r["logp_dense"], batch["logp_sparse"], batch["response_mask"]
+    return r["logp"], r["logp_dense"], batch.logp_sparse, batch.response_mask
 
 
 def max_gap(a, b, mask):
@@ -96,7 +96,7 @@ def test_replayed_gradient_equals_the_masked_reference_and_a_wrong_record_is_see
             weights[id(s)] = torch.from_numpy(rng.normal(size=len(s.response_ids)).astype(np.float32))
     # the learner's gradient of sum_t w_t logp_t over every sample
     batch = learner.collate(groups)
-    rows = torch.arange(batch["input_ids"].shape[0])
+    rows = torch.arange(batch.input_ids.shape[0])
     learner.engine.zero_grad()
     logp = learner._replay_forward(batch, rows, grad=True, dense=False)["logp"]
     flat = [s for g in groups for s in g.samples]
@@ -165,7 +165,7 @@ def test_replaying_step_reports_exactness_and_dense_mismatch(fuse, distill, zero
 def test_dense_target_ignores_records_and_sparse_target_needs_them():
     model, groups, _ = rollouts()
     dense = Learner(copy.deepcopy(model), LearnerConfig(kl_coef=0.0))
-    assert "replay_evicted_at" not in dense.collate(groups)
+    assert dense.collate(groups).replay_evicted_at is None
     assert "replay_logp_max_abs" not in dense.step(groups, [0] * len(groups))
     bare = copy.deepcopy(groups)
     bare[1].samples[0].eviction_steps = None
