@@ -32,7 +32,7 @@ class LearnerBatch:
     temperature: Annotated[Tensor, "float32 [S]"]         # its group's sampler temperature
     seq_len: Annotated[Tensor, "int64 [S]"]               # P + R
     fresh: Annotated[Tensor, "bool [S]"]                  # staleness 0 (all True without the step's staleness)
-    topk_ids: Annotated[Tensor | None, "int64 [S, T, K]"] = None          # every sample's top-k (issue 22)
+    topk_ids: Annotated[Tensor | None, "int64 [S, T, K]"] = None          # every sample's top-k (SPEC §4, Sparrow)
     topk_logprobs: Annotated[Tensor | None, "float32 [S, T, K]"] = None
     replay_evicted_at: Annotated[Tensor | None, "int32 [S, layers, heads, L]"] = None   # learner/replay.py
 

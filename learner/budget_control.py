@@ -1,4 +1,4 @@
-"""Closed-loop KV budget (issues 13, 22): keep a tail statistic of the sparse/dense mismatch at or above a target.
+"""Closed-loop KV budget (SPEC §5.1): keep a tail statistic of the sparse/dense mismatch at or above a target.
 
 Sparrow (arXiv 2606.08446, §3.1-3.2) found that the tail of the per-token acceptance rate
 alpha_t = sum_x min(p_dense(x), q_sparse(x)), not its mean, predicts collapse, and keeps its 5th percentile

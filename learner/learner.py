@@ -230,7 +230,7 @@ class Learner:
             _, _, metrics = sparse_correction(dense, logp_sparse, t.mask, **self._correction_options())
             metrics.update(replay_metrics(t.logp_old, dense, logp_sparse, t.mask, t.fresh, t.accept_exact, applied))
         metrics.update(tier_metrics(groups, self.cfg, dense, logp_sparse, t.mask))
-        if dense_topk is not None:   # Sparrow's per-token acceptance rate (issue 22): accept_*
+        if dense_topk is not None:   # Sparrow's per-token acceptance rate (arXiv 2606.08446, SPEC §4): accept_*
             metrics.update(acceptance_metrics(t.batch.topk_logprobs.to(self.device), dense_topk, t.mask))
         t.metrics = metrics
 

@@ -91,7 +91,7 @@ def step_metrics(groups: list[TrajectoryGroup], staleness: list[int], t: LossInp
 
 def tier_metrics(groups: list[TrajectoryGroup], cfg: LearnerConfig, logp_old: torch.Tensor, logp_sparse: torch.Tensor,
                  mask: torch.Tensor) -> dict[str, float]:
-    """Per difficulty tier (groups' budget_tier, issue 13): tier/<name>/rejection_rate and
+    """Per difficulty tier (groups' budget_tier, SPEC §5.1): tier/<name>/rejection_rate and
     tier/<name>/xi_sym_p5, the correction's metrics over that tier's sequences only; {} with tiers off."""
     tiers = sorted({g.budget_tier for g in groups} - {""})
     if not tiers or cfg.correction == "off":

@@ -153,8 +153,8 @@ class StepReport:
     """Time waiting for groups / time of all steps of this learner process."""
 
     def as_metrics(self) -> dict[str, float]:
-        """The report under its internal names (SPEC §4; deploy/metric_names.py gives their MLflow names; unchanged
-        by issue 20, `weight_version` kept as an alias of `version`)."""
+        """The report under its internal names (SPEC §4; deploy/metric_names.py gives their MLflow names;
+        `weight_version` kept as an alias of `version`)."""
         return {**self.metrics, "weight_version": self.version, "version": float(self.version),
                 "learner_wait_s": self.wait_s, "groups_trained": float(self.groups_trained),
                 "learner_idle_fraction": self.wait_s / self.step_s if self.step_s > 0 else 0.0,
@@ -191,7 +191,7 @@ class LearnerStep:
             self.position = DataPosition.from_dict(resume.data_position)
             rs.restore_prompt_stream(self.redis, run_id, *self.position.untrained())
         self.controller = None
-        if cfg.compressor.budget_control == "mismatch":  # issue 13: the learner owns the budget, actors read it
+        if cfg.compressor.budget_control == "mismatch":  # SPEC §5.1: the learner owns the budget, actors read it
             self.controller = BudgetController.from_config(cfg.compressor)
             if resume.extra.get("budget_controller"):  # a resume continues where the controller was
                 self.controller.restore(resume.extra["budget_controller"])
