@@ -1,5 +1,5 @@
-"""KV budget over a run (issue 13): schedules by weight version and difficulty tiers (seed 002 §5.2), and along
-a trajectory (issue 22: budget_schedule length).
+"""KV budget over a run (docs/SPEC.md §5.1): schedules by weight version and difficulty tiers, and along a
+trajectory (budget_schedule length; Sparrow, arXiv 2606.08446 §3.2).
 
 Pure functions of the config and plain numbers (no torch, no I/O), shared by the rollout actors (which apply
 the budget per batch) and the learner (which logs it and, with `budget_control: mismatch`, moves it:
@@ -20,7 +20,7 @@ def _round(x: float) -> int:
 
 
 def scheduled_budget(cfg, version: int, total_steps: int) -> int:
-    """The base budget, tokens, for rollouts sampled with weight `version` (seed 002 §5.2, progressive shrinking).
+    """The base budget, tokens, for rollouts sampled with weight `version` (progressive shrinking, docs/SPEC.md §5.1).
 
     cfg: CompressorConfig (budget_schedule, kv_budget, kv_budget_final, budget_schedule_steps).
     total_steps: the run's train.steps, used when cfg.budget_schedule_steps is 0.
@@ -57,7 +57,7 @@ def length_budget(cfg, start: int, generated: int) -> int:
 
 def tier_of(cfg, confidence: float | None) -> str:
     """Difficulty tier of a prompt from its confidence in [0, 1] (None: never sampled -> "new"): "hard" below
-    tier_thresholds[0], "medium" up to tier_thresholds[1] inclusive, "easy" above (seed 002 §5.2: 768 below
+    tier_thresholds[0], "medium" up to tier_thresholds[1] inclusive, "easy" above (docs/SPEC.md §5.1: 768 below
     0.5, 512 up to 0.8, 256 above)."""
     if confidence is None:
         return NEW_TIER

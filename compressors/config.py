@@ -64,10 +64,10 @@ class CompressorConfig:
     bench/multiturn_kv.py)."""
 
 
-    # --- budget control (issue 13; seed 002 §5.2; Sparrow, arXiv 2606.08446) -------------------------------
+    # --- budget control (docs/SPEC.md §5.1; Sparrow, arXiv 2606.08446) -------------------------------------
     budget_schedule: str = "constant"
     """constant | linear | cosine: the budget goes from kv_budget (weight version 0) to kv_budget_final (at
-    version budget_schedule_steps, then stays), seed 002 §5.2's progressive shrinking. Actors apply the value
+    version budget_schedule_steps, then stays): progressive shrinking (docs/SPEC.md §5.1). Actors apply the value
     of their weight version at every batch (compressors.budget.scheduled_budget).
     length (Sparrow §3.2's sparsity scheduling, torch engine): the budget grows along the trajectory, from
     kv_budget at the first generated token by budget_growth tokens per generated token up to kv_budget_final;
@@ -112,7 +112,7 @@ class CompressorConfig:
     budget_step: int = 0
     """Tokens per controller change (0 = an eighth of kv_budget_max - kv_budget_min, at least 1)."""
     budget_tiers: str = "off"
-    """off | confidence: seed 002 §5.2's difficulty-adaptive budgets. A prompt's confidence is the mean
+    """off | confidence: difficulty-adaptive budgets (docs/SPEC.md §5.1). A prompt's confidence is the mean
     reward (clipped to [0, 1]) of its group the last time it was sampled (kept in Redis, shared by all
     actors); its budget is kv_budget (or the scheduled / controlled budget) times the scale of its tier."""
     tier_thresholds: list[float] = field(default_factory=lambda: [0.5, 0.8])

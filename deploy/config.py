@@ -236,7 +236,7 @@ def resolve_budget_metric(run: RunConfig) -> None:
     """actors.engine.compressor.budget_metric "" (the default) -> accept_upper_p5 when actors.sampling.topk_logprobs
     > 0 (the p5 of the acceptance rate's upper bound: on real SmolLM2 batches within +0.00..+0.06 of the exact p5 at
     K = 20, where the lower bound's p5 sat 0.14-0.72 below it; docs/SPEC.md §5.1), else xi_sym_p5; an accept_*
-    metric with topk_logprobs 0 sets topk_logprobs = ACCEPT_TOPK (issue 22)."""
+    metric with topk_logprobs 0 sets topk_logprobs = ACCEPT_TOPK."""
     c, sampling = run.actors.engine.compressor, run.actors.sampling
     if not c.budget_metric:
         c.budget_metric = "accept_upper_p5" if sampling.topk_logprobs > 0 else "xi_sym_p5"
@@ -395,7 +395,8 @@ def non_finite(tree, prefix: str = ""):
 def check_multiturn(run: RunConfig) -> None:
     """What multi-turn rollouts (actors.env.factory set) cannot do yet, refused in one line naming both settings.
     Eviction replay (learner.policy_target=sparse) is allowed: the torch engine keeps each episode's compressed
-    cache across turns and its record covers the whole episode (issue 36); SGLang is refused for sparse runs."""
+    cache across turns and its record covers the whole episode (docs/results.md 9); SGLang is refused for sparse
+    runs."""
     if run.actors.engine.backend == "sglang" and run.actors.engine.compressor.method != "full":
         raise ConfigError(f"actors.engine.backend=sglang with actors.env.factory set and actors.engine.compressor."
                           f"method={run.actors.engine.compressor.method}: sparse multi-turn runs on the torch engine "

@@ -73,7 +73,8 @@ def train(cfg: RunConfig, command: tuple[str, ...] = ("sparse-rl", "train"), res
         catch_signals()
     report = None
     try:
-        if cfg.preflight.enabled:  # KV capacity (issue 13): a config that cannot fit fails here, nothing started yet
+        # KV capacity (docs/SPEC.md §5.1): a config that cannot fit fails here, nothing started yet
+        if cfg.preflight.enabled:
             from deploy.preflight import preflight
             report = preflight(cfg)  # printed once the record opened: a refused --resume prints one line only
         return _train(cfg, progress, resume, report, command)

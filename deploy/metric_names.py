@@ -1,4 +1,4 @@
-"""The MLflow name of every metric (issue 37 item 6): one table, used where the driver logs to MLflow
+"""The MLflow name of every metric (docs/SPEC.md §4): one table, used where the driver logs to MLflow
 (deploy/tracking.py) and where MLflow histories are read back (the tracker at a resume, bench/replication.py,
 the system tests).
 

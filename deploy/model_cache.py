@@ -30,7 +30,7 @@ once. Loss on the assistant's tokens only."""
 SMOLLM2_LOOKUP_STRESS_WARM = "smollm2-135m-lookup-stress-warm"
 LOOKUP_STRESS_WARMUP = {"size": 64, "seed": 4322, "tool_share": 0.375, "keys": 8, "hops": 1, "asked": 2,
                         "pad_entries": 4}
-"""The lookup KV-stress variant's warm-up (issue 36 item 4), built as LOOKUP_WARMUP's: each item asks `asked`
+"""The lookup KV-stress variant's warm-up (docs/results.md 9), built as LOOKUP_WARMUP's: each item asks `asked`
 keys, a tool demonstration calls each in turn (every tool answer the entry among `pad_entries` decoys, as
 LookupEnv(pad_entries=4) writes it) and answers both values in order; a guess is two values at once. An episode
 of it is ~215 SmolLM2 tokens (~125 after the prompt), 2-3x a KV budget of 64."""
@@ -146,10 +146,10 @@ def _warm_smollm2_count(out: Path) -> None:
 def _warm_smollm2_lookup(out: Path, w: dict = LOOKUP_WARMUP) -> None:
     """SmolLM2-135M-Instruct after the lookup task's supervised warm-up (`w`: LOOKUP_WARMUP, or
     LOOKUP_STRESS_WARMUP with its `asked` and `pad_entries`): it either calls the lookup tool and answers with the
-    value read, or guesses at once, so that RL through the multi-turn pipeline has a choice to settle (issue 35
-    item 5). The demonstrations are token streams as the rollout actor builds them (actors/envs/turns.py: the prompt
-    rendered, a call ended by its stop string, the tool's observation with the template's boundary, the answer
-    ended by the end-of-turn id)."""
+    value read, or guesses at once, so that RL through the multi-turn pipeline has a choice to settle
+    (docs/results.md 8). The demonstrations are token streams as the rollout actor builds them
+    (actors/envs/turns.py: the prompt rendered, a call ended by its stop string, the tool's observation with the
+    template's boundary, the answer ended by the end-of-turn id)."""
     import random
 
     from transformers import AutoTokenizer

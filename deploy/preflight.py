@@ -1,4 +1,4 @@
-"""Capacity preflight (issue 13): will the run's KV cache fit? Run by `sparse-rl preflight` and at the start
+"""Capacity preflight (docs/SPEC.md §5.1): will the run's KV cache fit? Run by `sparse-rl preflight` and at the start
 of `sparse-rl train`, before anything starts.
 
 From the model's config (layers, KV heads, head dim; the engine dtype) and the run config (longest training

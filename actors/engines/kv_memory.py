@@ -1,4 +1,4 @@
-"""Predicted KV-cache bytes of the torch engine (issue 13, the preflight): plain integers, no torch.
+"""Predicted KV-cache bytes of the torch engine (the preflight, docs/SPEC.md §5.1): plain integers, no torch.
 
 The torch engine (actors/engines/torch_engine.py) allocates, per layer, K and V buffers
 `[rows, kv_heads, capacity, head_dim]` of the model dtype, with

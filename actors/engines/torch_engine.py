@@ -144,8 +144,8 @@ class TorchEngine:
         logp_sparse = log_softmax(logits). A response ends on an EOS id (kept in the response), when its
         decoded text contains a stop string (the token completing it is kept), or after max_new_tokens.
 
-        kv_budgets: one budget (tokens) per prompt, or None for `compressor_cfg.kv_budget` everywhere (issue 13:
-            schedules, controller, difficulty tiers). With `compressor_cfg.budget_schedule` length (issue 22) it
+        kv_budgets: one budget (tokens) per prompt, or None for `compressor_cfg.kv_budget` everywhere (schedules,
+            controller, difficulty tiers: docs/SPEC.md §5.1). With `compressor_cfg.budget_schedule` length it
             is the start budget: after t generated tokens every compression keeps
             compressors.budget.length_budget(cfg, start, t) slots, and the cache is allocated for the largest.
             Prompts with equal budgets are decoded together; each distinct budget gets its own sub-batch with its own

@@ -1,9 +1,10 @@
-"""The batched multi-turn rollout loop (issue 35): G episodes per prompt, every live episode's next turn sampled in
-one engine call, the environments stepped between turns (actors/envs/env.py), the token stream kept exact
-(actors/envs/turns.py). `actors.envs.env.run_episode` is the one-episode reference of the same calls.
+"""The batched multi-turn rollout loop (README, Multi-turn tool use): G episodes per prompt, every live
+episode's next turn sampled in one engine call, the environments stepped between turns (actors/envs/env.py), the
+token stream kept exact (actors/envs/turns.py). `actors.envs.env.run_episode` is the one-episode reference of
+the same calls.
 
-With an engine that keeps episodes (`release` given: the torch engine's `release_episodes`, issue 36), each turn
-passes only the ids appended since the episode's last sampled token (the template boundary, the observation, the
+With an engine that keeps episodes (`release` given: the torch engine's `release_episodes`, docs/results.md 9), each
+turn passes only the ids appended since the episode's last sampled token (the template boundary, the observation, the
 next assistant header): the engine prefills them into the episode's kept cache (compressed or dense) at their
 true positions and decodes the turn, so a dense episode costs one prefill of its new tokens per turn and a sparse
 one holds at most kv_budget + interval + its longest observation (+ 1, the last sampled token) slots whatever its

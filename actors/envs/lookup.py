@@ -1,5 +1,5 @@
-"""The tool-gated key/value lookup: a multi-turn task a small model can learn (issue 35 item 5; the idea in
-../shared/notes/multiturn.md).
+"""The tool-gated key/value lookup: a multi-turn task a small model can learn (docs/results.md 8;
+README, Multi-turn tool use).
 
 Each item hides a table of `keys` keys (K1, K2, ...) with two-digit values; the prompt asks for one key's value
 and says how to call the tool (`<lookup>K7</lookup>`). The environment answers a call with the entry (`K7 = 42`);
@@ -7,7 +7,7 @@ the model then answers. Only the tool reveals the value (a guess is right 1 time
 key's entry names another key (`K7 = K3`), whose value is the answer: the model must copy a key out of an
 observation, then a value.
 
-The KV-stress variant (issue 36 item 4): `asked` 2 or more keys in one question, answered with their values in
+The KV-stress variant (docs/results.md 9): `asked` 2 or more keys in one question, answered with their values in
 order, and every tool answer padded with `pad_entries` decoy entries of keys outside the table (`K11 = 37; K7 =
 42; K9 = 18`), so that the whole episode exceeds a KV budget and the first value was read turns before the
 answer (deploy/configs/smollm2-lookup-stress.yaml).

@@ -149,7 +149,7 @@ def _problems(cfg: DataConfig, size: int, seed: int) -> list[Prompt]:
 HELD_OUT_DRAWS = (1, 2)
 """Versions of the held-out draw (`eval.draw`): 1 = the first draw, whose items may repeat a question (what the
 committed comparison records, docs/results/replication-decode*, were scored on); 2 = distinct questions (the
-default since issue 37)."""
+default)."""
 
 
 def held_out_problems(cfg: DataConfig, size: int, seed: int, draw: int = 2) -> list[Prompt]:

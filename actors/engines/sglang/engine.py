@@ -276,8 +276,8 @@ class SGLangEngine:
                  kv_budgets: list[int] | None = None) -> list[list[Sample]]:
         """Sample `params.n` responses per prompt (token ids); one list of n Samples per prompt, in order.
 
-        kv_budgets: one KV budget (tokens) per prompt, or None for `compressor_cfg.kv_budget` (issue 13:
-        schedules, controller, difficulty tiers). A budget other than the run's rides in the request id
+        kv_budgets: one KV budget (tokens) per prompt, or None for `compressor_cfg.kv_budget` (schedules,
+        controller, difficulty tiers: docs/SPEC.md §5.1). A budget other than the run's rides in the request id
         (`sglang_request`); the `sparse_rl_kv` backend reads it at the request's prefill and compresses the
         request to it (all requests still decode in one batch). Only in sparse mode with `sparse_rl_kv`; a dense
         engine ignores them.
