@@ -320,6 +320,18 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
                   f"actors.data.path={run.actors.data.path!r}: no such file (source gsm8k_jsonl reads a GSM8K JSONL)")
         check_data(run)
         check_services(run)
+    check_ranges(run)
+    if run.actors.env.factory:
+        check_multiturn(run)
+    for mode in run.eval.modes:
+        check(mode in ("dense", "sparse"), f"eval.modes: {mode!r} is not one of dense, sparse")
+    if run.actors.engine.backend == "sglang":
+        check_sglang(run)
+
+
+def check_ranges(run: RunConfig) -> None:
+    """The run config's counts, times and Ray resources in range, and the budget controller's metric computed:
+    ConfigError naming the first field out of range."""
     check(run.actors.count >= 1, f"actors.count={run.actors.count}: expected >= 1")
     truncated = run.actors.reward.truncated
     check(truncated is None or math.isfinite(truncated),
@@ -348,12 +360,6 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
           or run.learner.correction != "off",
           f"actors.engine.compressor.budget_control={compressor.budget_control!r} reads the ratio tail "
           f"({compressor.budget_metric}) that learner.correction=off does not compute: use on or metrics_only")
-    if run.actors.env.factory:
-        check_multiturn(run)
-    for mode in run.eval.modes:
-        check(mode in ("dense", "sparse"), f"eval.modes: {mode!r} is not one of dense, sparse")
-    if run.actors.engine.backend == "sglang":
-        check_sglang(run)
 
 
 def check_sglang(run: RunConfig) -> None:

@@ -252,6 +252,19 @@ def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: i
     record_rows = shape.layers * shape.kv_heads if cfg.learner.replays(c.method) else 0   # eviction replay
     report.group_bytes = group_wire_bytes(G, prompt, new, topk, record_rows)
     report.record_rows = record_rows
+    check_report(cfg, report, low)
+    return report
+
+
+def check_report(cfg: RunConfig, report: PreflightReport, low: int) -> None:
+    """The preflight's warnings (nothing to replay, the prompt compressed at prefill, a budget that never evicts)
+    added to `report`, and its refusals: PreflightError when one group exceeds broker.max_message_bytes or one
+    actor batch's KV exceeds `report.memory_bytes`, naming the fields and the numbers. low: the smallest budget
+    the run uses, tokens."""
+    a, c, shape = cfg.actors, cfg.actors.engine.compressor, report.shape
+    compress, prompt, new, high = c.method != "full", report.prompt_tokens, report.max_new_tokens, report.kv_budget
+    memory, source = report.memory_bytes, report.memory_source
+    G, topk = a.sampling.samples_per_prompt, a.sampling.topk_logprobs
     if cfg.learner.policy_target == "sparse" and not compress:
         report.warnings.append("learner.policy_target=sparse with actors.engine.compressor.method=full: nothing is "
                                "evicted, so there is nothing to replay; the run trains the dense policy"
@@ -290,7 +303,6 @@ def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: i
                 f"{shape.layers} layers x {shape.kv_heads} KV heads x head_dim {shape.head_dim} x {shape.dtype_bytes} "
                 f"B ({a.engine.dtype}). At most {report.fits(need // report.batch_rows)} sequences fit: lower "
                 "prompts_per_batch / samples_per_prompt / max_new_tokens / kv_budget, or raise preflight.kv_memory_gb")
-    return report
 
 
 def sglang_event(shape: ModelShape, q_heads: int, c, budget: int, prompt: int, rows: int) -> tuple[int, int, int]:
