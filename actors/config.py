@@ -34,6 +34,8 @@ def load_callable(spec: str, field_name: str):
 
 SGLANG_SET_BY_SPARSE_RL = ("model_path", "dtype", "skip_tokenizer_init")
 """`sglang.Engine` arguments sparse-rl sets itself (the model, `actors.engine.dtype`, the tokenizer it reads)."""
+SGLANG_NAMED = ("mem_fraction_static", "max_total_tokens", "max_running_requests", "schedule_conservativeness")
+"""`SGLangConfig`'s fields passed to `sglang.Engine` under their own names."""
 
 
 @dataclass
@@ -70,7 +72,7 @@ class SGLangConfig:
                   (self.schedule_conservativeness is None or self.schedule_conservativeness > 0,
                    "schedule_conservativeness", self.schedule_conservativeness, "> 0 or null")]
         bad = [f"SGLangConfig.{name}={value}: expected {rule}" for ok, name, value, rule in checks if not ok]
-        named = {"enable_deterministic_inference", *(f for f in self.__dataclass_fields__ if f != "engine_kwargs")}
+        named = {"enable_deterministic_inference", *SGLANG_NAMED}
         for key in sorted(set(self.engine_kwargs) & (named | set(SGLANG_SET_BY_SPARSE_RL))):
             owner = "sparse-rl sets it" if key in SGLANG_SET_BY_SPARSE_RL else "use its own field"
             bad.append(f"SGLangConfig.engine_kwargs.{key}: {owner}")
@@ -79,10 +81,7 @@ class SGLangConfig:
 
     def kwargs(self) -> dict:
         """The `sglang.Engine` keyword arguments these settings make (the fields left None are left out)."""
-        named = {"mem_fraction_static": self.mem_fraction_static, "max_total_tokens": self.max_total_tokens,
-                 "max_running_requests": self.max_running_requests,
-                 "schedule_conservativeness": self.schedule_conservativeness}
-        kwargs = {key: value for key, value in named.items() if value is not None}
+        kwargs = {key: getattr(self, key) for key in SGLANG_NAMED if getattr(self, key) is not None}
         if self.deterministic:
             kwargs["enable_deterministic_inference"] = True
         return {**kwargs, **self.engine_kwargs}

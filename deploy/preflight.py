@@ -248,23 +248,22 @@ def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: i
     report = PreflightReport(shape, a.engine.backend, c.method, prompt, new, high, c.interval,
                              batch_rows, dense, sparse, memory, source, weight_bytes)
     report.event_bytes, report.event_rows, report.event_live = event
-    G, topk = a.sampling.samples_per_prompt, a.sampling.topk_logprobs
-    record_rows = shape.layers * shape.kv_heads if cfg.learner.replays(c.method) else 0   # eviction replay
-    report.group_bytes = group_wire_bytes(G, prompt, new, topk, record_rows)
-    report.record_rows = record_rows
     check_report(cfg, report, low)
     return report
 
 
 def check_report(cfg: RunConfig, report: PreflightReport, low: int) -> None:
-    """The preflight's warnings (nothing to replay, the prompt compressed at prefill, a budget that never evicts)
-    added to `report`, and its refusals: PreflightError when one group exceeds broker.max_message_bytes or one
+    """The broker's share of the preflight (one group's wire bytes, eviction records included, and the stream's
+    largest size) and its warnings (nothing to replay, the prompt compressed at prefill, a budget that never
+    evicts) added to `report`, and its refusals: PreflightError when one group exceeds broker.max_message_bytes or one
     actor batch's KV exceeds `report.memory_bytes`, naming the fields and the numbers. low: the smallest budget
     the run uses, tokens."""
     a, c, shape = cfg.actors, cfg.actors.engine.compressor, report.shape
     compress, prompt, new, high = c.method != "full", report.prompt_tokens, report.max_new_tokens, report.kv_budget
     memory, source = report.memory_bytes, report.memory_source
     G, topk = a.sampling.samples_per_prompt, a.sampling.topk_logprobs
+    report.record_rows = shape.layers * shape.kv_heads if cfg.learner.replays(c.method) else 0   # eviction replay
+    report.group_bytes = group_wire_bytes(G, prompt, new, topk, report.record_rows)
     if cfg.learner.policy_target == "sparse" and not compress:
         report.warnings.append("learner.policy_target=sparse with actors.engine.compressor.method=full: nothing is "
                                "evicted, so there is nothing to replay; the run trains the dense policy"

@@ -79,6 +79,8 @@ def sglang_request(params: SamplingParams, budgets: list[int], run_budget: int |
     if params.topk_logprobs > 0:
         request["top_logprobs_num"] = params.topk_logprobs
     return request
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -127,8 +129,6 @@ KV in the model dtype (no fp8); no speculative decoding; no prefill CUDA graph (
 piecewise prefill graph by default on CUDA: the prefill's ring write and compression bookkeeping were never run inside
 one), no torch.compile and no breakable decode graph (`debug_cuda_graph`): only eager prefill and SGLang's full decode
 graph were checked."""
-
-
 
 
 def sparse_engine_kwargs(backend: str = SPARSE_BACKEND) -> dict:
