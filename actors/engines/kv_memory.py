@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 COMPACT_CHUNK = 32
-"""Slots moved per step of the torch engine's in-place compaction (actors.engines.torch_engine.COMPACT_CHUNK)."""
+"""Slots moved per step of the torch engine's in-place compaction (actors/engines/batch_cache.py)."""
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 

@@ -2,7 +2,9 @@
 
 Our own forward over the Hugging Face submodules (docs/kv_cache.md, option C): embed, rotary
 embedding, and per layer input_layernorm, q/k/v projections, RoPE, attention over our cache, o_proj,
-post_attention_layernorm + MLP; then norm and lm_head. The cache is ours:
+post_attention_layernorm + MLP; then norm and lm_head (`TorchEngine._forward`). The cache is ours
+(actors/engines/batch_cache.py: the call's `Layout`, its `SlotPlan`, the `BatchCache` the forward extends and
+compacts, the `KeptEpisode` of a multi-turn episode):
 
 - per layer, K and V buffers `[rows, kv_heads, capacity, head_dim]` with capacity `kv_budget + interval`
   (`full`: prompt + max_new_tokens); a per-(row, KV head) validity mask of the same slots, so padding and
@@ -15,7 +17,9 @@ post_attention_layernorm + MLP; then norm and lm_head. The cache is ours:
   compressed right after its prefill, layer by layer.
 
 Rows are the G samples of every prompt (prompt-major: row = prompt_index * G + sample_index), left-padded
-to the longest prompt and decoded together; finished rows leave the batch (their buffers are freed).
+to the longest prompt and decoded together (`TorchEngine._generate`: set up the layout and the cache, prefill,
+then per step sample, end the rows that finished, drop them from the batch (their buffers are freed), and run one
+decode forward, compressing when due).
 `logp_sparse` is float32 log_softmax(logits / temperature) at the sampled token, from this compressed
 forward (SPEC §1, pi_sparse); with `SamplingParams.topk_logprobs = K` the K largest values of that same
 log-softmax and their token ids come with it (`Sample.topk_logprobs` / `topk_ids`).
@@ -31,12 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from actors.engines.base import Sample, SamplingParams, check_params
-
-# COMPACT_CHUNK: slots moved per step of the in-place compaction (the only extra K/V memory an eviction needs);
-# actors/engines/kv_memory.py predicts this engine's KV bytes.
-from actors.engines.kv_memory import COMPACT_CHUNK
-from compressors import Compressor, CompressorConfig, accumulate_attention, build_compressor, gather_kv
-from compressors.budget import length_budget
+from actors.engines.batch_cache import BatchCache, CacheShape, KeptEpisode, Layout, SlotPlan, rebased, select_slots
+from compressors import Compressor, CompressorConfig, build_compressor
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -82,7 +82,7 @@ class TorchEngine:
         """Decode forwards this engine has run, all calls and sub-batches (compressor.phase aligned: a row is due
         when this count is a multiple of interval)."""
         self._compressors: dict[int, Compressor] = {}
-        self._episodes: dict[str, _Episode] = {}
+        self._episodes: dict[str, KeptEpisode] = {}
         attn = model.model.layers[0].self_attn
         self.num_layers = len(model.model.layers)
         self.kv_heads = cfg.num_key_value_heads
@@ -219,72 +219,37 @@ class TorchEngine:
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams, compressor: Compressor,
                   keys: list[str] | None = None) -> list[list[Sample]]:
-        """`generate` of one batch with one compressor (one budget); `keys`: the rows' episodes (n = 1), or None."""
-        cc = compressor.cfg
-        compress = cc.method != "full"
-        hkv, hd = self.kv_heads, self.head_dim
-        dev = self.device
-        G, max_new = params.n, params.max_new_tokens
+        """`generate` of one batch with one compressor (one budget); `keys`: the rows' episodes (n = 1), or None.
 
-        rows = [p for p in prompts for _ in range(G)]
+        Rows are the G samples of every prompt (row = prompt_index * G + sample_index). One prefill forward over
+        the ids the call prefills, then one decode forward per generated token of the live rows (compressing when
+        due); a row that ends leaves the batch, its Sample (and, with keys, its kept episode) made at once."""
+        rows = [p for p in prompts for _ in range(params.n)]
         states = [self._episodes.pop(k, None) for k in keys] if keys is not None else [None] * len(rows)
-        # the ids this call prefills: a kept episode's last sampled token (never fed) first, then the given ids
-        new_ids = [([st.pending] if st else []) + list(p) for p, st in zip(rows, states)]
-        R, M = len(rows), max(len(p) for p in new_ids)
-        done = torch.tensor([st.length if st else 0 for st in states], device=dev)   # tokens already in the cache
-        lens = torch.tensor([len(p) for p in new_ids], device=dev)
-        P = int((done + lens).max())                     # layout width: row r's tokens end at column P - 1
-        pad = P - done - lens                            # layout column = episode token index + pad
-        ids = torch.zeros(R, M, dtype=torch.long, device=dev)
-        for r, p in enumerate(new_ids):
-            ids[r, M - len(p):] = torch.tensor(p, dtype=torch.long)
-        cols = torch.arange(M, device=dev)
-        key_valid = cols[None, :] >= (M - lens)[:, None]                                   # [R, M]
-        positions = (cols[None, :] - (M - lens)[:, None] + done[:, None]).clamp(min=0)     # [R, M] true positions
-        old = max((st.slots for st in states if st), default=0)    # kept slots, left-padded to one width
-
-        budget = cc.kv_budget                           # the start budget; budget_schedule length grows it per step
-        grows = compress and self.compressor_cfg.budget_schedule == "length"
-        largest = length_budget(self.compressor_cfg, budget, max_new) if grows else budget
-        protect = old > 0 and self.compressor_cfg.protect_observation      # the new ids are not candidates now
-        compress_now = compress and (old > budget if protect else old + M > budget)
-        n = (budget + M if protect else budget) if compress_now else old + M       # filled slots after the prefill
-        capacity = min(max(n, largest) + cc.interval, n + max_new) if compress else n + max_new
-        capacity = max(capacity, old + M if old else 0)            # a kept cache is extended in place
-        cache, qwin, evicted_at = self._batch_cache(states, R, old, capacity, pad, P + max_new, compressor)
-        buffer_bytes = sum(c["k"].nbytes + c["v"].nbytes for c in cache) // R      # per sequence, all layers
-
-        gen = torch.Generator(device=dev)
-        if params.seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(params.seed)
-
-        # ---- prefill: dense causal attention over the new ids (a pad query sees itself, so no row is empty) and
-        # the kept cache; a prompt longer than the budget (a kept cache: its older part) is compressed right after.
-        eye = torch.eye(M, dtype=torch.bool, device=dev)
-        visible = ((cols[None, :] <= cols[:, None]) & (key_valid[:, None, :] | eye))[:, None]   # [R, 1, M, M]
-        logits, transient_bytes = self._forward(ids, positions, cache, qwin, evicted_at, n=old, col=P - 1,
-                                                prefill=(visible, key_valid), compress_now=compress_now,
-                                                row_ids=torch.arange(R, device=dev), compressor=compressor,
-                                                candidates=old if protect else None)
-        # Peak K/V bytes per sequence: the buffers plus the largest transient beside them (one layer's prompt
-        # K/V at prefill, or one compaction chunk). Validity and scores are not K/V and are not counted.
-        chunk_bytes = 2 * min(COMPACT_CHUNK, largest) * hkv * hd * cache[0]["k"].element_size() if compress else 0
-        peak_bytes = buffer_bytes + max(transient_bytes // R, chunk_bytes)
-
-        row_ids = torch.arange(R, device=dev)                                # original row of each live row
-        next_pos = positions[:, -1] + 1
-        responses: list[list[int]] = [[] for _ in range(R)]
-        logps: list[list[float]] = [[] for _ in range(R)]
-        topks: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(R)]   # (ids, logprobs) per step
-        results: list[Sample | None] = [None] * R
+        layout = Layout.of(rows, states, params.max_new_tokens, self.device)
+        plan = SlotPlan.of(compressor.cfg, self.compressor_cfg, layout.kept, layout.new, params.max_new_tokens)
+        cache = BatchCache(self._cache_shape(), len(rows), plan.capacity, compressor.cfg.window,
+                           mass=compressor.needs_attention_mass,
+                           columns=layout.columns if self.record_evictions else None)
+        cache.load(states, layout)
+        gen = _generator(params.seed, self.device)
+        # prefill: the new ids (dense causal) over the kept cache; compressed right after when over the budget
+        logits = self._forward(layout.ids, layout.positions, cache, layout.width - 1, compressor,
+                               compact_to=plan.filled if plan.compress_prefill else None,
+                               prefill=(layout.prefill_visible(), layout.key_valid),
+                               candidates=layout.kept if plan.protect else None)
+        peak_bytes = cache.peak_bytes(plan.chunk_slots)
+        G, max_new = params.n, params.max_new_tokens
+        responses: list[list[int]] = [[] for _ in range(len(rows))]
+        logps: list[list[float]] = [[] for _ in range(len(rows))]
+        topks: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(len(rows))]
+        results: list[Sample | None] = [None] * len(rows)
         stop_tail = max((len(s) for s in params.stop_strings), default=0) + 1  # tokens decoded for the stop check
-        step = 0
+        next_pos, step = layout.positions[:, -1] + 1, 0                      # [R_live] the next true positions
         while True:
             tok, lp, top = _sample(logits, params, gen)                      # [R_live] int64, [R_live] float32
             finished = []
-            for i, (r, t, lpt) in enumerate(zip(row_ids.tolist(), tok.tolist(), lp.tolist())):
+            for i, (r, t, lpt) in enumerate(zip(cache.row_ids.tolist(), tok.tolist(), lp.tolist())):
                 responses[r].append(t)
                 logps[r].append(lpt)
                 if top is not None:
@@ -301,219 +266,91 @@ class TorchEngine:
                     finished.append(i)
                     results[r] = Sample(prompt_ids=list(rows[r]), response_ids=responses[r],
                                         logp_sparse=np.asarray(logps[r], dtype=np.float32), finish_reason=reason,
-                                        kv_retained_tokens=int(cache[0]["valid"][i, 0, :n].sum()),
-                                        kv_peak_bytes=int(peak_bytes), **_stacked_topk(topks[r]))
+                                        kv_retained_tokens=cache.retained(i), kv_peak_bytes=int(peak_bytes),
+                                        **_stacked_topk(topks[r]))
                     if keys is not None:
-                        self._episodes[keys[r]] = _kept_episode(cache, qwin, i, n, int(pad[r]), states[r], t,
-                                                                int(P - pad[r]) + len(responses[r]) - 1,
-                                                                len(rows[r]))
-            if len(finished) == len(row_ids):
+                        self._episodes[keys[r]] = cache.kept_episode(i, r, layout, responses[r])
+            if len(finished) == len(cache.row_ids):
                 break
             if finished:                                                     # finished rows leave the batch
-                live = torch.ones(len(row_ids), dtype=torch.bool, device=dev)
-                live[finished] = False
-                keep_rows = live.nonzero().squeeze(1)
-                cache = [{name: t.index_select(0, keep_rows) for name, t in c.items()} for c in cache]
-                qwin = [w.index_select(0, keep_rows) for w in qwin]
-                row_ids, tok, next_pos = row_ids[keep_rows], tok[keep_rows], next_pos[keep_rows]
-
+                live = cache.drop(finished)
+                tok, next_pos = tok[live], next_pos[live]
             step += 1                                        # = tokens generated so far, the same for every row
             self.decode_steps += 1
-            now = length_budget(self.compressor_cfg, budget, step) if grows else budget
-            due_step = self.decode_steps if cc.phase == "aligned" else step
-            compress_now = compress and due_step % cc.interval == 0 and n + 1 > now
-            logits, _ = self._forward(tok[:, None], next_pos[:, None], cache, qwin, evicted_at, n=n,
-                                      col=P + step - 1, prefill=None, compress_now=compress_now, row_ids=row_ids,
-                                      compressor=self.compressor_for(now) if grows else compressor)
-            n = now if compress_now else n + 1
+            now = plan.budget_at(step)
+            logits = self._forward(tok[:, None], next_pos[:, None], cache, layout.width + step - 1,
+                                   self.compressor_for(now) if plan.grows else compressor,
+                                   compact_to=plan.compact_to(step, self.decode_steps, cache.n))
             next_pos = next_pos + 1
-
         if self.record_evictions:
-            self.last_eviction_record = {"prompt_width": P, "evicted_at": evicted_at}
-            by_row = torch.stack(evicted_at, 1).cpu()                          # [R, layers, Hkv, P + max_new]
-            for r, s in enumerate(results):
-                first = states[r].prompt_len if states[r] else len(s.prompt_ids)   # the episode's first prompt
-                start, total = int(pad[r]), int(P - pad[r]) + len(s.response_ids)  # its tokens in the layout
-                s.eviction_steps = sample_eviction_steps(by_row[r], start + first, first, total - first)
-                if keys is not None:
-                    self._episodes[keys[r]].evicted_at = _rebased(by_row[r, :, :, start:start + total], -start)
+            self._attach_records(cache, layout, results, keys)
         return [results[i * G:(i + 1) * G] for i in range(len(prompts))]
 
-    def _batch_cache(self, states: list, R: int, old: int, capacity: int, pad: torch.Tensor, columns: int,
-                     compressor: Compressor):
-        """The call's cache: per layer K/V/validity (+ H2O mass, + record columns) [R, Hkv, capacity, ...] with each
-        kept episode's slots in [old - its slots, old) (layout columns: + pad); the last queries per layer
-        [R, Hq, w, D] (zeros before a row's own; None without kept state); with record_evictions, evicted_at per
-        layer [R, Hkv, columns] (int64 max = never) holding each kept episode's record so far."""
-        dev, dtype, hkv, hd = self.device, self.model.dtype, self.kv_heads, self.head_dim
-        never = torch.iinfo(torch.long).max
-        cache, qwin, evicted_at = [], [None] * self.num_layers, None
-        for _ in range(self.num_layers):
-            layer = {"k": torch.zeros(R, hkv, capacity, hd, dtype=dtype, device=dev),
-                     "v": torch.zeros(R, hkv, capacity, hd, dtype=dtype, device=dev),
-                     "valid": torch.zeros(R, hkv, capacity, dtype=torch.bool, device=dev)}
-            if compressor.needs_attention_mass:
-                layer["mass"] = torch.zeros(R, hkv, capacity, device=dev)
-            if self.record_evictions:
-                layer["col"] = torch.full((R, hkv, capacity), -1, dtype=torch.long, device=dev)
-            cache.append(layer)
-        if self.record_evictions:
-            evicted_at = [torch.full((R, hkv, columns), never, dtype=torch.long, device=dev)
-                          for _ in range(self.num_layers)]
-        if old == 0:
-            return cache, qwin, evicted_at
-        width = max(st.qwin[0].shape[1] for st in states if st)
-        qwin = [torch.zeros(R, self.q_heads, width, hd, dtype=dtype, device=dev) for _ in range(self.num_layers)]
-        for r, st in enumerate(states):
-            if st is None:
-                continue
-            for li, (c, kept) in enumerate(zip(cache, st.layers)):
-                for name, t in kept.items():
-                    c[name][r, :, old - st.slots:old] = t + int(pad[r]) if name == "col" else t
-                qwin[li][r, :, width - st.qwin[li].shape[1]:] = st.qwin[li]
-                if evicted_at is not None:
-                    evicted_at[li][r, :, int(pad[r]):int(pad[r]) + st.evicted_at.shape[2]] = \
-                        _rebased(st.evicted_at[li], int(pad[r]))
-        return cache, qwin, evicted_at
+    def _cache_shape(self) -> CacheShape:
+        """The batch cache's sizes for this model (its dtype now, the engine's device)."""
+        return CacheShape(self.num_layers, self.kv_heads, self.q_heads, self.head_dim, self.model.dtype, self.device)
 
-    def _forward(self, tokens, positions, cache, qwin, evicted_at, n, col, prefill, compress_now, row_ids, compressor,
-                 candidates=None):
-        """One forward of `tokens` [R, q] at true `positions` [R, q] through the model and our cache (in place).
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: BatchCache, col: int,
+                 compressor: Compressor, compact_to: int | None, prefill: tuple | None = None,
+                 candidates: int | None = None) -> torch.Tensor:
+        """One forward of `tokens` int64 [R, q] at true `positions` int64 [R, q] through the model and `cache` (in
+        place); returns float32 logits [R, vocab] at the last position.
 
-        prefill: (visible bool [R, 1, q, q], key_valid bool [R, q]) for the new ids. With no kept slots (n = 0) their
-            K/V then go to slots [0, q) or, with compress_now, straight to the kept slots; after n kept slots they go
-            to slots [n, n + q), which the queries see with the kept ones, and compress_now compacts the layer to
-            kv_budget slots, or, with `candidates` = n, its first n slots to kv_budget and the new ones after them.
-            None for a decode step (q = 1), whose K/V go to slot n, after which, with compress_now, each layer is
-            compacted to kv_budget slots.
-        col: column of the last token (left-padded layout); row_ids: original row of each of the R rows.
-        Returns (logits float32 [R, vocab] at the last position, bytes of the largest transient K/V tensor).
+        col: layout column of the last token. prefill: (visible bool [R, 1, q, q], key_valid bool [R, q]) for the
+            new ids (BatchCache.prefill: after n kept slots, the queries see them too), None for a decode step
+            (q = 1, BatchCache.append). compact_to: None keeps every slot (n += q); else each layer is compacted
+            (select_slots, BatchCache.compact) and holds compact_to slots after: the budget (of the step, with
+            budget_schedule length), or, with `candidates` = n (protect_observation), the first n slots compacted
+            to the budget and the q new ones after them.
         """
-        m, cc = self.model.model, compressor.cfg
+        m, hd = self.model.model, self.head_dim
         R, q = tokens.shape
         h = m.embed_tokens(tokens)
         cos, sin = m.rotary_emb(h, positions)
         keep = None                                                          # selection "shared": from layer 0
-        transient = 0
         for li, layer in enumerate(m.layers):
-            attn, c = layer.self_attn, cache[li]
+            attn = layer.self_attn
             x = layer.input_layernorm(h)
-            qs = attn.q_proj(x).view(R, q, -1, self.head_dim).transpose(1, 2)
-            ks = attn.k_proj(x).view(R, q, -1, self.head_dim).transpose(1, 2)
-            vs = attn.v_proj(x).view(R, q, -1, self.head_dim).transpose(1, 2)
+            qs, ks, vs = (p(x).view(R, q, -1, hd).transpose(1, 2) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
             qs, ks = self._apply_rope(qs, ks, cos, sin)
-            if prefill is not None:
-                visible, key_valid = prefill
-                slots = {"k": ks, "v": vs, "valid": key_valid[:, None, :].expand(R, self.kv_heads, q)}
-                if "col" in c:
-                    slots["col"] = (col + 1 - q + torch.arange(q, device=ks.device)).expand(R, self.kv_heads, q)
-                transient = max(transient, ks.nbytes + vs.nbytes)
-                if n:                                        # extend the kept cache in place
-                    for name, t in slots.items():
-                        c[name][:, :, n:n + q] = t
-                    # pad queries see only themselves
-                    old_seen = c["valid"][:, :, None, :n] & key_valid[:, None, :, None]
-                    visible = torch.cat([old_seen, visible.expand(R, self.kv_heads, q, q)], -1)
-                    slots = {name: t[:, :, :n + q] for name, t in c.items() if name != "mass"}
-            else:
-                c["k"][:, :, n], c["v"][:, :, n], c["valid"][:, :, n] = ks[:, :, 0], vs[:, :, 0], True
-                if "col" in c:
-                    c["col"][:, :, n] = col
-                slots = {name: t[:, :, :n + 1] for name, t in c.items()}
-                visible = slots["valid"][:, :, None, :]
-            out, probs = _attend(qs, slots["k"], slots["v"], visible, attn.scaling, want_probs="mass" in c)
+            slots, visible = (cache.append(li, ks, vs, col) if prefill is None
+                              else cache.prefill(li, ks, vs, col, *prefill))
+            out, probs = _attend(qs, slots["k"], slots["v"], visible, attn.scaling,
+                                 want_probs="mass" in cache.layers[li])
             h = h + attn.o_proj(out.transpose(1, 2).reshape(R, q, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-
-            if "mass" in c:                                                  # H2O: accumulated attention
-                slots["mass"] = accumulate_attention(c["mass"][:, :, :n], probs)
-            if prefill is not None and qwin[li] is None:                     # window: last queries, pads zeroed
-                w = min(cc.window, q)
-                qwin[li] = qs[:, :, -w:] * key_valid[:, None, -w:, None]
-            else:
-                new_q = qs if prefill is None else qs * key_valid[:, None, :, None]
-                qwin[li] = torch.cat([qwin[li], new_q], dim=2)[:, :, -cc.window:]
-
-            if not compress_now:
-                if prefill is not None and not n:
-                    for name, t in slots.items():
-                        c[name][:, :, :q] = t
-                elif "mass" in c:
-                    c["mass"][:, :, :slots["mass"].shape[2]] = slots["mass"]
+            cache.observe(li, slots, qs, probs, None if prefill is None else prefill[1])
+            if compact_to is None:
+                cache.store(li, slots, prefill is not None)
                 continue
-            if keep is None or cc.selection != "shared":
-                keep = self._select(compressor, slots, qwin[li], candidates)
-            if evicted_at is not None:                                       # record what this compaction drops
-                kept = torch.zeros_like(slots["valid"]).scatter_(2, keep, True)
-                r, hh, s = (slots["valid"] & ~kept).nonzero(as_tuple=True)
-                evicted_at[li][row_ids[r], hh, slots["col"][r, hh, s]] = col + 1
-            # Compact in place with gather_kv: keep is ascending, so chunk j only reads slots >= its destination.
-            for j in range(0, keep.shape[2], COMPACT_CHUNK):
-                idx = keep[:, :, j:j + COMPACT_CHUNK]
-                moved = {name: gather_kv(t, idx) for name, t in slots.items()}
-                for name, t in moved.items():
-                    c[name][:, :, j:j + idx.shape[2]] = t
+            if keep is None or compressor.cfg.selection != "shared":
+                keep = select_slots(compressor, slots, cache.qwin[li], candidates)
+            cache.compact(li, slots, keep, col)
+        cache.n = cache.n + q if compact_to is None else compact_to
+        return self.model.lm_head(m.norm(h[:, -1])).float()
 
-        h = m.norm(h[:, -1])
-        return self.model.lm_head(h).float(), transient
-
-    @staticmethod
-    def _select(compressor: Compressor, slots: dict, queries: torch.Tensor, candidates: int | None) -> torch.Tensor:
-        """The slots of one layer to keep, int64 [R, Hkv, k] ascending: compressor.select over every slot, or over
-        the first `candidates` only, the later ones all kept after them. Raises RuntimeError if the compressor's
-        indices are not strictly ascending."""
-        end = slots["k"].shape[2] if candidates is None else candidates
-        mass = slots.get("mass")
-        keep = compressor.select(slots["k"][:, :, :end], queries, slots["valid"][:, :, :end],
-                                 None if mass is None else mass[:, :, :end])
-        if end < slots["k"].shape[2]:
-            rest = torch.arange(end, slots["k"].shape[2], device=keep.device)
-            keep = torch.cat([keep, rest.expand(*keep.shape[:2], rest.shape[0])], -1)
-        if not bool((keep[..., 1:] > keep[..., :-1]).all()):
-            raise RuntimeError("compressor.select returned slot indices that are not strictly ascending")
-        return keep
+    def _attach_records(self, cache: BatchCache, layout: Layout, samples: list[Sample],
+                        keys: list[str] | None) -> None:
+        """record_evictions: `last_eviction_record` of the call, each Sample's eviction_steps (its episode's tokens
+        so far), and each kept episode's record re-based to its token index."""
+        self.last_eviction_record = {"prompt_width": layout.width, "evicted_at": cache.evicted_at}
+        by_row = torch.stack(cache.evicted_at, 1).cpu()                      # [R, layers, Hkv, P + max_new]
+        for r, s in enumerate(samples):
+            first = layout.first_prompt[r]                                   # the episode's first prompt
+            start, total = int(layout.pad[r]), layout.prefix(r) + len(s.response_ids)   # its tokens in the layout
+            s.eviction_steps = sample_eviction_steps(by_row[r], start + first, first, total - first)
+            if keys is not None:
+                self._episodes[keys[r]].evicted_at = rebased(by_row[r, :, :, start:start + total], -start)
 
 
-@dataclasses.dataclass
-class _Episode:
-    """What the engine keeps of an episode between its turns. layers: per layer {k, v [Hkv, slots, D]; valid
-    [Hkv, slots]; mass (H2O) [Hkv, slots]; col (record_evictions): episode token index of each slot}, the
-    retained slots in time order; qwin: per layer the last <= window queries [Hq, w, D]; length: tokens whose
-    K/V were computed (the next position); pending: the last sampled token (its K/V not yet computed); prompt_len:
-    the first prompt's tokens; evicted_at (record_evictions): int64 [layers, Hkv, length + 1] episode token index
-    of the first query that no longer saw each key (int64 max = never)."""
-    layers: list
-    qwin: list
-    length: int
-    pending: int
-    prompt_len: int
-    evicted_at: torch.Tensor | None = None
-
-    @property
-    def slots(self) -> int:
-        return self.layers[0]["k"].shape[1]
-
-
-def _kept_episode(cache: list, qwin: list, i: int, n: int, pad: int, before: "_Episode | None", pending: int,
-                  length: int, prompt_len: int) -> _Episode:
-    """Live row i of the batch cache (its first n slots) as a kept episode: its valid slots only, in time order,
-    record columns re-based from the layout (- pad) to the episode's token index."""
-    count = max(int(c["valid"][i, :, :n].sum(-1).max()) for c in cache)
-    layers = []
-    for c in cache:
-        order = torch.sort((~c["valid"][i, :, :n]).to(torch.int8), dim=-1, stable=True).indices[:, :count]
-        kept = {name: gather_kv(t[i:i + 1, :, :n], order[None])[0] for name, t in c.items()}
-        if "col" in kept:
-            kept["col"] = kept["col"] - pad
-        layers.append(kept)
-    return _Episode(layers, [w[i].clone() for w in qwin], length, pending,
-                    before.prompt_len if before is not None else prompt_len)
-
-
-def _rebased(evicted_at: torch.Tensor, shift: int) -> torch.Tensor:
-    """Column values of an eviction record shifted by `shift` (int64 max, never, stays)."""
-    never = torch.iinfo(torch.long).max
-    return torch.where(evicted_at == never, never, evicted_at + shift)
+def _generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """The sampling generator: seeded with `seed`, or non-deterministically when None."""
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen
 
 
 def sample_eviction_steps(evicted_at: torch.Tensor, prompt_width: int, prompt_len: int,

@@ -1,0 +1,350 @@
+"""The torch engine's batch KV cache (actors/engines/torch_engine.py): one call's layout, its slot counts, and the
+per-layer buffers the engine's forward reads, extends and compacts in place.
+
+- `Layout`: the call's left-padded columns (prompt width P, each row's pad, the columns of the eviction record) and
+  the ids it prefills;
+- `SlotPlan`: the slots every layer holds (after the prefill, at most: capacity) and when a decode step compresses;
+- `BatchCache`: per layer K/V/validity (+ H2O attention mass, + record columns) buffers
+  `[rows, kv_heads, capacity, ...]`, the last `window` queries per layer, the eviction record (`evicted_at`), the
+  original row of each live row; extended by a prefill or a decode step, compacted with `select_slots` +
+  `gather_kv` (recording what it drops), shrunk when rows finish, and read back as a `KeptEpisode`;
+- `KeptEpisode`: what the engine keeps of a multi-turn episode between its turns.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+# COMPACT_CHUNK: slots moved per step of the in-place compaction (the only extra K/V memory an eviction needs);
+# actors/engines/kv_memory.py predicts the engine's KV bytes.
+from actors.engines.kv_memory import COMPACT_CHUNK
+from compressors import Compressor, CompressorConfig, accumulate_attention, gather_kv
+from compressors.budget import length_budget
+
+NEVER = torch.iinfo(torch.long).max
+"""evicted_at's value of a key column that is never evicted."""
+
+
+@dataclasses.dataclass
+class KeptEpisode:
+    """What the engine keeps of an episode between its turns. layers: per layer {k, v [Hkv, slots, D]; valid
+    [Hkv, slots]; mass (H2O) [Hkv, slots]; col (record_evictions): episode token index of each slot}, the
+    retained slots in time order; qwin: per layer the last <= window queries [Hq, w, D]; length: tokens whose
+    K/V were computed (the next position); pending: the last sampled token (its K/V not yet computed); prompt_len:
+    the first prompt's tokens; evicted_at (record_evictions): int64 [layers, Hkv, length + 1] episode token index
+    of the first query that no longer saw each key (int64 max = never)."""
+    layers: list
+    qwin: list
+    length: int
+    pending: int
+    prompt_len: int
+    evicted_at: torch.Tensor | None = None
+
+    @property
+    def slots(self) -> int:
+        return self.layers[0]["k"].shape[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One call's left-padded layout: row r's tokens (its kept episode's, then the ids this call prefills) end at
+    column `width` - 1 (P); column = episode token index + pad[r]; response token t is at column P + t.
+
+    ids: int64 [R, M], the ids the call prefills (a kept episode's last sampled token first, then the given
+        ids), left-padded to the longest (M); key_valid: bool [R, M], not padding; positions: int64 [R, M], their
+        true positions (pads: 0); pad: int64 [R]; width: P; kept: slots of the largest kept episode (every kept
+        cache is left-padded to it; 0 without one); columns: P + max_new_tokens, the eviction record's columns;
+        first_prompt: per row the tokens of its episode's first prompt.
+    """
+    ids: torch.Tensor
+    key_valid: torch.Tensor
+    positions: torch.Tensor
+    pad: torch.Tensor
+    width: int
+    kept: int
+    columns: int
+    first_prompt: list[int]
+
+    @classmethod
+    def of(cls, rows: list[list[int]], states: list[KeptEpisode | None], max_new: int, device) -> Layout:
+        """The layout of `rows` (the given ids per row) after their kept episodes `states` (None: a first turn)."""
+        new_ids = [([st.pending] if st else []) + list(p) for p, st in zip(rows, states)]
+        R, M = len(rows), max(len(p) for p in new_ids)
+        done = torch.tensor([st.length if st else 0 for st in states], device=device)   # tokens already cached
+        lens = torch.tensor([len(p) for p in new_ids], device=device)
+        P = int((done + lens).max())
+        ids = torch.zeros(R, M, dtype=torch.long, device=device)
+        for r, p in enumerate(new_ids):
+            ids[r, M - len(p):] = torch.tensor(p, dtype=torch.long)
+        cols = torch.arange(M, device=device)
+        key_valid = cols[None, :] >= (M - lens)[:, None]
+        positions = (cols[None, :] - (M - lens)[:, None] + done[:, None]).clamp(min=0)
+        return cls(ids, key_valid, positions, pad=P - done - lens, width=P,
+                   kept=max((st.slots for st in states if st), default=0), columns=P + max_new,
+                   first_prompt=[st.prompt_len if st else len(p) for p, st in zip(rows, states)])
+
+    @property
+    def new(self) -> int:
+        """M: the columns of the prefilled ids."""
+        return self.ids.shape[1]
+
+    def prefix(self, r: int) -> int:
+        """Row r's tokens before its response (kept episode + prefilled ids): P - pad[r]."""
+        return int(self.width - self.pad[r])
+
+    def prefill_visible(self) -> torch.Tensor:
+        """bool [R, 1, M, M]: causal attention among the prefilled ids; a pad query sees itself (no row is empty)."""
+        cols = torch.arange(self.new, device=self.ids.device)
+        eye = torch.eye(self.new, dtype=torch.bool, device=self.ids.device)
+        return ((cols[None, :] <= cols[:, None]) & (self.key_valid[:, None, :] | eye))[:, None]
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotPlan:
+    """Slots per layer, row and KV head of one call's cache (one compressor, one start budget).
+
+    cfg: the call's compressor config (method, kv_budget = the start budget, interval, phase); schedule: the
+    engine's (budget_schedule, protect_observation); grows: budget_schedule length (the budget after t generated
+    tokens is length_budget(schedule, kv_budget, t)); largest: the largest budget of the call; protect: the
+    prefilled ids are not eviction candidates at the prefill (protect_observation, a kept cache); compress_prefill:
+    the prefill compacts the cache; filled: slots after the prefill; capacity: slots of every buffer.
+    """
+    cfg: CompressorConfig
+    schedule: CompressorConfig
+    grows: bool
+    largest: int
+    protect: bool
+    compress_prefill: bool
+    filled: int
+    capacity: int
+
+    @classmethod
+    def of(cls, cfg: CompressorConfig, schedule: CompressorConfig, kept: int, new: int, max_new: int) -> SlotPlan:
+        """The plan of a call with `kept` slots of kept episodes, `new` prefilled columns and max_new tokens."""
+        compress, budget = cfg.method != "full", cfg.kv_budget
+        grows = compress and schedule.budget_schedule == "length"
+        largest = length_budget(schedule, budget, max_new) if grows else budget
+        protect = kept > 0 and schedule.protect_observation
+        compress_prefill = compress and (kept > budget if protect else kept + new > budget)
+        filled = (budget + new if protect else budget) if compress_prefill else kept + new
+        capacity = min(max(filled, largest) + cfg.interval, filled + max_new) if compress else filled + max_new
+        capacity = max(capacity, kept + new if kept else 0)                 # a kept cache is extended in place
+        return cls(cfg, schedule, grows, largest, protect, compress_prefill, filled, capacity)
+
+    @property
+    def compress(self) -> bool:
+        return self.cfg.method != "full"
+
+    @property
+    def chunk_slots(self) -> int:
+        """Slots of one compaction chunk (0 for method full)."""
+        return min(COMPACT_CHUNK, self.largest) if self.compress else 0
+
+    def budget_at(self, step: int) -> int:
+        """The budget a compression keeps after `step` generated tokens."""
+        return length_budget(self.schedule, self.cfg.kv_budget, step) if self.grows else self.cfg.kv_budget
+
+    def compact_to(self, step: int, decode_steps: int, filled: int) -> int | None:
+        """The slots the decode forward of generated token `step` (the engine's `decode_steps`-th) compacts every
+        layer to, with `filled` slots before it; None when it does not compress (not due, or within budget)."""
+        now = self.budget_at(step)
+        due = decode_steps if self.cfg.phase == "aligned" else step
+        return now if self.compress and due % self.cfg.interval == 0 and filled + 1 > now else None
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheShape:
+    """Per-layer sizes of the cache: layers, KV and query heads, head_dim (elements); dtype and device of K/V."""
+    layers: int
+    kv_heads: int
+    q_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+class BatchCache:
+    """The batch KV cache of one call, changed in place by the engine's forward.
+
+    layers: per layer {k, v [R, Hkv, capacity, D] (dtype); valid bool [R, Hkv, capacity]; mass float32
+        [R, Hkv, capacity] (H2O's accumulated attention); col int64 [R, Hkv, capacity] (record_evictions: the
+        layout column of each slot, -1 = none)}; the first `n` slots are filled, the same count on every row
+        (validity marks each row's and head's own).
+    qwin: per layer the last <= window queries [R, Hq, w, D] (pads zeroed; None until the first prefill).
+    evicted_at: with record_evictions, per layer int64 [R0, Hkv, columns]: the column of the first query that no
+        longer sees each key column (NEVER: never evicted), indexed by original row (R0 = the call's rows).
+    row_ids: int64 [R], the original row of each live row; transient_bytes: the largest prefill K/V tensor pair.
+    """
+
+    def __init__(self, shape: CacheShape, rows: int, capacity: int, window: int, mass: bool, columns: int | None):
+        """Empty buffers of `capacity` slots for `rows` rows; `mass`: H2O's attention mass; `columns`: the
+        eviction record's columns (record_evictions), None for no record."""
+        dev, kv = shape.device, (rows, shape.kv_heads, capacity)
+        self.shape, self.window, self.n, self.transient_bytes = shape, window, 0, 0
+        self.layers: list[dict[str, torch.Tensor]] = []
+        for _ in range(shape.layers):
+            layer = {"k": torch.zeros(*kv, shape.head_dim, dtype=shape.dtype, device=dev),
+                     "v": torch.zeros(*kv, shape.head_dim, dtype=shape.dtype, device=dev),
+                     "valid": torch.zeros(*kv, dtype=torch.bool, device=dev)}
+            if mass:
+                layer["mass"] = torch.zeros(*kv, device=dev)
+            if columns is not None:
+                layer["col"] = torch.full(kv, -1, dtype=torch.long, device=dev)
+            self.layers.append(layer)
+        self.qwin: list[torch.Tensor | None] = [None] * shape.layers
+        self.evicted_at = None if columns is None else [
+            torch.full((rows, shape.kv_heads, columns), NEVER, dtype=torch.long, device=dev)
+            for _ in range(shape.layers)]
+        self.row_ids = torch.arange(rows, device=dev)
+
+    def load(self, states: list[KeptEpisode | None], layout: Layout) -> None:
+        """Put each kept episode's slots in [kept - its slots, kept) of its row (record columns re-based to the
+        layout: + pad), its queries at the end of the window (zeros before), its eviction record at its columns;
+        n = layout.kept. Nothing to load without kept episodes."""
+        old = self.n = layout.kept
+        if old == 0:
+            return
+        shape, R = self.shape, len(states)
+        width = max(st.qwin[0].shape[1] for st in states if st)
+        self.qwin = [torch.zeros(R, shape.q_heads, width, shape.head_dim, dtype=shape.dtype, device=shape.device)
+                     for _ in range(shape.layers)]
+        for r, st in enumerate(states):
+            if st is None:
+                continue
+            pad = int(layout.pad[r])
+            for li, (c, kept) in enumerate(zip(self.layers, st.layers)):
+                for name, t in kept.items():
+                    c[name][r, :, old - st.slots:old] = t + pad if name == "col" else t
+                self.qwin[li][r, :, width - st.qwin[li].shape[1]:] = st.qwin[li]
+                if self.evicted_at is not None:
+                    self.evicted_at[li][r, :, pad:pad + st.evicted_at.shape[2]] = rebased(st.evicted_at[li], pad)
+
+    def prefill(self, li: int, ks: torch.Tensor, vs: torch.Tensor, col: int, visible: torch.Tensor,
+                key_valid: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        """Layer li's new K/V [R, Hkv, q, D] of a prefill, the last at layout column `col`; visible bool
+        [R, 1, q, q] among them, key_valid bool [R, q]. Returns (slots, visible [R, 1 or Hkv, q, S]): with no
+        filled slots (n = 0) the new ones alone (written by `store` or `compact`); else they are written to
+        [n, n + q) and slots are the layer's first n + q (views; no mass) with visibility of the older ones."""
+        R, q = ks.shape[0], ks.shape[2]
+        c, n = self.layers[li], self.n
+        slots = {"k": ks, "v": vs, "valid": key_valid[:, None, :].expand(R, self.shape.kv_heads, q)}
+        if "col" in c:
+            slots["col"] = (col + 1 - q + torch.arange(q, device=ks.device)).expand(R, self.shape.kv_heads, q)
+        self.transient_bytes = max(self.transient_bytes, ks.nbytes + vs.nbytes)
+        if not n:
+            return slots, visible
+        for name, t in slots.items():                                        # extend the kept cache in place
+            c[name][:, :, n:n + q] = t
+        old_seen = c["valid"][:, :, None, :n] & key_valid[:, None, :, None]  # pad queries see only themselves
+        visible = torch.cat([old_seen, visible.expand(R, self.shape.kv_heads, q, q)], -1)
+        return {name: t[:, :, :n + q] for name, t in c.items() if name != "mass"}, visible
+
+    def append(self, li: int, ks: torch.Tensor, vs: torch.Tensor, col: int) -> tuple[dict, torch.Tensor]:
+        """Layer li's K/V [R, Hkv, 1, D] of a decode step into slot n (layout column `col`). Returns (slots: the
+        layer's first n + 1 (views), visible bool [R, Hkv, 1, n + 1])."""
+        c, n = self.layers[li], self.n
+        c["k"][:, :, n], c["v"][:, :, n], c["valid"][:, :, n] = ks[:, :, 0], vs[:, :, 0], True
+        if "col" in c:
+            c["col"][:, :, n] = col
+        slots = {name: t[:, :, :n + 1] for name, t in c.items()}
+        return slots, slots["valid"][:, :, None, :]
+
+    def observe(self, li: int, slots: dict, qs: torch.Tensor, probs: torch.Tensor | None,
+                key_valid: torch.Tensor | None) -> None:
+        """After layer li's attention: slots["mass"] = the mass with this forward's probs float32 [R, Hq, q, S]
+        (H2O), and the last `window` queries updated with qs [R, Hq, q, D]; key_valid bool [R, q] of a prefill
+        (its pad queries zeroed), None for a decode step."""
+        c = self.layers[li]
+        if "mass" in c:                                                      # H2O: accumulated attention
+            slots["mass"] = accumulate_attention(c["mass"][:, :, :self.n], probs)
+        if key_valid is not None and self.qwin[li] is None:
+            w = min(self.window, qs.shape[2])
+            self.qwin[li] = qs[:, :, -w:] * key_valid[:, None, -w:, None]
+        else:
+            new_q = qs if key_valid is None else qs * key_valid[:, None, :, None]
+            self.qwin[li] = torch.cat([self.qwin[li], new_q], dim=2)[:, :, -self.window:]
+
+    def store(self, li: int, slots: dict, prefill: bool) -> None:
+        """Keep layer li's slots uncompressed: a first prefill's (n = 0) go to [0, q); otherwise only the mass is
+        not in the buffers yet."""
+        c = self.layers[li]
+        if prefill and not self.n:
+            for name, t in slots.items():
+                c[name][:, :, :t.shape[2]] = t
+        elif "mass" in c:
+            c["mass"][:, :, :slots["mass"].shape[2]] = slots["mass"]
+
+    def compact(self, li: int, slots: dict, keep: torch.Tensor, col: int) -> None:
+        """Compact layer li to the slots `keep` int64 [R, Hkv, k] (ascending) of `slots`, in place, in chunks of
+        COMPACT_CHUNK (keep is ascending, so chunk j only reads slots >= its destination); with a record, the
+        valid slots it drops are evicted at column col + 1 (the next query's)."""
+        c = self.layers[li]
+        if self.evicted_at is not None:
+            kept = torch.zeros_like(slots["valid"]).scatter_(2, keep, True)
+            r, hh, s = (slots["valid"] & ~kept).nonzero(as_tuple=True)
+            self.evicted_at[li][self.row_ids[r], hh, slots["col"][r, hh, s]] = col + 1
+        for j in range(0, keep.shape[2], COMPACT_CHUNK):
+            idx = keep[:, :, j:j + COMPACT_CHUNK]
+            moved = {name: gather_kv(t, idx) for name, t in slots.items()}
+            for name, t in moved.items():
+                c[name][:, :, j:j + idx.shape[2]] = t
+
+    def drop(self, finished: list[int]) -> torch.Tensor:
+        """Remove the live rows `finished` (indices into the live rows) from the buffers and the windows; returns
+        the live indices that stay, int64 [R'] ascending."""
+        live = torch.ones(len(self.row_ids), dtype=torch.bool, device=self.row_ids.device)
+        live[finished] = False
+        keep_rows = live.nonzero().squeeze(1)
+        self.layers = [{name: t.index_select(0, keep_rows) for name, t in c.items()} for c in self.layers]
+        self.qwin = [w.index_select(0, keep_rows) for w in self.qwin]
+        self.row_ids = self.row_ids[keep_rows]
+        return keep_rows
+
+    def retained(self, i: int) -> int:
+        """Slots live row i holds (layer 0, KV head 0)."""
+        return int(self.layers[0]["valid"][i, 0, :self.n].sum())
+
+    def peak_bytes(self, chunk_slots: int) -> int:
+        """Peak K/V bytes per row: the buffers plus the largest transient beside them (one layer's prefill K/V,
+        or one compaction chunk of `chunk_slots` slots). Validity and scores are not K/V and are not counted."""
+        rows = len(self.row_ids)
+        buffers = sum(c["k"].nbytes + c["v"].nbytes for c in self.layers) // rows
+        chunk = 2 * chunk_slots * self.shape.kv_heads * self.shape.head_dim * self.layers[0]["k"].element_size()
+        return buffers + max(self.transient_bytes // rows, chunk)
+
+    def kept_episode(self, i: int, r: int, layout: Layout, response: list[int]) -> KeptEpisode:
+        """Live row i (original row r, its `response` so far) as a kept episode: its valid slots only, in time
+        order, record columns re-based from the layout (- pad) to the episode's token index."""
+        n, pad = self.n, int(layout.pad[r])
+        count = max(int(c["valid"][i, :, :n].sum(-1).max()) for c in self.layers)
+        layers = []
+        for c in self.layers:
+            order = torch.sort((~c["valid"][i, :, :n]).to(torch.int8), dim=-1, stable=True).indices[:, :count]
+            kept = {name: gather_kv(t[i:i + 1, :, :n], order[None])[0] for name, t in c.items()}
+            if "col" in kept:
+                kept["col"] = kept["col"] - pad
+            layers.append(kept)
+        return KeptEpisode(layers, [w[i].clone() for w in self.qwin], layout.prefix(r) + len(response) - 1,
+                           response[-1], layout.first_prompt[r])
+
+
+def select_slots(compressor: Compressor, slots: dict, queries: torch.Tensor, candidates: int | None) -> torch.Tensor:
+    """The slots of one layer to keep, int64 [R, Hkv, k] ascending: compressor.select over every slot, or over
+    the first `candidates` only, the later ones all kept after them. Raises RuntimeError if the compressor's
+    indices are not strictly ascending."""
+    end = slots["k"].shape[2] if candidates is None else candidates
+    mass = slots.get("mass")
+    keep = compressor.select(slots["k"][:, :, :end], queries, slots["valid"][:, :, :end],
+                             None if mass is None else mass[:, :, :end])
+    if end < slots["k"].shape[2]:
+        rest = torch.arange(end, slots["k"].shape[2], device=keep.device)
+        keep = torch.cat([keep, rest.expand(*keep.shape[:2], rest.shape[0])], -1)
+    if not bool((keep[..., 1:] > keep[..., :-1]).all()):
+        raise RuntimeError("compressor.select returned slot indices that are not strictly ascending")
+    return keep
+
+
+def rebased(evicted_at: torch.Tensor, shift: int) -> torch.Tensor:
+    """Column values of an eviction record shifted by `shift` (int64 max, never, stays)."""
+    return torch.where(evicted_at == NEVER, NEVER, evicted_at + shift)
