@@ -239,41 +239,19 @@ class TorchEngine:
                                prefill=(layout.prefill_visible(), layout.key_valid),
                                candidates=layout.kept if plan.protect else None)
         peak_bytes = cache.peak_bytes(plan.chunk_slots)
-        G, max_new = params.n, params.max_new_tokens
-        responses: list[list[int]] = [[] for _ in range(len(rows))]
-        logps: list[list[float]] = [[] for _ in range(len(rows))]
-        topks: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(len(rows))]
-        results: list[Sample | None] = [None] * len(rows)
-        stop_tail = max((len(s) for s in params.stop_strings), default=0) + 1  # tokens decoded for the stop check
+        out = _Responses(rows, params, self.eos_ids, self.tokenizer)
         next_pos, step = layout.positions[:, -1] + 1, 0                      # [R_live] the next true positions
         while True:
             tok, lp, top = _sample(logits, params, gen)                      # [R_live] int64, [R_live] float32
-            finished = []
-            for i, (r, t, lpt) in enumerate(zip(cache.row_ids.tolist(), tok.tolist(), lp.tolist())):
-                responses[r].append(t)
-                logps[r].append(lpt)
-                if top is not None:
-                    topks[r].append((top[1][i], top[0][i]))
-                reason = None
-                if t in self.eos_ids and not params.ignore_eos:
-                    reason = "stop"
-                elif params.stop_strings and any(
-                        s in self.tokenizer.decode(responses[r][-stop_tail:]) for s in params.stop_strings):
-                    reason = "stop"
-                elif len(responses[r]) >= max_new:
-                    reason = "length"
-                if reason is not None:
-                    finished.append(i)
-                    results[r] = Sample(prompt_ids=list(rows[r]), response_ids=responses[r],
-                                        logp_sparse=np.asarray(logps[r], dtype=np.float32), finish_reason=reason,
-                                        kv_retained_tokens=cache.retained(i), kv_peak_bytes=int(peak_bytes),
-                                        **_stacked_topk(topks[r]))
-                    if keys is not None:
-                        self._episodes[keys[r]] = cache.kept_episode(i, r, layout, responses[r])
+            finished = out.add(cache.row_ids.tolist(), tok, lp, top)
+            for i, r, reason in finished:
+                out.end(r, reason, cache.retained(i), peak_bytes)
+                if keys is not None:
+                    self._episodes[keys[r]] = cache.kept_episode(i, r, layout, out.ids[r])
             if len(finished) == len(cache.row_ids):
                 break
             if finished:                                                     # finished rows leave the batch
-                live = cache.drop(finished)
+                live = cache.drop([i for i, _, _ in finished])
                 tok, next_pos = tok[live], next_pos[live]
             step += 1                                        # = tokens generated so far, the same for every row
             self.decode_steps += 1
@@ -283,8 +261,8 @@ class TorchEngine:
                                    compact_to=plan.compact_to(step, self.decode_steps, cache.n))
             next_pos = next_pos + 1
         if self.record_evictions:
-            self._attach_records(cache, layout, results, keys)
-        return [results[i * G:(i + 1) * G] for i in range(len(prompts))]
+            self._attach_records(cache, layout, out.samples, keys)
+        return [out.samples[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
     def _cache_shape(self) -> CacheShape:
         """The batch cache's sizes for this model (its dtype now, the engine's device)."""
@@ -341,6 +319,49 @@ class TorchEngine:
             s.eviction_steps = sample_eviction_steps(by_row[r], start + first, first, total - first)
             if keys is not None:
                 self._episodes[keys[r]].evicted_at = rebased(by_row[r, :, :, start:start + total], -start)
+
+
+class _Responses:
+    """The responses of one call's rows as they are sampled, by original row: ids, logp_sparse, top-k steps, and
+    each row's Sample once it ends."""
+
+    def __init__(self, rows: list[list[int]], params: SamplingParams, eos_ids: set[int], tokenizer):
+        self.rows, self.params, self.eos_ids, self.tokenizer = rows, params, eos_ids, tokenizer
+        self.ids: list[list[int]] = [[] for _ in rows]
+        self.logps: list[list[float]] = [[] for _ in rows]
+        self.topks: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in rows]  # (ids, logprobs) per step
+        self.samples: list[Sample | None] = [None] * len(rows)
+        self.stop_tail = max((len(s) for s in params.stop_strings), default=0) + 1  # tokens decoded for the check
+
+    def add(self, row_ids: list[int], tok: torch.Tensor, lp: torch.Tensor, top) -> list[tuple[int, int, str]]:
+        """One sampled token per live row (original rows `row_ids`): tok int64 [R], lp float32 [R], top (log-probs,
+        ids) [R, K] or None. Returns (live index, row, finish_reason) of each row that ended, in live order."""
+        finished = []
+        for i, (r, t, lpt) in enumerate(zip(row_ids, tok.tolist(), lp.tolist())):
+            self.ids[r].append(t)
+            self.logps[r].append(lpt)
+            if top is not None:
+                self.topks[r].append((top[1][i], top[0][i]))
+            reason = self._finish_reason(self.ids[r])
+            if reason is not None:
+                finished.append((i, r, reason))
+        return finished
+
+    def _finish_reason(self, ids: list[int]) -> str | None:
+        """'stop' (EOS, unless ignore_eos; a stop string in the decoded tail), 'length' (max_new_tokens), or None."""
+        p = self.params
+        if ids[-1] in self.eos_ids and not p.ignore_eos:
+            return "stop"
+        if p.stop_strings and any(s in self.tokenizer.decode(ids[-self.stop_tail:]) for s in p.stop_strings):
+            return "stop"
+        return "length" if len(ids) >= p.max_new_tokens else None
+
+    def end(self, r: int, reason: str, kv_retained_tokens: int, kv_peak_bytes: int) -> None:
+        """Row r's Sample, with its cache's retained slots and peak K/V bytes."""
+        self.samples[r] = Sample(prompt_ids=list(self.rows[r]), response_ids=self.ids[r],
+                                 logp_sparse=np.asarray(self.logps[r], dtype=np.float32), finish_reason=reason,
+                                 kv_retained_tokens=kv_retained_tokens, kv_peak_bytes=int(kv_peak_bytes),
+                                 **_stacked_topk(self.topks[r]))
 
 
 def _generator(seed: int | None, device: torch.device) -> torch.Generator:
