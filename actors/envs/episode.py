@@ -1,7 +1,7 @@
 """The batched multi-turn rollout loop (README, Multi-turn tool use): G episodes per prompt, every live
 episode's next turn sampled in one engine call, the environments stepped between turns (actors/envs/env.py), the
-token stream kept exact (actors/envs/turns.py). `actors.envs.env.run_episode` is the one-episode reference of
-the same calls.
+token stream kept exact (actors/envs/turns.py). tests/actors/envs/reference_episode.py runs one episode at a time
+with the same calls: the reference the tests check this loop against.
 
 With an engine that keeps episodes (`release` given: the torch engine's `release_episodes`, docs/results.md 9), each
 turn passes only the ids appended since the episode's last sampled token (the template boundary, the observation, the
