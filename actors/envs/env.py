@@ -132,7 +132,9 @@ class EnvStep:
 
 
 @dataclass
-class _Episode:
+class _EnvEpisode:
+    """What the pool keeps of one episode's environment: where its Env lives, the rewards its steps gave, and how
+    it failed ("" while it has not)."""
     worker: int | None  # the pid of the worker process that holds the env (None: no limit, this process)
     rewards: list = field(default_factory=list)
     failure: str = ""
@@ -155,14 +157,14 @@ class EnvPool:
         self.code = UserCode(f"{__name__}:episode_call", cfg.step_timeout_s, name=f"environment {cfg.factory}",
                              setting="actors.env.step_timeout_s", preload=("actors.tasks.data", "actors.envs.env"))
         self._prefix = uuid.uuid4().hex[:8]  # keys of pools sharing a process (step_timeout_s 0) stay apart
-        self._episodes: dict[str, _Episode] = {}
+        self._episodes: dict[str, _EnvEpisode] = {}
         self.counts = {"errors": 0, "timeouts": 0, "lost": 0}
         self.last_error = ""
 
     def reset(self, key: str, item) -> EnvStep:
         """Make episode `key`'s Env and reset it with `item` (an actors.tasks.data.Prompt): EnvStep.messages is the
         first prompt's conversation (a non-empty list), or the failure."""
-        self._episodes[key] = _Episode(worker=None)
+        self._episodes[key] = _EnvEpisode(worker=None)
         step = self._call(key, "reset", self.cfg.factory, dict(self.cfg.options), item)
         if step.failure:
             return step
