@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from actors.engines.base import check_sampling
+from actors.engines.base import SamplingParams, check_sampling
 from compressors import CompressorConfig
 
 DEFAULT_INSTRUCTION = "Solve the problem step by step. Write the final answer on the last line as '#### <number>'."
@@ -107,6 +107,9 @@ class EngineConfig:
 
 @dataclass
 class SamplingConfig:
+    """The run's sampling settings (`actors.sampling`, the user's names). An engine takes them as one request,
+    `actors.engines.base.SamplingParams` (the engines' names: `n` for samples_per_prompt), built by
+    `sampling_params()`."""
     temperature: float = 1.0
     """Softmax temperature of the sampler; the learner divides its logits by the same value (SPEC §3)."""
     max_new_tokens: int = 256
@@ -129,6 +132,16 @@ class SamplingConfig:
         check_sampling("SamplingConfig", temperature=self.temperature, max_new_tokens=self.max_new_tokens,
                        top_p=self.top_p, top_k=self.top_k, topk_logprobs=self.topk_logprobs,
                        samples_per_prompt=self.samples_per_prompt)
+
+    def sampling_params(self, seed: int | None = None) -> SamplingParams:
+        """The engine request of these settings (actors.engines.base.SamplingParams), field by field:
+        temperature -> temperature, max_new_tokens -> max_new_tokens, samples_per_prompt -> n (as SGLang and vLLM
+        name it), top_p -> top_p, top_k -> top_k, stop_strings -> stop_strings (a copy), topk_logprobs ->
+        topk_logprobs; `seed` -> seed (None: unseeded; the rollout actor sets it per batch); ignore_eos False
+        (a benchmark setting, no config field)."""
+        return SamplingParams(temperature=self.temperature, max_new_tokens=self.max_new_tokens,
+                              n=self.samples_per_prompt, top_p=self.top_p, top_k=self.top_k,
+                              stop_strings=list(self.stop_strings), seed=seed, topk_logprobs=self.topk_logprobs)
 
 
 def validate_training_sampling(sampling) -> None:

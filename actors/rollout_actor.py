@@ -229,9 +229,7 @@ class RolloutWorker:
         """The generation loop until stop(), one batch (prompts_per_batch prompts x G samples) per turn:
         wait_turn -> claim -> generate -> score -> publish; each phase recorded for the console (PhaseBoard)."""
         a = self.cfg.actors
-        params = SamplingParams(temperature=a.sampling.temperature, max_new_tokens=a.sampling.max_new_tokens,
-                                n=a.sampling.samples_per_prompt, stop_strings=list(a.sampling.stop_strings),
-                                topk_logprobs=a.sampling.topk_logprobs)
+        params = a.sampling.sampling_params()
         while not self.stopping.is_set():
             if not self._wait_turn():
                 continue

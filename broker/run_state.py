@@ -168,11 +168,6 @@ def run_known(r, run_id: str) -> bool:
     return bool(r.exists(key(run_id, LEARNER_VERSION)))
 
 
-def add_count(r, run_id: str, name: str, n: int) -> None:
-    """Add `n` to the `counts` field `name`."""
-    r.hincrby(key(run_id, COUNTS), name, int(n))
-
-
 def run_counts(r, run_id: str) -> dict[str, int]:
     """The run's persistent counters (all consumers and producers, across restarts): produced, consumed,
     groups_filtered, dropped_stale, dead_lettered, duplicates (0 when never incremented), and the admission

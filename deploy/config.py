@@ -109,7 +109,8 @@ class RunConfig:
     exactly one '/', and no such local path), is let through unchecked for clusters with hub access:
     transformers downloads it on every node that loads it, and fails there when the hub is unreachable."""
     seed: int = 0
-    """Seed of prompt order and sampling."""
+    """Seed of prompt order and sampling, and of the learner's minibatch shuffling unless `learner.seed` is set
+    (resolve_learner_seed)."""
     ray: RayConfig = field(default_factory=RayConfig)
     broker: BrokerConfig = field(default_factory=BrokerConfig)
     actors: ActorsConfig = field(default_factory=ActorsConfig)
@@ -204,6 +205,7 @@ def load_config(name_or_path: str, overrides: list[str] = (), *, check_files: bo
     except ValueError as e:  # a component's __post_init__ check
         raise ConfigError(dotted_names(str(e))) from None
     run.model = os.path.expanduser(run.model)
+    resolve_learner_seed(run)
     resolve_budget_metric(run)
     validate(run, check_files=check_files)
     if check_files:
@@ -226,6 +228,13 @@ def absolute_paths(run: RunConfig) -> None:
     run.run_dir = absolute(run.run_dir)
     run.learner.checkpoint_dir, run.learner.resume_from = (absolute(run.learner.checkpoint_dir),
                                                            absolute(run.learner.resume_from))
+
+
+def resolve_learner_seed(run: RunConfig) -> None:
+    """learner.seed None (the default) -> the run's `seed`: one seed for the whole run unless the learner's is set
+    explicitly (which is kept)."""
+    if run.learner.seed is None:
+        run.learner.seed = run.seed
 
 
 ACCEPT_TOPK = 20

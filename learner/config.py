@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 REJECTIONS = ("veto", "geometric", "none")
 FILTERS = ("none", "zero_variance")
@@ -142,8 +143,12 @@ class LearnerConfig:
     weight_sync_verify: bool = False
     """Send per-tensor checksums so actors can verify their weights after the swap."""
 
-    seed: int = 0
-    """Seed of the minibatch shuffling generator."""
+    seed: Optional[int] = None
+    """Seed of the minibatch shuffling generator. None (the default): the run's top-level `seed`, set when the run
+    config is loaded (deploy.config.resolve_learner_seed), so `seed=k` alone changes every seeded part of a run;
+    set it to shuffle with another seed than the run's. A LearnerConfig built without a run config (tests,
+    benches) shuffles with 0 when it is None. Every preset leaves both unset: seed 0, learner seed 0, as when
+    this field's default was 0."""
 
     def __post_init__(self):
         """Raise ValueError naming every bad field as `LearnerConfig.<field>=<value>: expected ...`."""

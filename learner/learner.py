@@ -369,7 +369,8 @@ class Learner:
         fused = self.fusable(batch)   # logp_old from the training forward: no separate recompute
         t = self._prepare(groups, batch, recompute=not fused)
         totals = LossTotals(distill=cfg.distill_coef > 0 and self.replays(batch), gap=self.replays(batch) and not fused)
-        shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.version)
+        seed = 0 if cfg.seed is None else cfg.seed      # None: a LearnerConfig built without a run config
+        shuffle = torch.Generator().manual_seed(seed * 1_000_003 + self.version)
         grad_norms, optimizer_steps = [], 0
         self.engine.train()
         for _epoch in range(cfg.ppo_epochs):

@@ -13,6 +13,9 @@ import torch
 
 @dataclass
 class SamplingParams:
+    """One `RolloutEngine.generate` request's sampling settings, in the engines' names (`n` samples per prompt, as
+    SGLang and vLLM name it). A run's user config is `actors.config.SamplingConfig` (`samples_per_prompt` for n);
+    `SamplingConfig.sampling_params()` turns it into this, field by field."""
     temperature: float = 1.0
     """Logits are divided by this before softmax; logp_sparse is the log-softmax of logits/temperature."""
     max_new_tokens: int = 256

@@ -196,11 +196,6 @@ class TorchEngine:
         were held."""
         return sum(self._episodes.pop(k, None) is not None for k in keys)
 
-    @property
-    def held_episodes(self) -> list[str]:
-        """Keys of the episodes whose caches the engine keeps (see `generate`'s episodes)."""
-        return list(self._episodes)
-
     def episode_kv_bytes(self, key: str) -> int:
         """K/V bytes an episode's kept cache holds between its turns (its retained slots, all layers). Raises
         KeyError for a key the engine does not hold."""

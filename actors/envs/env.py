@@ -25,10 +25,9 @@ import math
 import numbers
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from actors.config import load_callable
-from actors.envs.turns import ChatTemplate, Rollout
 from actors.user_code import UserCode, UserCodeError, UserCodeTimeout
 
 
@@ -133,7 +132,9 @@ class EnvStep:
 
 
 @dataclass
-class _Episode:
+class _EnvEpisode:
+    """What the pool keeps of one episode's environment: where its Env lives, the rewards its steps gave, and how
+    it failed ("" while it has not)."""
     worker: int | None  # the pid of the worker process that holds the env (None: no limit, this process)
     rewards: list = field(default_factory=list)
     failure: str = ""
@@ -156,14 +157,14 @@ class EnvPool:
         self.code = UserCode(f"{__name__}:episode_call", cfg.step_timeout_s, name=f"environment {cfg.factory}",
                              setting="actors.env.step_timeout_s", preload=("actors.tasks.data", "actors.envs.env"))
         self._prefix = uuid.uuid4().hex[:8]  # keys of pools sharing a process (step_timeout_s 0) stay apart
-        self._episodes: dict[str, _Episode] = {}
+        self._episodes: dict[str, _EnvEpisode] = {}
         self.counts = {"errors": 0, "timeouts": 0, "lost": 0}
         self.last_error = ""
 
     def reset(self, key: str, item) -> EnvStep:
         """Make episode `key`'s Env and reset it with `item` (an actors.tasks.data.Prompt): EnvStep.messages is the
         first prompt's conversation (a non-empty list), or the failure."""
-        self._episodes[key] = _Episode(worker=None)
+        self._episodes[key] = _EnvEpisode(worker=None)
         step = self._call(key, "reset", self.cfg.factory, dict(self.cfg.options), item)
         if step.failure:
             return step
@@ -256,46 +257,3 @@ def _message_problem(messages) -> str:
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             return f"returned message {i} {m!r:.80}: expected a {{'role': str, 'content': str}} dict"
     return ""
-
-
-# -- one episode, start to end: the calls a rollout loop makes ---------------------------------------------------
-@dataclass
-class Episode:
-    """One finished episode: `prompt_ids` (list[int], the reset's messages rendered), `rollout` (actors.envs.turns.
-    Rollout: `.ids`, `.trainable`, one 0/1 per id), `reward` (float, EnvConfig.reward; 0 on failure), `turns`
-    (sampled turns), `finish`: done | max_turns | max_total_tokens | error | timeout | lost."""
-    key: str
-    prompt_ids: list
-    rollout: Rollout
-    reward: float
-    turns: int
-    finish: str
-
-
-Generate = Callable[[list, int], Sequence[int]]
-"""generate(ids: list[int], max_new_tokens: int) -> the sampled ids (ending with the template's end-of-turn id when
-the turn ended by itself)."""
-
-
-def run_episode(pool: EnvPool, template: ChatTemplate, key: str, item, generate: Generate,
-                max_new_tokens: int) -> Episode:
-    """Run episode `key` of `item` to its end: reset, then up to `max_turns` times generate a turn (at most
-    min(max_new_tokens, tokens left of max_total_tokens)), step the environment with its text, append the
-    observation; close. Sequential and one episode at a time: the reference for a batched rollout loop, which
-    makes the same calls per live episode. Raises what `generate` raises; never what the environment does."""
-    cfg = pool.cfg
-    rollout = Rollout(template, cfg.max_total_tokens, cfg.max_obs_tokens, cfg.obs_truncation)
-    first = pool.reset(key, item)
-    prompt = [] if first.failure else template.prompt_ids(first.messages)
-    turns, finish = 0, first.failure
-    while not finish:
-        rollout.add_sampled(generate(prompt + rollout.ids, min(max_new_tokens, rollout.remaining)))
-        turns += 1
-        text = template.tokenizer.decode(rollout.turns[-1].ids, skip_special_tokens=True)
-        step = pool.step(key, text)
-        finish = step.failure or ("done" if step.done else "max_turns" if turns >= cfg.max_turns else "")
-        if not finish and rollout.add_observation(step.messages) is None:
-            finish = "max_total_tokens"
-    reward = pool.episode_reward(key)
-    pool.close(key)
-    return Episode(key, prompt, rollout, reward, turns, finish)

@@ -1,7 +1,7 @@
 """The batched multi-turn rollout loop (README, Multi-turn tool use): G episodes per prompt, every live
 episode's next turn sampled in one engine call, the environments stepped between turns (actors/envs/env.py), the
-token stream kept exact (actors/envs/turns.py). `actors.envs.env.run_episode` is the one-episode reference of
-the same calls.
+token stream kept exact (actors/envs/turns.py). tests/actors/envs/reference_episode.py runs one episode at a time
+with the same calls: the reference the tests check this loop against.
 
 With an engine that keeps episodes (`release` given: the torch engine's `release_episodes`, docs/results.md 9), each
 turn passes only the ids appended since the episode's last sampled token (the template boundary, the observation, the
@@ -105,7 +105,7 @@ def _run(generate, pool, template, items, params, kv_budgets, batch_key, release
         turn += 1
     out: list[list[EpisodeSample]] = [[] for _ in items]
     for i, ep in order:
-        out[i].append(_sample(ep, pool.episode_reward(ep.key)))
+        out[i].append(_episode_sample(ep, pool.episode_reward(ep.key)))
         pool.close(ep.key)
     return out
 
@@ -149,7 +149,8 @@ def _step_environment(pool: EnvPool, template: ChatTemplate, ep: _Live) -> None:
             ep.logps.append(np.zeros(len(obs.ids), dtype=np.float32))
 
 
-def _sample(ep: _Live, reward: float) -> EpisodeSample:
+def _episode_sample(ep: _Live, reward: float) -> EpisodeSample:
+    """The finished episode `ep` as one training sample, with the episode's `reward`."""
     trainable = np.asarray(ep.rollout.trainable, dtype=np.uint8)
     logp = np.concatenate(ep.logps) if ep.logps else np.zeros(0, np.float32)
     return EpisodeSample(

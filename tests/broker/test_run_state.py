@@ -5,6 +5,11 @@ import re
 from broker import run_state as rs
 
 
+def add_count(r, run_id: str, name: str, n: int) -> None:
+    """Add `n` to the run's `counts` field `name` (the broker's stream scripts do this in Redis)."""
+    r.hincrby(rs.key(run_id, rs.COUNTS), name, int(n))
+
+
 def test_the_table_lists_exactly_the_keys_the_module_defines():
     table = set(re.findall(r"^\| `([a-z_:]+)`", rs.__doc__, flags=re.M))
     names = {v for k, v in vars(rs).items() if k.isupper() and not k.startswith("_") and isinstance(v, str)}
@@ -19,7 +24,7 @@ def test_accessors_read_back_what_they_wrote(redis_server):
     rs.set_actors_target(r, "run", 5)
     rs.set_paused(r, "run", True)
     rs.append_budget_log(r, "run", {"version": 1})
-    rs.add_count(r, "run", "produced", 7)
+    add_count(r, "run", "produced", 7)
     assert (rs.read_learner_version(r, "run"), rs.read_kv_budget(r, "run", 0),
             rs.read_actors_target(r, "run")) == (3, 48, 5)
     assert rs.run_known(r, "run") and rs.is_paused(r, "run") and rs.read_budget_log(r, "run") == ['{"version": 1}']

@@ -84,6 +84,17 @@ def test_overrides_apply():
     assert (cfg.actors.count, cfg.actors.engine.compressor.method, cfg.learner.lr) == (3, "snapkv", 2e-6)
 
 
+def test_the_learner_seed_follows_the_run_seed_unless_set():
+    """learner.seed unset -> the run's `seed` (one seed for the whole run); set explicitly, it is kept (as
+    bench/replication.py sets both). Every preset leaves both unset: seed 0 and learner seed 0."""
+    presets = [load_config(p.stem, check_files=False) for p in sorted(CONFIG_DIR.glob("*.yaml"))]
+    assert {(cfg.seed, cfg.learner.seed) for cfg in presets} == {(0, 0)}
+    assert load_config("tiny", ["seed=3"]).learner.seed == 3
+    assert load_config("tiny", ["seed=3", "learner.seed=0"]).learner.seed == 0
+    explicit = load_config("tiny", ["learner.seed=5"])
+    assert (explicit.seed, explicit.learner.seed) == (0, 5)
+
+
 def test_main_job_defaults():
     import inspect
 

@@ -25,6 +25,7 @@ from deploy.model_cache import TINY_LLAMA, resolve_model
 from learner.config import LearnerConfig
 from learner.learner import Learner
 from learner.replay import EVICTION_NEVER
+from tests.actors.engines.kept_caches import held_episodes
 
 TURNS, BUDGET, INTERVAL = 4, 16, 5
 ITEMS = [Prompt("p0", "alpha", "1"), Prompt("p1", "beta gamma", "2")]
@@ -64,7 +65,7 @@ def episode_groups(model, tok, method: str, selection: str = "per_head") -> list
                              release=engine.release_episodes)
     finally:
         pool.shutdown()
-    assert engine.held_episodes == [] and all(s.turns == TURNS for samples in batch for s in samples)
+    assert held_episodes(engine) == [] and all(s.turns == TURNS for samples in batch for s in samples)
     groups = []
     for i, samples in enumerate(batch):
         records = [SampleRecord(np.asarray(s.prompt_ids, np.int32), np.asarray(s.response_ids, np.int32),

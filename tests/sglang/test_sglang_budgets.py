@@ -14,13 +14,23 @@ import torch
 
 pytest.importorskip("sglang.srt", reason="needs the SGLang lane venv: bash scripts/setup_sglang_cpu.sh")
 
+from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
+
 from actors.engines.base import SamplingParams
-from actors.engines.sglang import triton_backend as backend
 from actors.engines.sglang.engine import budget_rid, rid_budget, sglang_request
 
 pytestmark = pytest.mark.sglang
 RUN_BUDGET = 16
 PARAMS = SamplingParams(temperature=0, max_new_tokens=2, n=2, ignore_eos=True)
+
+
+class KVBudgetCarrier(CustomLogitProcessor):
+    """The earlier budget carrier (no longer attached by `SGLangEngine.generate`): a no-op custom logit processor
+    that made SGLang hand each request's `custom_params` to the model worker's batch, at the cost of SGLang's
+    per-decode-step custom processor pass (what test_old_carrier_path_runs_per_decode_step shows)."""
+
+    def __call__(self, logits, custom_param_list=None):
+        return logits
 
 
 def sent_budgets(request) -> list[int]:
@@ -58,7 +68,7 @@ class CarrierBatch:
 
         self.bs, self.has_custom_logit_processor = bs, carrier
         self.custom_params = [{"sparse_rl_kv_budget": 16}] * bs if carrier else None
-        self.custom_logit_processor = {0: ProcessorEntry(processor=backend.KVBudgetCarrier(), rows=list(range(bs)),
+        self.custom_logit_processor = {0: ProcessorEntry(processor=KVBudgetCarrier(), rows=list(range(bs)),
                                                          indices=torch.arange(bs))} if carrier else None
 
     def __len__(self):

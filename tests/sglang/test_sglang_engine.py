@@ -9,8 +9,9 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from actors.engines.base import SamplingParams
-from actors.engines.sglang.engine import SGLangEngine, sglang_sender_group
+from actors.engines.sglang.engine import SGLangEngine
 from tests.sglang.conftest import CPU_ENGINE_KWARGS
+from tests.sglang.weight_group import join_weight_group, receive_weights_from_distributed, sglang_sender_group
 
 pytestmark = pytest.mark.sglang
 torch.set_num_threads(1)
@@ -127,13 +128,13 @@ def test_weight_update_over_gloo_group(engine, tiny_qwen2_dir):
 
     joiner = threading.Thread(target=learner_join)
     joiner.start()
-    engine.join_weight_group("127.0.0.1", port, rank_offset=1, world_size=2, group_name="test_weights",
-                             backend="gloo")
+    join_weight_group(engine, "127.0.0.1", port, rank_offset=1, world_size=2, group_name="test_weights",
+                      backend="gloo")
     joiner.join(60)
     assert not errors and "pg" in group
     sender = threading.Thread(target=learner_send)
     sender.start()
-    engine.receive_weights_from_distributed(buckets, version=5)
+    receive_weights_from_distributed(engine, buckets, version=5)
     sender.join(60)
     assert not errors and not sender.is_alive()
     assert engine.weight_version == 5

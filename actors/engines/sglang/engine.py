@@ -22,9 +22,9 @@ Weight updates, two paths (docs/sglang.md, "Weight updates"):
 - `load_weights(named_tensors, version)` (the `RolloutEngine` protocol): the actor receives the learner's
   broadcast with `broker.weight_sync.WeightReceiver` and hands the tensors to SGLang with
   `update_weights_from_tensor` (CUDA IPC handles on GPU, no copy through the host).
-- `join_weight_group` + `receive_weights_from_distributed`: SGLang joins the learner's collective group
-  itself and receives the broadcast straight into its model (`update_weights_from_distributed`, bucketed),
-  for a learner that drives SGLang's own protocol (`sglang_sender_group` builds the matching group).
+- SGLang joins the learner's collective group itself and receives the broadcast straight into its model
+  (`update_weights_from_distributed`, bucketed), for a learner that drives SGLang's own protocol: not used by
+  the actors; both ends are in tests/sglang/weight_group.py, on this engine's weight-update session.
 Every update runs inside `begin_weight_update` / `end_weight_update` (required since 0.5.23), flushes the
 prefix cache, and every engine call has a timeout; a failed call raises `RuntimeError` with SGLang's message.
 """
@@ -35,7 +35,6 @@ import json
 import os
 import tempfile
 from dataclasses import asdict, replace
-from datetime import timedelta
 from typing import Iterable
 
 import numpy as np
@@ -429,56 +428,6 @@ class SGLangEngine:
         self._weight_session(lambda: tm.update_weights_from_tensor(obj, None), "update_weights_from_tensor")
         self.weight_version = version
 
-    def join_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                          group_name: str = "sparse_rl_weights", backend: str = "nccl") -> None:
-        """SGLang joins the learner's weight-broadcast group as ranks rank_offset..rank_offset+tp_size-1
-        (`init_weights_update_group`). The learner must be rank 0 of a group built like
-        `sglang_sender_group` (same address, port, world size, group name, backend) at the same time.
-        Raises RuntimeError with SGLang's message on failure or timeout."""
-        from sglang.srt.managers.io_struct import InitWeightsUpdateGroupReqInput
-
-        obj = InitWeightsUpdateGroupReqInput(master_address=master_address, master_port=master_port,
-                                             rank_offset=rank_offset, world_size=world_size,
-                                             group_name=group_name, backend=backend)
-        self._check(self._call(self.engine.tokenizer_manager.init_weights_update_group(obj, None),
-                               "init_weights_update_group"), "init_weights_update_group")
-        self.weight_group = group_name
-
-    def receive_weights_from_distributed(self, buckets: list[list[tuple[str, str, tuple[int, ...]]]],
-                                         version: int) -> None:
-        """Receive one weight sync straight into SGLang's model over the group of `join_weight_group`.
-
-        buckets: per bucket, (name, dtype name e.g. "bfloat16", shape) of each tensor in broadcast order; for
-            each bucket the learner broadcasts the tensors from rank 0 in that order (`dist.broadcast(t, 0,
-            group)`) while this call waits (`update_weights_from_distributed`; the first bucket is received
-            only after `begin_weight_update` returned: start broadcasting once this call is running).
-        Runs begin_weight_update -> one update_weights_from_distributed per bucket (prefix cache flushed with
-        the last) -> end_weight_update and sets `weight_version = version`. Raises ValueError for names or
-        shapes not in the model, RuntimeError with SGLang's message on failure or timeout.
-        """
-        from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
-
-        problems = [f"{n}: {tuple(s)} vs model {self.manifest.get(n, (None,))[0]}" for b in buckets
-                    for n, _, s in b if n in self.manifest and tuple(s) != self.manifest[n][0]]
-        problems += [f"unknown parameter {n!r}" for b in buckets for n, _, _ in b
-                     if n not in self.manifest and not (n == "lm_head.weight" and self.tied_embeddings)]
-        if problems:
-            raise ValueError("receive_weights_from_distributed rejected the manifest: " + "; ".join(problems))
-        tm = self.engine.tokenizer_manager
-
-        async def _all_buckets():
-            for i, bucket in enumerate(buckets):
-                obj = UpdateWeightsFromDistributedReqInput(
-                    names=[n for n, _, _ in bucket], dtypes=[d for _, d, _ in bucket],
-                    shapes=[list(s) for _, _, s in bucket], group_name=self.weight_group,
-                    flush_cache=i == len(buckets) - 1, weight_version=str(version))
-                self._check(await tm.update_weights_from_distributed(obj, None), f"update_weights_from_distributed "
-                            f"(bucket {i})")
-            return True, "ok"
-
-        self._weight_session(_all_buckets, "receive_weights_from_distributed")
-        self.weight_version = version
-
     def _weight_session(self, make_update, what: str) -> None:
         """begin_weight_update -> await make_update() -> end_weight_update, each with the timeout; end is
         attempted even when the update failed, then the first error is raised."""
@@ -611,21 +560,3 @@ def _on_subprocess_failure() -> None:
     for eng, dead in found or [(eng, None) for eng in engines]:
         eng._fail(dead)
 
-
-def sglang_sender_group(master_address: str, master_port: int, world_size: int,
-                        group_name: str = "sparse_rl_weights", backend: str = "nccl", timeout_s: float = 600.0):
-    """The learner's end (rank 0) of the group SGLang builds in `init_weights_update_group`: the same
-    rendezvous as SGLang's `init_custom_process_group` -- `tcp://addr:port` (rank 0 hosts the TCPStore), keys
-    under `PrefixStore(group_name)`, torch's `_new_process_group_helper(group_name=group_name)` -- so both
-    ends meet. Returns the ProcessGroup; broadcast with `dist.broadcast(t, src=0, group=pg)`. Depends only on
-    torch (the learner needs no SGLang). Call it concurrently with `SGLangEngine.join_weight_group`."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
-
-    timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size,
-                                              timeout=timeout))
-    store.set_timeout(timeout)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                      group_name=group_name, timeout=timeout)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg

@@ -49,7 +49,6 @@ import os
 import numpy as np
 import torch
 from sglang.srt.layers.attention.triton_backend import ForwardMetadata, TritonAttnBackend
-from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
 
 from actors.engines.kv_memory import EVENT_BYTES_CAP, compression_event_bytes, event_calls, event_chunk_rows
 from actors.engines.sglang.contract import JOINS_ENV, KV_STATS_ENV, rid_budget
@@ -67,16 +66,6 @@ PAD_ROW = 0
 padded graph lanes read and write only it (its start stays 0, its `req_to_token` entries point at slot 0)."""
 PAD_TAILS = ("reset", "stale_rows", "stale_all")
 """The padded tails the self-check replays in turn (`padded_replay_view`)."""
-
-
-class KVBudgetCarrier(CustomLogitProcessor):
-    """The earlier budget carrier (no longer attached): a no-op custom logit processor that made SGLang hand each
-    request's `custom_params` to the model worker's batch, at the cost of SGLang's per-decode-step custom
-    processor pass. Kept for tests/sglang/test_sglang_triton_safety.py, which shows the decode guard failing
-    on that path."""
-
-    def __call__(self, logits, custom_param_list=None):
-        return logits
 
 
 class HostSyncError(RuntimeError):

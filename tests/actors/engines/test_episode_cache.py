@@ -20,6 +20,7 @@ from actors.tasks.data import Prompt
 from compressors import CompressorConfig
 from deploy.model_cache import TINY_LLAMA, resolve_model
 from test_torch_engine import VOCAB, tiny_model, tiny_tokenizer
+from tests.actors.engines.kept_caches import held_episodes
 
 NEVER = np.iinfo(np.uint16).max
 
@@ -163,7 +164,7 @@ def test_dense_continuation_equals_the_re_prefill(tiny_llama, pool):
     template = ChatTemplate.build(tok)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12, n=2)
     kept, again = episodes(engine, pool, template, greedy, True), episodes(engine, pool, template, greedy, False)
-    assert engine.held_episodes == []
+    assert held_episodes(engine) == []
     for a, b in zip(kept, again):
         assert a.response_ids == b.response_ids and a.turns == b.turns >= 2 and a.obs_tokens > 0
         np.testing.assert_allclose(a.logp_sparse, b.logp_sparse, atol=1e-5, rtol=0)
@@ -176,7 +177,7 @@ def test_dense_continuation_equals_the_re_prefill(tiny_llama, pool):
         sampled = s.trainable == 1
         np.testing.assert_allclose(s.logp_sparse[sampled], ref[sampled], atol=1e-5, rtol=0)
         checked += int(sampled.sum())
-    assert checked > 20 and engine.held_episodes == []
+    assert checked > 20 and held_episodes(engine) == []
 
 
 def test_sparse_episodes_carry_the_whole_episode_record(tiny_llama, pool):
@@ -197,7 +198,7 @@ def test_sparse_episodes_carry_the_whole_episode_record(tiny_llama, pool):
         sampled = s.trainable == 1
         np.testing.assert_allclose(s.logp_sparse[sampled], ref[sampled], atol=1e-5, rtol=0)
         evicted += int((s.eviction_steps != NEVER).sum())
-    assert evicted > 0 and engine.held_episodes == []
+    assert evicted > 0 and held_episodes(engine) == []
 
 
 def test_release_frees_the_kept_state():
@@ -208,15 +209,15 @@ def test_release_frees_the_kept_state():
     params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=0)
     engine.generate([PROMPT, PROMPT[:5]], params, episodes=["a", "b"])
     engine.generate([OBS[0]], params, episodes=["a"])
-    assert sorted(engine.held_episodes) == ["a", "b"] and engine.episode_kv_bytes("a") > 0
+    assert sorted(held_episodes(engine)) == ["a", "b"] and engine.episode_kv_bytes("a") > 0
     with pytest.raises(ValueError, match="release_episodes"):
         engine.load_weights(engine.model.state_dict().items(), version=1)
-    assert engine.release_episodes(["a", "zz"]) == 1 and engine.held_episodes == ["b"]
+    assert engine.release_episodes(["a", "zz"]) == 1 and held_episodes(engine) == ["b"]
     with pytest.raises(KeyError):
         engine.episode_kv_bytes("a")
     (s,), = engine.generate([OBS[0]], params, episodes=["a"])
     assert s.eviction_steps.shape[2] == len(OBS[0]) + 6                  # a new episode: only this prompt
-    assert engine.release_episodes(engine.held_episodes) == 2 and engine.held_episodes == []
+    assert engine.release_episodes(held_episodes(engine)) == 2 and held_episodes(engine) == []
     engine.load_weights(engine.model.state_dict().items(), version=1)
     with pytest.raises(ValueError, match="episodes"):
         engine.generate([PROMPT], SamplingParams(n=2), episodes=["a"])

@@ -16,12 +16,13 @@ import psutil
 import pytest
 from transformers import AutoTokenizer
 
-from actors.envs.env import EnvConfig, EnvPool, check_env_factory, run_episode
+from actors.envs.env import EnvConfig, EnvPool, check_env_factory
 from actors.envs.lookup import DISABLED, LookupEnv, answer_key, demonstration_stream, lookup_items, tool_answer
 from actors.envs.turns import ChatTemplate
 from actors.tasks.data import Prompt
 from deploy.model_cache import SMOLLM2, resolve_model
 from learner.warmup import _row
+from tests.actors.envs.reference_episode import run_episode
 
 SCRIPTED = "scripted_envs:ScriptedEnv"
 LOOKUP = "actors.envs.lookup:LookupEnv"

@@ -1,6 +1,6 @@
 """The batched multi-turn loop (actors/envs/episode.py) on the real torch engine (the shipped tiny Llama with SmolLM2's
 chat template) and real environment workers: it makes the calls of the one-episode reference
-(actors.envs.env.run_episode), its dense log-probs are a teacher-forced forward over the whole episode, and
+(tests/actors/envs/reference_episode.py), its dense log-probs are a teacher-forced forward over the whole episode, and
 environment tokens are marked untrainable with log-prob 0."""
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from actors.engines.base import SamplingParams
 from actors.engines.torch_engine import TorchEngine
-from actors.envs.env import EnvConfig, EnvPool, run_episode
+from actors.envs.env import EnvConfig, EnvPool
 from actors.envs.episode import run_episodes
 from actors.envs.turns import ChatTemplate
 from actors.tasks.data import Prompt
 from compressors import CompressorConfig
 from deploy.model_cache import TINY_LLAMA, resolve_model
+from tests.actors.envs.reference_episode import run_episode
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
 """Prompt data: the vendored GSM8K items, reasoning-gym problems, chat templating, config validation."""
+import dataclasses
 import json
 
 import pytest
@@ -54,6 +55,20 @@ def test_gsm8k_jsonl_source_and_bad_rows(tmp_path, tokenizer):
         load_eval_items("no_such_set")
     assert tokenize_prompts([], tokenizer) == []
 
+
+def test_the_sampling_config_becomes_the_engine_request_field_by_field():
+    """SamplingConfig.sampling_params(): samples_per_prompt -> n, every other field by its own name, the seed given,
+    stop strings copied; the two classes' fields differ only by that mapping (a field added to one is seen)."""
+    cfg = SamplingConfig(temperature=0.7, max_new_tokens=12, samples_per_prompt=4, top_p=0.9, top_k=5,
+                         stop_strings=["\n"], topk_logprobs=3)
+    params = cfg.sampling_params(seed=7)
+    assert params == SamplingParams(temperature=0.7, max_new_tokens=12, n=4, top_p=0.9, top_k=5, stop_strings=["\n"],
+                                    seed=7, topk_logprobs=3, ignore_eos=False)
+    params.stop_strings.append("x")
+    assert cfg.stop_strings == ["\n"] and SamplingConfig().sampling_params().seed is None
+    config_fields = {f.name for f in dataclasses.fields(SamplingConfig)}
+    assert config_fields - {"samples_per_prompt"} | {"n", "seed", "ignore_eos"} == \
+        {f.name for f in dataclasses.fields(SamplingParams)}
 
 def test_training_sampling_rejects_truncation():
     validate_training_sampling(SamplingConfig())
