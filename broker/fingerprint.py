@@ -69,8 +69,10 @@ def tolerance(dtype) -> float:
     float32 1.4e-5, float16 0.039, bfloat16 0.36 (mean over positions 0.074). The probe's random tokens are
     unlikely ones (log-probs -10 to -22), where bfloat16's coarse spacing shows (numbers of 16 to 32 lie 0.125 apart).
     float32: 1e-3, 70x the measured noise (it assumes no TF32 matmuls, torch's default; a GPU setup that turns them
-    on rounds like a 10-bit dtype: use warn there). One optimizer step of the tiny preset moves the probe further
-    than 10x this (tests/deploy/test_weight_sync_fingerprint.py).
+    on rounds like a 10-bit dtype: use warn there). One update of the tiny-learn preset (lr 1e-2) moved the probe
+    by ~1 nat, one of a tiny Llama at lr 1e-3 by more than 10x this (tests/deploy/test_weight_sync_fingerprint.py,
+    tests/learner/test_learner_fingerprint.py); a step whose advantages are all 0 (every reward equal) moves it
+    only by its weight decay (~1e-5 on the tiny preset).
     float16: 0.1; bfloat16: 1.0, ~3x the measured noise, since a false alarm ends the run under `error`. One update
     at a small learning rate moves a bf16 probe less than that: there the check sees a sync that never arrives
     once the versions have drifted apart (learner.weight_sync_verify compares bytes, torch engine only).

@@ -2,9 +2,11 @@
 weights: the fault `actor.load_weights:<actor>@<v>=stale`, broker/faults.py) ends the run within a step of v with
 one line naming the actor and the version, exit 1, MLflow FAILED (learner.weight_sync_fingerprint=error, the
 default: broker/fingerprint.py, deploy/actor_pool.py check_fingerprints); the line's difference, one update of the
-tiny preset, is more than 10x the fp32 tolerance, so the check can see a single missed version. The control: the same
-run with the check off finishes. `sparse-rl train` of the `tiny` preset in a subprocess, real Ray, Redis, DeepSpeed
-and MLflow; one rollout actor, so that the version is swapped in by the next sync round."""
+tiny-learn preset, is more than 10x the fp32 tolerance, so the check can see a single missed version. The control:
+the same run with the check off finishes. `sparse-rl train` of the `tiny-learn` preset (a tiny model that learns:
+its updates move the weights; the `tiny` preset's rewards are all 0, so its steps change nearly nothing) in a
+subprocess, real Ray, Redis, DeepSpeed and MLflow; one rollout actor, so that the version is swapped in by the next
+sync round at the latest."""
 from __future__ import annotations
 
 import re
@@ -16,7 +18,7 @@ from tests.deploy.test_faults import ENV, mlflow_status, one_line, sparse_rl
 
 pytestmark = pytest.mark.system
 STALE_AT = 2
-BASE = ["--config", "tiny", "train.steps=3", "eval.enabled=false", "actors.count=1"]
+BASE = ["--config", "tiny-learn", "train.steps=3", "actors.count=1"]
 FAULT = {**ENV, "SPARSE_RL_FAULTS": f"actor.load_weights:actor-0@{STALE_AT}=stale"}
 
 
