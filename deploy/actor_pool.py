@@ -318,7 +318,10 @@ class ActorPool:
     def sync_weights(self) -> dict:
         """One sync round: the learner broadcasts its weights to every live actor over the sync group, rebuilt
         (new generation) when membership changed. An actor that fails the round is dropped and replaced at
-        the next scale(); the learner never waits longer than the collective timeout."""
+        the next scale(); the learner never waits longer than the collective timeout. Then the weight-sync
+        fingerprints (check_fingerprints: raises RunFailed under learner.weight_sync_fingerprint=error). Returns the
+        round's metrics (the learner's send stats, weight_sync_failed_actors, actors_live, actors_replaced and, where
+        an actor's fingerprint was compared, weight_sync_fingerprint_max_abs)."""
         self.alive()
         members = self.ready()  # actors still starting join the round after they are ready
         if self.membership_changed():

@@ -54,7 +54,8 @@ class LearnerWorker:
                                    timeout_s=lcfg.weight_sync_timeout_s, bucket_mb=lcfg.weight_sync_bucket_mb,
                                    verify=lcfg.weight_sync_verify)
         self.generation = -1
-        tokens = fingerprint_tokens(self.cfg)  # the weight-sync fingerprint's probe (broker/fingerprint.py), or None
+        # the weight-sync fingerprint's probe (broker/fingerprint.py); None with learner.weight_sync_fingerprint=off
+        tokens = fingerprint_tokens(self.cfg)
         self.probe = probe(self.learner.engine.module.config.vocab_size, tokens) if tokens else None
         self.updating = threading.Lock()  # a weight broadcast never reads weights the optimizer is changing
         self.fault = {n: faults.wrap(lambda: None, f"learner.{n}", rank, when=version)
