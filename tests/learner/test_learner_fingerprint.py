@@ -4,6 +4,7 @@ learner step moves them by far more than that."""
 import copy
 
 import numpy as np
+import pytest
 
 from actors.engines.torch_engine import TorchEngine
 from broker import fingerprint as fp
@@ -14,11 +15,12 @@ from tests.actors.engines.test_torch_engine import tiny_tokenizer
 from tests.learner.conftest import VOCAB, make_groups, tiny_llama
 
 
-def test_learner_score_equals_the_engines_and_one_step_moves_it_past_the_tolerance():
+@pytest.mark.parametrize("policy_target", ["dense", "sparse"])   # sparse: the replay's attention implementation
+def test_learner_score_equals_the_engines_and_one_step_moves_it_past_the_tolerance(policy_target):
     model = tiny_llama()
     engine = TorchEngine(copy.deepcopy(model).eval(), tokenizer=tiny_tokenizer(), compressor_cfg=CompressorConfig(
         method="rkv", kv_budget=16, window=4, interval=4))
-    learner = Learner(model, LearnerConfig(lr=1e-3, kl_coef=0.0))
+    learner = Learner(model, LearnerConfig(lr=1e-3, kl_coef=0.0, policy_target=policy_target))
     probe = fp.probe(VOCAB, fp.probe_tokens(16)) + [[3, 9, 27]]        # and one of another length (padding)
     learner.engine.module.train()
     before = learner.score(probe)

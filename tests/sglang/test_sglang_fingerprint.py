@@ -42,9 +42,9 @@ def hf_score(model, token_ids) -> list:
 
 def test_score_is_the_teacher_forced_log_probs_and_follows_load_weights(engine, tiny_qwen2_dir):
     model = Qwen2ForCausalLM.from_pretrained(tiny_qwen2_dir).eval()
-    probe = fp.probe(engine.vocab_size, fp.probe_tokens(BUDGET)) + [[3, 9, 27]]
+    probe = fp.probe(engine.vocab_size, fp.probe_tokens(BUDGET)) + [[3, 9, 27, 81, 200]]   # (>= the window)
     got = engine.score(probe)
-    assert [g.shape for g in got] == [(BUDGET - 1,)] * fp.PROBE_SEQUENCES + [(2,)]
+    assert [g.shape for g in got] == [(BUDGET - 1,)] * fp.PROBE_SEQUENCES + [(4,)]
     assert {g.dtype.name for g in got} == {"float32"}
     tolerance = fp.tolerance("float32")
     assert fp.max_abs(hf_score(model, probe), got) < tolerance / 10
