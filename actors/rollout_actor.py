@@ -38,11 +38,15 @@ from actors.tasks.reward import RewardResult, RewardScorer
 from broker import faults
 from broker import run_state as rs
 from broker.admission import Admission, Claim, ClaimExpired
+from broker.fingerprint import probe
 from broker.schema import SampleRecord, TrajectoryGroup
 from broker.streams import GroupProducer, connect, queue_depth
 from broker.weight_sync import WeightReceiver
 from compressors import CompressorConfig
 from compressors.budget import scheduled_budget, tier_budget, tier_of
+
+MAX_FINGERPRINTS = 16
+"""Weight-sync fingerprints an actor keeps until the driver reads them (it reads them after every sync round)."""
 
 
 def build_engine(engine_cfg, model_path: str, compressor: CompressorConfig, torch_threads: int,
@@ -132,6 +136,14 @@ class RolloutWorker:
                                            when=lambda: self.engine.weight_version)
         self.published = faults.wrap(lambda: None, "actor.published", actor_id, when=lambda: self.engine.weight_version)
         self.stopping_fault = faults.wrap(lambda: None, "actor.stop", actor_id)   # in stop_generation
+        self.loading = -1   # the weight version being swapped in (_swap), the actor.load_weights fault's `when`
+        self.load_weights = faults.wrap(self.engine.load_weights, "actor.load_weights", actor_id,
+                                        when=lambda: self.loading, stale=self._stale_load)
+        # the weight-sync fingerprint (broker/fingerprint.py): the probe this engine scores after every swap, and the
+        # (version, log-probs) of each swap until the driver reads them (fingerprints)
+        tokens = self.cfg.fingerprint_tokens
+        self.probe = probe(self.engine.vocab_size, tokens) if tokens else None
+        self.scored: list[tuple[int, list]] = []
         self.tokenizer = self.engine.tokenizer
         self.prompts = load_train_prompts(a.data, self.tokenizer, seed=self.cfg.seed)
         self.reward = RewardScorer(a.reward)
@@ -202,7 +214,8 @@ class RolloutWorker:
         return version
 
     def _swap(self, wait: bool = True) -> None:
-        """Load the staged weights, if any, between two generate calls (never during one)."""
+        """Load the staged weights, if any, between two generate calls (never during one); then, with the weight-sync
+        fingerprint on, score its probe with the engine as it now is."""
         if not self.generating.acquire(blocking=wait):
             return
         try:
@@ -210,11 +223,29 @@ class RolloutWorker:
                 staged, self.staged = self.staged, None
             if staged is not None:
                 version, tensors = staged
-                self.engine.load_weights(tensors, version)
+                self.loading = version
+                self.load_weights(tensors, version)
                 if self.cfg.weight_sync_verify:  # per-tensor checksums of the live weights after the swap
                     self.receiver.verify(self.engine.model)
+                if self.probe is not None:
+                    logps = self.engine.score(self.probe)
+                    with self.lock:
+                        self.scored = [*self.scored[-(MAX_FINGERPRINTS - 1):], (version, logps)]
         finally:
             self.generating.release()
+
+    def _stale_load(self, named_tensors, version: int) -> None:
+        """The actor.load_weights fault `stale` (broker/faults.py): the engine reports `version` and keeps its old
+        weights, a weight sync that never reached the engine."""
+        self.engine.weight_version = version
+
+    def fingerprints(self) -> list[tuple[int, list]]:
+        """The weight-sync fingerprints since the last call, oldest first (at most MAX_FINGERPRINTS): (the version
+        swapped in, the engine's log-probs of the probe right after: per sequence float32 [tokens - 1]), for the
+        driver to compare with the learner's of that version (deploy/actor_pool.py check_fingerprints)."""
+        with self.lock:
+            scored, self.scored = self.scored, []
+        return scored
 
     # -- generation loop -----------------------------------------------------------------------------------
     def _run_safely(self) -> None:

@@ -93,6 +93,9 @@ class RolloutConfig:
     """learner.weight_sync_timeout_s of the run, seconds."""
     weight_sync_verify: bool = False
     """learner.weight_sync_verify of the run: check per-tensor checksums after each swap."""
+    fingerprint_tokens: int = 0
+    """Tokens per sequence of the weight-sync fingerprint's probe (broker/fingerprint.py), scored after each swap
+    (learner.weight_sync_fingerprint error | warn); 0 = off."""
     record_evictions: bool = False
     """Attach each sample's eviction record (learner.policy_target=sparse on a compressing run: the learner
     replays it). Torch engine only."""

@@ -8,6 +8,7 @@ import time
 import ray
 
 from broker import run_state as rs
+from broker.fingerprint import max_abs, tolerance
 from broker.streams import connect, oldest_unread_s
 from deploy.config import RunConfig, rollout_config, to_dict
 from deploy.rank_calls import RANK_FAILURE_WAIT_S, LearnerRankError
@@ -17,6 +18,9 @@ WAIT_POLL_S = 2.0
 MAX_START_FAILURES = 3
 """Rollout actors in a row that die while starting (each after Ray's own restarts) before the run fails:
 no actor can ever produce."""
+FINGERPRINT_VERSIONS = 64
+"""The learner's fingerprints the pool keeps (the latest versions): an actor's is compared at the first sync round
+after it swapped that version in, within max_staleness of the learner's."""
 BATCH_TIMEOUT_SYNCS = 5
 """An actor told to stop (scale-down, end of training) may take this many weight-sync timeouts to finish its
 batch before it is killed."""
@@ -65,6 +69,7 @@ class ActorPool:
             learners.on_wait = self.learner_waiting
         self.sync_address = None  # (host, port) of the learner's TCPStore: asked at the first sync (the
         # learner may still be starting while the actors start)
+        self.expected: dict[int, list] = {}  # weight version -> the learner's fingerprint (broker/fingerprint.py)
 
     def _start(self):
         from actors.rollout_actor import RolloutWorker
@@ -313,7 +318,10 @@ class ActorPool:
     def sync_weights(self) -> dict:
         """One sync round: the learner broadcasts its weights to every live actor over the sync group, rebuilt
         (new generation) when membership changed. An actor that fails the round is dropped and replaced at
-        the next scale(); the learner never waits longer than the collective timeout."""
+        the next scale(); the learner never waits longer than the collective timeout. Then the weight-sync
+        fingerprints (check_fingerprints: raises RunFailed under learner.weight_sync_fingerprint=error). Returns the
+        round's metrics (the learner's send stats, weight_sync_failed_actors, actors_live, actors_replaced and, where
+        an actor's fingerprint was compared, weight_sync_fingerprint_max_abs)."""
         self.alive()
         members = self.ready()  # actors still starting join the round after they are ready
         if self.membership_changed():
@@ -334,6 +342,10 @@ class ActorPool:
                 raise e.cause from e
             stats = {"weight_sync_error": 1.0}  # a peer died mid-round: the collective timed out
             print(f"weight sync failed, membership will be rebuilt: {e}")
+        if "fingerprint" in stats:  # the learner's probe log-probs at the version it sent
+            version, logps = stats.pop("fingerprint")
+            self.expected[version] = logps
+            self.expected = {v: e for v, e in self.expected.items() if v > version - FINGERPRINT_VERSIONS}
         for _i, ref in recvs.items():
             try:
                 ray.get(ref, timeout=self.cfg.learner.weight_sync_timeout_s)
@@ -341,7 +353,39 @@ class ActorPool:
                 failed += 1
                 self.members = []  # force a new generation next round
         return {**stats, "weight_sync_failed_actors": float(failed), "actors_live": float(len(members)),
-                "actors_replaced": float(self.replaced)}
+                "actors_replaced": float(self.replaced), **self.check_fingerprints()}
+
+    def check_fingerprints(self) -> dict:
+        """Compare the weight-sync fingerprints each ready actor took since the last call (its engine's log-probs of
+        the probe right after each swap) with the learner's of the same version (broker/fingerprint.py), under the
+        tolerance of the sync dtype (learner.dtype). Returns {"weight_sync_fingerprint_max_abs": the largest
+        difference, nats}, or {} when nothing was compared (off, or no actor swapped a version the pool knows).
+        Raises RunFailed with one line naming the first actor and version over the tolerance under
+        learner.weight_sync_fingerprint=error; prints that line for each under warn."""
+        mode, dtype = self.cfg.learner.weight_sync_fingerprint, self.cfg.learner.dtype
+        if mode == "off":
+            return {}
+        refs = {i: self.actors[i].fingerprints.remote() for i in self.ready()}
+        worst, lines = None, []
+        for i, ref in refs.items():
+            try:
+                scored = ray.get(ref, timeout=self.cfg.learner.weight_sync_timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                continue  # a lost actor: alive() replaces it at the next round
+            for version, logps in scored:
+                if version not in self.expected:
+                    continue  # (a version sent before this pool's first sync round)
+                diff = max_abs(self.expected[version], logps)
+                worst = diff if worst is None else max(worst, diff)
+                if diff > tolerance(dtype):
+                    lines.append(f"weight sync fingerprint: actor-{i} at weight version {version}: its engine's "
+                                 f"log-probs of the probe differ from the learner's by {diff:.3g} nats (tolerance "
+                                 f"{tolerance(dtype):g} at {dtype}): the engine does not hold the weights it reports")
+        if lines and mode == "error":
+            raise RunFailed(f"{lines[0]} (learner.weight_sync_fingerprint=warn goes on past it)")
+        for line in lines:
+            print(line, flush=True)
+        return {} if worst is None else {"weight_sync_fingerprint_max_abs": worst}
 
     def metrics(self) -> dict:
         """The rollout metrics since the last call: the counts (rollout_groups, reward_errors, claims_lost,

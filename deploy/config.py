@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from actors.rollout_config import ActorsConfig, EvalConfig, RolloutConfig
 from broker.config import BrokerConfig
+from broker.fingerprint import probe_tokens
 from deploy.model_cache import (
     SMOLLM2,
     SMOLLM2_COUNT_WARM,
@@ -127,7 +128,30 @@ def rollout_config(run: RunConfig) -> RolloutConfig:
     return RolloutConfig(model=run.model, seed=run.seed, train_steps=run.train.steps, actors=run.actors,
                          broker=run.broker, eval=run.eval, weight_sync_backend=lcfg.weight_sync_backend,
                          weight_sync_timeout_s=lcfg.weight_sync_timeout_s, weight_sync_verify=lcfg.weight_sync_verify,
+                         fingerprint_tokens=fingerprint_tokens(run),
                          record_evictions=lcfg.replays(run.actors.engine.compressor.method))
+
+
+def fingerprint_tokens(run: RunConfig) -> int:
+    """Tokens per sequence of the weight-sync fingerprint's probe, the same for the learner and every actor:
+    broker.fingerprint.probe_tokens of the smallest KV budget the run may use (none with compressor method full);
+    0 with learner.weight_sync_fingerprint=off. Raises ValueError when that budget is below the probe's minimum
+    (the config check refuses the run first: check_fingerprint)."""
+    if run.learner.weight_sync_fingerprint == "off":
+        return 0
+    compressor = run.actors.engine.compressor
+    return probe_tokens(compressor.budget_range()[0] if compressor.method != "full" else None)
+
+
+def check_fingerprint(run: RunConfig) -> None:
+    """learner.weight_sync_fingerprint's probe fits the run's smallest KV budget (broker/fingerprint.py), else
+    ConfigError naming both fields."""
+    try:
+        fingerprint_tokens(run)
+    except ValueError as e:
+        raise ConfigError(f"learner.weight_sync_fingerprint={run.learner.weight_sync_fingerprint}: {e} "
+                          f"(actors.engine.compressor.kv_budget={run.actors.engine.compressor.kv_budget} and its "
+                          "schedule, controller and tiers): set learner.weight_sync_fingerprint=off") from None
 
 
 def _mount_points(cls: type = RunConfig, prefix: str = "") -> dict[type, str]:
@@ -330,6 +354,7 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
         check_data(run)
         check_services(run)
     check_ranges(run)
+    check_fingerprint(run)
     if run.actors.env.factory:
         check_multiturn(run)
     for mode in run.eval.modes:

@@ -13,9 +13,10 @@ from transformers import AutoTokenizer
 
 from broker import faults
 from broker import run_state as rs
+from broker.fingerprint import probe
 from broker.streams import connect
 from broker.weight_sync import WeightSender
-from deploy.config import RunConfig
+from deploy.config import RunConfig, fingerprint_tokens
 from deploy.rank_calls import AllRanks, on_all_ranks, wait_ranks
 from learner.step import LearnerStep, OneRank, Resume, StepConfig, StepReport
 
@@ -53,6 +54,9 @@ class LearnerWorker:
                                    timeout_s=lcfg.weight_sync_timeout_s, bucket_mb=lcfg.weight_sync_bucket_mb,
                                    verify=lcfg.weight_sync_verify)
         self.generation = -1
+        # the weight-sync fingerprint's probe (broker/fingerprint.py); None with learner.weight_sync_fingerprint=off
+        tokens = fingerprint_tokens(self.cfg)
+        self.probe = probe(self.learner.engine.module.config.vocab_size, tokens) if tokens else None
         self.updating = threading.Lock()  # a weight broadcast never reads weights the optimizer is changing
         self.fault = {n: faults.wrap(lambda: None, f"learner.{n}", rank, when=version)
                       for n in ("send_weights", "save_final", "committed")}
@@ -147,19 +151,35 @@ class LearnerWorker:
 
     def send_weights(self, generation: int, world_size: int) -> dict:
         """Learner.send_weights to ranks 1..world_size-1 (actors) of sync group `generation` (rebuilt when it changes);
-        ZeRO-3 over several ranks: the peers enter the same per-bucket gathers. Never during the optimizer step."""
+        ZeRO-3 over several ranks: the peers enter the same per-bucket gathers. Never during the optimizer step.
+        Returns the send's stats (WeightSender.send) and, with learner.weight_sync_fingerprint on, "fingerprint":
+        (the version sent, the probe's log-probs at it: per sequence float32 [tokens - 1]), which the driver keeps
+        to compare with the actors'."""
         with self.phase.during("weight sync"), self.updating:
             self.fault["send_weights"]()  # (a test's fault: a weight sync that stalls or dies)
             if generation != self.generation:
                 self.sender.open_group(generation, world_size)
                 self.generation = generation
             if not (self.peers and self.cfg.learner.zero_stage == 3):
-                return self.learner.send_weights(self.sender)
-            refs = [p.gather_weights.remote(2 if self.sender.verify else 1, False) for p in self.peers]
-            stats = self.learner.send_weights(self.sender, peers_gather=True)  # its own errors as they are
-            wait_ranks(f"send_weights at learner version {self.learner.version}", refs,
-                       self.cfg.learner.collective_timeout_s)
+                stats = self.learner.send_weights(self.sender)
+            else:
+                refs = [p.gather_weights.remote(2 if self.sender.verify else 1, False) for p in self.peers]
+                stats = self.learner.send_weights(self.sender, peers_gather=True)  # its own errors as they are
+                wait_ranks(f"send_weights at learner version {self.learner.version}", refs,
+                           self.cfg.learner.collective_timeout_s)
+            if self.probe is not None:  # the same weights: the lock is still held
+                stats["fingerprint"] = (self.learner.version, self._score_probe())
             return stats
+
+    def _score_probe(self) -> list:
+        """Learner.score of the probe (rank 0); ZeRO-3 over several ranks every rank runs the forward with it."""
+        if self.peers and self.cfg.learner.zero_stage == 3:
+            return self._on_all_ranks("score", self.probe)
+        return self.learner.score(self.probe)
+
+    def score(self, token_ids: list[list[int]]) -> list:
+        """Learner.score on this rank (ZeRO-3: a collective with rank 0's call)."""
+        return self.learner.score(token_ids)
 
     def save_final(self, path: str) -> str:
         """The trained weights as a Hugging Face directory (with the tokenizer), for `sparse-rl eval`."""

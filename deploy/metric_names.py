@@ -75,6 +75,7 @@ _BY_SECTION: dict[str, dict[str, str]] = {
     "weight_sync": {
         "weight_sync_s": "seconds", "weight_sync_bytes": "bytes", "weight_sync_buckets": "buckets",
         "weight_sync_failed_actors": "failed_actors", "weight_sync_error": "error",
+        "weight_sync_fingerprint_max_abs": "fingerprint_max_abs",
     },
     # the pipeline between them: queue, staleness, admission, dynamic sampling; broker_<count>: families below
     "broker": {

@@ -120,6 +120,28 @@ def collate(groups: list[TrajectoryGroup], replay: bool, staleness: list[int] | 
     return b
 
 
+def teacher_forced(token_ids: list[list[int]]) -> LearnerBatch:
+    """Whole sequences as a LearnerBatch whose "response" is every token after the first (S sequences, L the
+    longest, T = L - 1; reward 0, temperature 1, one group each): what the recompute's forward scores for the
+    weight-sync fingerprint's probe (Learner.score). Raises ValueError for no sequences or one shorter than 2."""
+    if not token_ids or any(len(ids) < 2 for ids in token_ids):
+        raise ValueError("teacher_forced needs at least one sequence, each of >= 2 tokens")
+    S, L = len(token_ids), max(len(ids) for ids in token_ids)
+    b = LearnerBatch(
+        input_ids=torch.zeros(S, L, dtype=torch.long), attention_mask=torch.zeros(S, L, dtype=torch.long),
+        response_ids=torch.zeros(S, L - 1, dtype=torch.long),
+        response_index=torch.arange(L - 1).repeat(S, 1), response_mask=torch.zeros(S, L - 1, dtype=torch.bool),
+        logp_sparse=torch.zeros(S, L - 1), reward=torch.zeros(S), group_index=torch.arange(S),
+        temperature=torch.ones(S), seq_len=torch.tensor([len(ids) for ids in token_ids]),
+        fresh=torch.ones(S, dtype=torch.bool))
+    for i, ids in enumerate(token_ids):
+        b.input_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        b.attention_mask[i, :len(ids)] = 1
+        b.response_ids[i, :len(ids) - 1] = torch.tensor(ids[1:], dtype=torch.long)
+        b.response_mask[i, :len(ids) - 1] = True
+    return b
+
+
 def token_balanced_split(rows: torch.Tensor, tokens: torch.Tensor, world_size: int) -> list[torch.Tensor]:
     """Split `rows` (int64 [n], indices of sequences) over `world_size` ranks so that the ranks' token counts
     are balanced: longest first, each to the rank with the fewest tokens so far (ties: the lower rank).

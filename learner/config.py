@@ -14,6 +14,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean")
 POLICY_TARGETS = ("dense", "sparse")
+FINGERPRINT_MODES = ("error", "warn", "off")
 
 
 @dataclass
@@ -142,6 +143,16 @@ class LearnerConfig:
     """Timeout of every collective of the weight broadcast, seconds."""
     weight_sync_verify: bool = False
     """Send per-tensor checksums so actors can verify their weights after the swap."""
+    weight_sync_fingerprint: str = "error"
+    """error | warn | off: after every weight sync the learner scores a fixed probe (broker/fingerprint.py: 4
+    sequences of 16 token ids, shortened to the run's smallest KV budget) with the version it sends, each actor
+    scores it with its engine after swapping that version in, and the driver compares the two: a difference over
+    the sync dtype's tolerance (fp32 1e-3 nats, bf16 1.0) means the engine does not hold the weights it reports
+    (a sync that never reached it). error: the run ends within a step with one line naming the actor and the
+    version; warn: that line, and the run goes on; off: nothing is scored. Metric weight_sync_fingerprint_max_abs
+    (`weight_sync/fingerprint_max_abs`: the largest difference over the actors). Works on both engines (the
+    SGLang engine scores with its prefill's input log-probs); costs one forward of the probe per side per sync
+    (bench/weight_sync.py fingerprint_vs_sync)."""
 
     seed: Optional[int] = None
     """Seed of the minibatch shuffling generator. None (the default): the run's top-level `seed`, set when the run
@@ -155,6 +166,8 @@ class LearnerConfig:
         # YAML 1.1 (omegaconf, also for dotted overrides) reads a bare on/off as a boolean, which reaches this str
         # field as "True"/"False": `learner.correction=on` means "on".
         self.correction = {"True": "on", "False": "off"}.get(str(self.correction), self.correction)
+        self.weight_sync_fingerprint = {"False": "off"}.get(str(self.weight_sync_fingerprint),
+                                                           self.weight_sync_fingerprint)
         checks = [
             (math.isfinite(self.lr) and self.lr >= 0, "lr", "expected a finite value >= 0"),
             (self.rejection in REJECTIONS, "rejection", f"expected one of {REJECTIONS}"),
@@ -163,6 +176,8 @@ class LearnerConfig:
             (self.correction in CORRECTIONS, "correction", f"expected one of {CORRECTIONS}"),
             (self.dtype in DTYPES, "dtype", f"expected one of {DTYPES}"),
             (self.weight_sync_backend in BACKENDS, "weight_sync_backend", f"expected one of {BACKENDS}"),
+            (self.weight_sync_fingerprint in FINGERPRINT_MODES, "weight_sync_fingerprint",
+             f"expected one of {FINGERPRINT_MODES}"),
             (self.zero_stage in (0, 1, 2, 3), "zero_stage", "expected 0, 1, 2 or 3"),
             (self.checkpoint_interval >= 1, "checkpoint_interval", "expected >= 1 (learner versions)"),
             (self.ranks >= 1, "ranks", "expected >= 1"),

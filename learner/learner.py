@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
@@ -23,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from broker.schema import TrajectoryGroup
 from broker.weight_sync import WeightSender
 from learner.acceptance import acceptance_metrics
-from learner.batching import LearnerBatch, LossInputs, collate, micro_batches, token_balanced_split
+from learner.batching import LearnerBatch, LossInputs, collate, micro_batches, teacher_forced, token_balanced_split
 from learner.config import LearnerConfig
 from learner.correction import sparse_correction
 from learner.distributed import TORCH_DTYPES, all_reduce, deepspeed_config, init_distributed
@@ -430,6 +431,22 @@ class Learner:
     def state_bytes(self) -> dict[str, int]:
         """Bytes of training state this rank holds (learner.weights.state_bytes)."""
         return state_bytes(self.engine)
+
+    def score(self, token_ids: list[list[int]]) -> list[np.ndarray]:
+        """Teacher-forced log-probs of the current weights (version `version`), untempered: per sequence float32
+        [len - 1], log p(token t | tokens before it), from the dense forward of the old-policy recompute
+        (`response_logprobs` on the engine, no grad, the module in eval mode meanwhile): the weight-sync
+        fingerprint's learner side (broker/fingerprint.py). ZeRO-3 over several ranks: a collective, every rank
+        calls it with the same ids. Raises ValueError for no sequences or one shorter than 2 tokens."""
+        batch = teacher_forced(token_ids)
+        training = self.engine.module.training
+        self.engine.module.eval()
+        try:
+            with torch.no_grad():
+                logp = self.response_logprobs(self.engine, batch, torch.arange(batch.size))[0]
+        finally:
+            self.engine.module.train(training)
+        return [row[:len(ids) - 1].float().cpu().numpy() for row, ids in zip(logp, token_ids)]
 
     def send_weights(self, sender: WeightSender, peers_gather: bool = False) -> dict[str, float]:
         """The learner's one weight export: the current weights (version `version`) through `sender`

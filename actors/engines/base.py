@@ -91,6 +91,9 @@ class RolloutEngine(Protocol):
     tokenizer: object
     """The model's Hugging Face tokenizer."""
 
+    vocab_size: int
+    """Rows of the model's embedding (its config's vocab_size): the range of token ids `score` takes."""
+
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  kv_budgets: list[int] | None = None) -> list[list[Sample]]:
         """Generate `params.n` samples for each prompt; returns one list of n Samples per prompt. `kv_budgets`:
@@ -106,6 +109,24 @@ class RolloutEngine(Protocol):
         """Replace weights by Hugging Face parameter name; raises ValueError naming every unknown name or
         wrong shape/dtype before anything is changed. Sets `weight_version = version`."""
         ...
+
+    def score(self, token_ids: list[list[int]]) -> list[np.ndarray]:
+        """Teacher-forced log-probs of the engine's current weights, untempered: for each sequence, float32
+        [len - 1], log p(token t | tokens before it) for t = 1..len - 1, from a forward that keeps every key (no KV
+        compression; a sparse engine needs sequences no longer than its smallest budget). What the weight-sync
+        fingerprint compares with the learner's (broker/fingerprint.py). Raises ValueError for no sequences, one
+        shorter than 2 tokens, or an id outside [0, vocab_size)."""
+        ...
+
+
+def check_score(token_ids: list[list[int]], vocab_size: int) -> None:
+    """Every engine's `score` input check: ValueError unless `token_ids` holds at least one sequence, each of >= 2
+    ids in [0, vocab_size)."""
+    if not token_ids or any(len(ids) < 2 for ids in token_ids):
+        raise ValueError("score needs at least one token-id sequence, each of >= 2 tokens")
+    bad = sorted({t for ids in token_ids for t in ids if not 0 <= t < vocab_size})
+    if bad:
+        raise ValueError(f"score: token ids {bad[:8]} outside the vocabulary [0, {vocab_size})")
 
 
 def check_params(prompts: list[list[int]], params: SamplingParams) -> None:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from actors.engines.base import Sample, SamplingParams, check_params
+from actors.engines.base import Sample, SamplingParams, check_params, check_score
 from actors.engines.batch_cache import BatchCache, CacheShape, KeptEpisode, Layout, SlotPlan, rebased, select_slots
 from compressors import Compressor, CompressorConfig, build_compressor
 
@@ -75,6 +75,7 @@ class TorchEngine:
         self.compressor_cfg = compressor_cfg
         self.compressor = build_compressor(compressor_cfg)
         self.weight_version = weight_version
+        self.vocab_size = int(cfg.vocab_size)
         self.record_evictions = record_evictions
         self.last_eviction_record: dict | None = None
         self.last_eviction_records: list[dict] = []
@@ -132,6 +133,23 @@ class TorchEngine:
             for name, tensor in pairs:
                 params[name].copy_(tensor)
         self.weight_version = version
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[list[int]]) -> list[np.ndarray]:
+        """Teacher-forced log-probs of the current weights (RolloutEngine.score): per sequence float32 [len - 1],
+        log_softmax of the HF model's own dense forward (no cache, nothing compressed) at each next token; one
+        forward per distinct length (the probe's sequences: one). Raises ValueError for no sequences, one shorter
+        than 2 tokens, or an id outside [0, vocab_size)."""
+        check_score(token_ids, self.vocab_size)
+        out: list[np.ndarray | None] = [None] * len(token_ids)
+        for length in sorted({len(ids) for ids in token_ids}):
+            rows = [i for i, ids in enumerate(token_ids) if len(ids) == length]
+            ids = torch.tensor([token_ids[i] for i in rows], dtype=torch.long, device=self.device)
+            logits = self.model(input_ids=ids, use_cache=False).logits[:, :-1].float()
+            logp = logits.log_softmax(-1).gather(2, ids[:, 1:, None])[..., 0]
+            for i, row in zip(rows, logp.cpu().numpy()):
+                out[i] = row.astype(np.float32)
+        return out
 
     # ------------------------------------------------------------------ generation
     @torch.inference_mode()

@@ -37,3 +37,19 @@ def test_a_named_fault_fires_for_its_process_and_version_only(monkeypatch):
     monkeypatch.setenv(faults.FAULTS_ENV, "actor.start:*=fail")
     with pytest.raises(faults.FaultInjectedError):
         faults.wrap(lambda: None, "actor.start", "actor-7")()
+
+
+def test_a_stale_fault_runs_the_stand_in_instead_of_the_call_at_its_version_only(monkeypatch):
+    """`stale` (actor.load_weights): at its version the stand-in runs with the call's arguments and the function does
+    not; at other versions the function runs; a point without a stand-in refuses the fault."""
+    loading, loaded, stood_in = [0], [], []
+    monkeypatch.setenv(faults.FAULTS_ENV, "actor.load_weights:actor-0@2=stale")
+    load = faults.wrap(lambda tensors, version: loaded.append(version), "actor.load_weights", "actor-0",
+                       when=lambda: loading[0], stale=lambda tensors, version: stood_in.append(version))
+    for version in (1, 2, 3):
+        loading[0] = version
+        load([], version)
+    assert loaded == [1, 3] and stood_in == [2]
+    assert faults.parse("actor.load_weights:*=stale") == [faults.Fault("actor.load_weights", "*", None, "stale")]
+    with pytest.raises(ValueError, match="`stale` at actor.load_weights: that point has no stand-in"):
+        faults.wrap(lambda tensors, version: None, "actor.load_weights", "actor-0")

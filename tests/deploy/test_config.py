@@ -441,6 +441,29 @@ def test_sglang_settings_are_checked_naming_the_field(override, message):
         load_config("tiny", ["actors.engine.backend=sglang", f"actors.engine.sglang.{override}"], check_files=False)
 
 
+def test_weight_sync_fingerprint_setting_is_checked_and_its_probe_fits_the_smallest_budget():
+    """learner.weight_sync_fingerprint: error by default, off as YAML reads it (a boolean), anything else named; the
+    actors get the probe's length (min(16, the smallest budget), 0 when off); a budget the probe cannot fit is
+    refused naming both fields, unless the check is off. Allowed on SGLang (its engine scores too)."""
+    from deploy.config import rollout_config
+
+    cfg = load_config("tiny", [], check_files=False)
+    assert cfg.learner.weight_sync_fingerprint == "error" and rollout_config(cfg).fingerprint_tokens == 16
+    off = load_config("tiny", ["learner.weight_sync_fingerprint=off"], check_files=False)
+    assert off.learner.weight_sync_fingerprint == "off" and rollout_config(off).fingerprint_tokens == 0
+    tiers = ["actors.engine.compressor.kv_budget=20", "actors.engine.compressor.budget_tiers=confidence"]
+    assert rollout_config(load_config("tiny", tiers, check_files=False)).fingerprint_tokens == 10   # 20 x 0.5
+    with pytest.raises(ConfigError, match=r"learner.weight_sync_fingerprint='loud': expected one of"):
+        load_config("tiny", ["learner.weight_sync_fingerprint=loud"], check_files=False)
+    small = ["actors.engine.compressor.kv_budget=3", "actors.engine.compressor.window=2"]
+    with pytest.raises(ConfigError, match=r"learner.weight_sync_fingerprint=warn: .*smallest KV budget \(3 tokens\).*"
+                                          r"actors.engine.compressor.kv_budget=3"):
+        load_config("tiny", [*small, "learner.weight_sync_fingerprint=warn"], check_files=False)
+    assert load_config("tiny", [*small, "learner.weight_sync_fingerprint=off"], check_files=False)
+    sglang = load_config("tiny-sglang", ["learner.weight_sync_fingerprint=warn"], check_files=False)
+    assert sglang.learner.weight_sync_fingerprint == "warn"
+
+
 def test_weight_checksums_are_refused_on_sglang():
     """learner.weight_sync_verify reads the torch engine's parameters: refused with sglang, naming both fields."""
     assert load_config("tiny", ["learner.weight_sync_verify=true"], check_files=False).learner.weight_sync_verify

@@ -21,6 +21,7 @@ import ray  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from broker.config import BrokerConfig  # noqa: E402
+from broker.fingerprint import tolerance  # noqa: E402
 from broker.run_state import read_learner_version, set_paused  # noqa: E402
 from broker.streams import connect  # noqa: E402
 from deploy.config import ConfigError, load_config  # noqa: E402
@@ -61,7 +62,12 @@ def test_tiny_run_end_to_end(tmp_path, redis_server):
     for name in STEP_METRICS:
         steps = [m.step for m in metric_history(client, summary["mlflow_run_id"], name)]
         assert steps == [1, 2, 3], name
+    # the weight-sync fingerprint (learner.weight_sync_fingerprint=error, the default): compared after sync rounds,
+    # every actor's engine within the fp32 tolerance of the learner's probe log-probs
+    fingerprints = metric_history(client, summary["mlflow_run_id"], "weight_sync_fingerprint_max_abs")
+    assert fingerprints and all(m.value <= tolerance(cfg.learner.dtype) for m in fingerprints), fingerprints
     metrics = client.get_run(summary["mlflow_run_id"]).data.metrics
+    assert "weight_sync/fingerprint_max_abs" in metrics
     # every metric the driver logged is in an MLflow section (deploy/metric_names.py), none left ungrouped
     assert {name.split("/")[0] for name in metrics} <= set(SECTIONS), sorted(n for n in metrics if "/" not in n)
     for mode in ("dense", "sparse"):

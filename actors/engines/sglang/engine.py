@@ -40,7 +40,7 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from actors.engines.base import Sample, SamplingParams, check_params
+from actors.engines.base import Sample, SamplingParams, check_params, check_score
 from actors.engines.sglang.contract import (  # noqa: F401  (re-exported: the engine's callers name them here)
     COMPRESSOR_ENV,
     DECODE_GRAPH_BACKENDS,
@@ -257,6 +257,7 @@ class SGLangEngine:
         self.dtype = dtype
         self.manifest = {name: (tuple(p.shape), dtype) for name, p in meta_model.named_parameters()}
         self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.vocab_size = int(hf_config.vocab_size)
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         self.kv_bytes_per_token = (2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim
                                    * torch.empty(0, dtype=dtype).element_size())
@@ -326,6 +327,32 @@ class SGLangEngine:
                                   kv_peak_bytes=peak * self.kv_bytes_per_token,
                                   **(_top_logprobs(meta, len(response)) if params.topk_logprobs > 0 else {})))
         return [samples[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+
+    def score(self, token_ids: list[list[int]]) -> list[np.ndarray]:
+        """Teacher-forced log-probs of the served weights (RolloutEngine.score): per sequence float32 [len - 1], log
+        p(token t | tokens before it), untempered, from SGLang's prefill of the sequence as a prompt
+        (`return_logprob=True, logprob_start_len=0`: `meta_info["input_token_logprobs"]`, one (logprob, id, text) per
+        prompt token, None at the first; temperature 1, top_p 1, one new token, which is dropped). In sparse mode the
+        request carries the run's budget and a prompt no longer than it is not compressed at its prefill: the
+        weight-sync fingerprint's probe is cut to the smallest budget (broker/fingerprint.py). Raises ValueError for
+        no sequences, one shorter than 2 tokens or an id outside [0, vocab_size); RuntimeError when SGLang returns
+        another number of input log-probs, or fails as in `generate`."""
+        check_score(token_ids, self.vocab_size)
+        sampling = [{"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 1, "skip_special_tokens": False}
+                    for _ in token_ids]
+        outs = self._call(self.engine.async_generate(input_ids=[list(ids) for ids in token_ids],
+                                                     sampling_params=sampling, return_logprob=True,
+                                                     logprob_start_len=0), "score")
+        self._read_joins()       # compressor.phase aligned: the probe's prefills are no batch's (the file is emptied)
+        scored = []
+        for ids, out in zip(token_ids, outs):
+            entries = out["meta_info"].get("input_token_logprobs") or []
+            values = [lp for lp, _, _ in entries[1:]]
+            if len(entries) != len(ids) or any(v is None for v in values):
+                raise RuntimeError(f"SGLang input_token_logprobs has {len(entries)} positions (or a None after the "
+                                   f"first) for a prompt of {len(ids)} tokens")
+            scored.append(np.asarray(values, dtype=np.float32))
+        return scored
 
     def _check_budgets(self, prompts: list[list[int]], kv_budgets: list[int] | None) -> list[int]:
         """One budget per prompt (the config's when None); ValueError naming kv_budgets for a wrong length, a

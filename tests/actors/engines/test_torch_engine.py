@@ -336,6 +336,40 @@ def test_load_weights_changes_outputs_and_version_and_rejects_bad_names():
     assert torch.equal(model.model.norm.weight, w) and engine.weight_version == 4   # nothing changed
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_score_equals_a_hand_computation_with_the_hf_models_logits(family):
+    """RolloutEngine.score (the weight-sync fingerprint's probe) on a sparse engine whose budget is below the
+    sequences' length: the HF model's own dense logits, log_softmax gathered at each next token, by hand per
+    sequence; sequences of two lengths in one call; after load_weights the new weights'."""
+    model = tiny_model(family)
+    engine = TorchEngine(model, tiny_tokenizer(), CompressorConfig(method="rkv", kv_budget=10, window=4, interval=4))
+    token_ids = [PROMPTS[2], PROMPTS[1], PROMPTS[0][:2], list(reversed(PROMPTS[2]))]
+
+    def by_hand(m):
+        out = []
+        for ids in token_ids:
+            with torch.no_grad():
+                logits = m(torch.tensor([ids])).logits[0].float()
+            out.append(torch.log_softmax(logits[:-1], -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])])
+        return out
+
+    got = engine.score(token_ids)
+    assert [g.shape for g in got] == [(len(ids) - 1,) for ids in token_ids] and {g.dtype for g in got} == {
+        np.dtype(np.float32)}
+    for g, want in zip(got, by_hand(model)):
+        assert np.allclose(g, want.numpy(), atol=1e-5), (g, want)
+    new = tiny_model(family, seed=1)
+    engine.load_weights(new.state_dict().items(), version=1)
+    moved = engine.score(token_ids)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(moved, got)) > 0.1
+    for g, want in zip(moved, by_hand(new)):
+        assert np.allclose(g, want.numpy(), atol=1e-5)
+    assert engine.vocab_size == VOCAB
+    for bad in ([], [[5]], [[5, VOCAB]]):
+        with pytest.raises(ValueError, match="score"):
+            engine.score(bad)
+
+
 def test_eos_stop_strings_and_seed():
     model = tiny_model("qwen2")
     engine = TorchEngine(model, tiny_tokenizer(eos="w7"), CompressorConfig(method="rkv", kv_budget=16, interval=4))
