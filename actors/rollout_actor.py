@@ -441,7 +441,9 @@ class RolloutWorker:
         """This process's rollout metrics since the last call: tokens/s, accuracy, KV peak bytes per sequence,
         queue waits (seconds), actor_idle_fraction = 1 - (time spent on batches, from claim to publish) / wall
         time; the mean KV budget of the batches (actor_kv_budget, tokens) and, with tiers, per tier its budget
-        and reward. (Counts of events, groups and reward errors, are the run's actor_counts in Redis.)"""
+        and reward; the engine's own counters since its start as `actor/<actor id>/<name>` (engine_stats: SGLang's
+        measured KV pool and retractions). (Counts of events, groups and reward errors, are the run's actor_counts
+        in Redis.)"""
         self._count_busy()
         now = time.monotonic()
         wall, self.metrics_since = now - self.metrics_since, now
@@ -454,6 +456,7 @@ class RolloutWorker:
         if c["batches"]:  # mean budget (tokens) of this actor's batches since the last call
             per_tier["actor_kv_budget"] = c["kv_budget_sum"] / c["batches"]
         per_tier.update(self._episode_metrics(c))
+        per_tier.update({f"actor/{self.actor_id}/{k}": v for k, v in self.engine.engine_stats().items()})
         return {**per_tier,
                 "rollout_tokens_per_s": c["tokens"] / c["gen_s"] if c["gen_s"] else 0.0,
                 "accuracy": c["correct"] / c["samples"] if c["samples"] else 0.0,

@@ -107,6 +107,11 @@ class RolloutEngine(Protocol):
         wrong shape/dtype before anything is changed. Sets `weight_version = version`."""
         ...
 
+    def engine_stats(self) -> dict[str, float]:
+        """The engine's own counters since its start (name -> value), which the actor logs per actor as
+        `actor/<actor id>/<name>` (docs/SPEC.md §4); {} when the engine has none."""
+        ...
+
 
 def check_params(prompts: list[list[int]], params: SamplingParams) -> None:
     """Every engine's input check: raises ValueError when `prompts` is empty or holds an empty prompt, or when

@@ -33,3 +33,12 @@ def test_sglang_actors_train_through_the_pipeline(tmp_path, redis_server):
     # sparse rollouts: the cache kept less than the whole sequence, and the learner saw a mismatch to correct
     assert 0 < summary["kv_retained_ratio"] < 1
     assert summary["mismatch_kl"] > 0
+    # each actor's SGLang engine reports its own measured KV pool and retractions (RolloutEngine.engine_stats) under
+    # actor/<actor id>/ in MLflow: the backend compressed and freed slots, its peak within its pool
+    metrics = client.get_run(summary["mlflow_run_id"]).data.metrics
+    for actor in summary["accounting"]["actor_versions"]:
+        mine = {name.split("/")[2]: v for name, v in metrics.items() if name.startswith(f"actor/{actor}/")}
+        assert mine["sglang_retractions"] == 0, actor
+        assert mine["kv_compressions"] > 0 and mine["kv_freed_slots"] > 0, (actor, mine)
+        assert 0 < mine["kv_pool_peak_used_slots"] <= mine["kv_pool_slots"], (actor, mine)
+        assert mine["kv_pool_peak_used_fraction"] == mine["kv_pool_peak_used_slots"] / mine["kv_pool_slots"]
