@@ -160,6 +160,7 @@ class RolloutWorker:
         self.metrics_since = time.monotonic()
         self.tier_counters: dict[str, list[float]] = {}  # tier -> [groups, budget sum, reward sum, samples]
         self.error = ""
+        self.closed = False  # close() ran: the engine and the workers are gone
         self.incarnation = uuid.uuid4().hex  # new after every (re)start: the driver rebuilds the sync group
         # The loop starts with the process, so an actor restarted by Ray (max_restarts) generates again.
         self.loop = threading.Thread(target=self._run_safely, name="rollout-loop", daemon=True)
@@ -223,6 +224,7 @@ class RolloutWorker:
         except Exception as e:  # reported through ping(); the driver replaces this actor
             self.error = f"{type(e).__name__}: {e}"
             traceback.print_exc()
+            self.close()  # e.g. a failed SGLang scheduler: what is left of the engine ends now, in order
         self.phase("stopped")
 
     def run(self) -> None:
@@ -427,7 +429,22 @@ class RolloutWorker:
         self.stop_generation()
         if self.receiver is not None:
             self.receiver.close()
+        self.close()
         ray.actor.exit_actor()
+
+    def close(self) -> None:
+        """End the processes this actor started, in order: its reward and environment workers, then the engine
+        (`RolloutEngine.shutdown`: SGLang's kills every child process of this one, so it comes last). Once; the
+        engine is not usable after it. Called when the generation loop fails, at stop(), and by the driver before
+        it ends the actor (deploy/actor_pool.py `shutdown`)."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        self.reward.close()
+        if self.envs is not None:
+            self.envs.shutdown()
+        self.engine.shutdown()
 
     def _count_busy(self) -> None:
         """Add the batch in progress (since busy_since) to the busy time."""

@@ -107,6 +107,11 @@ class RolloutEngine(Protocol):
         wrong shape/dtype before anything is changed. Sets `weight_version = version`."""
         ...
 
+    def shutdown(self) -> None:
+        """Stop what the engine started (SGLang: its subprocesses; torch: nothing to stop, its kept episodes are
+        dropped); the engine is not used after it."""
+        ...
+
     def engine_stats(self) -> dict[str, float]:
         """The engine's own counters since its start (name -> value), which the actor logs per actor as
         `actor/<actor id>/<name>` (docs/SPEC.md §4); {} when the engine has none."""

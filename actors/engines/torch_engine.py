@@ -201,6 +201,10 @@ class TorchEngine:
         KeyError for a key the engine does not hold."""
         return sum(layer["k"].nbytes + layer["v"].nbytes for layer in self._episodes[key].layers)
 
+    def shutdown(self) -> None:
+        """Drop the kept episodes (the torch engine starts no process)."""
+        self._episodes.clear()
+
     def engine_stats(self) -> dict[str, float]:
         """None of its own: the torch engine's KV bytes are per sample (`Sample.kv_peak_bytes`)."""
         return {}
