@@ -172,6 +172,7 @@ class RolloutWorker:
         self.metrics_since = time.monotonic()
         self.tier_counters: dict[str, list[float]] = {}  # tier -> [groups, budget sum, reward sum, samples]
         self.error = ""
+        self.closed = False  # close() ran: the engine and the workers are gone
         self.incarnation = uuid.uuid4().hex  # new after every (re)start: the driver rebuilds the sync group
         # The loop starts with the process, so an actor restarted by Ray (max_restarts) generates again.
         self.loop = threading.Thread(target=self._run_safely, name="rollout-loop", daemon=True)
@@ -254,6 +255,7 @@ class RolloutWorker:
         except Exception as e:  # reported through ping(); the driver replaces this actor
             self.error = f"{type(e).__name__}: {e}"
             traceback.print_exc()
+            self.close()  # e.g. a failed SGLang scheduler: what is left of the engine ends now, in order
         self.phase("stopped")
 
     def run(self) -> None:
@@ -458,7 +460,22 @@ class RolloutWorker:
         self.stop_generation()
         if self.receiver is not None:
             self.receiver.close()
+        self.close()
         ray.actor.exit_actor()
+
+    def close(self) -> None:
+        """End the processes this actor started, in order: its reward and environment workers, then the engine
+        (`RolloutEngine.shutdown`: SGLang's kills every child process of this one, so it comes last). Once; the
+        engine is not usable after it. Called when the generation loop fails, at stop(), and by the driver before
+        it ends the actor (deploy/actor_pool.py `shutdown`)."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        self.reward.close()
+        if self.envs is not None:
+            self.envs.shutdown()
+        self.engine.shutdown()
 
     def _count_busy(self) -> None:
         """Add the batch in progress (since busy_since) to the busy time."""
@@ -472,7 +489,9 @@ class RolloutWorker:
         """This process's rollout metrics since the last call: tokens/s, accuracy, KV peak bytes per sequence,
         queue waits (seconds), actor_idle_fraction = 1 - (time spent on batches, from claim to publish) / wall
         time; the mean KV budget of the batches (actor_kv_budget, tokens) and, with tiers, per tier its budget
-        and reward. (Counts of events, groups and reward errors, are the run's actor_counts in Redis.)"""
+        and reward; the engine's own counters since its start as `actor/<actor id>/<name>` (engine_stats: SGLang's
+        measured KV pool and retractions). (Counts of events, groups and reward errors, are the run's actor_counts
+        in Redis.)"""
         self._count_busy()
         now = time.monotonic()
         wall, self.metrics_since = now - self.metrics_since, now
@@ -485,6 +504,7 @@ class RolloutWorker:
         if c["batches"]:  # mean budget (tokens) of this actor's batches since the last call
             per_tier["actor_kv_budget"] = c["kv_budget_sum"] / c["batches"]
         per_tier.update(self._episode_metrics(c))
+        per_tier.update({f"actor/{self.actor_id}/{k}": v for k, v in self.engine.engine_stats().items()})
         return {**per_tier,
                 "rollout_tokens_per_s": c["tokens"] / c["gen_s"] if c["gen_s"] else 0.0,
                 "accuracy": c["correct"] / c["samples"] if c["samples"] else 0.0,

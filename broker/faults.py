@@ -21,7 +21,9 @@ worker inherits; or Ray's `runtime_env={"env_vars": {...}}`), a comma-separated 
   action  `sleep:<seconds>` (a stall, then go on) | `fail` (raise FaultInjectedError) | `exit` (the process dies at
           once, as on a crash: os._exit(1)) | `stale` (the call does not happen: the point's stand-in runs instead;
           at `actor.load_weights` the engine reports the version being loaded and keeps its old weights, a weight
-          sync that never reached the engine; a point without a stand-in refuses it at `wrap`)
+          sync that never reached the engine; a point without a stand-in refuses it at `wrap`) |
+          `kill_child:<title>` (SIGKILL this process's child processes whose title, as ps shows it, starts with
+          <title>, e.g. `sglang::scheduler`: an engine subprocess that fails; then go on)
 
 e.g. `learner.step:1@2=sleep:120` stalls learner rank 1 for 120 s at its step from version 2,
 `actor.generate:actor-2=sleep:3` makes actor-2 a slow one, `actor.start:*=fail` makes every actor fail to start,
@@ -42,7 +44,7 @@ FAULTS_ENV = "SPARSE_RL_FAULTS"
 """The environment variable that names the faults (format: the module docstring)."""
 
 
-ACTIONS = ("sleep", "fail", "exit", "stale")
+ACTIONS = ("sleep", "fail", "exit", "stale", "kill_child")
 """What a fault can do (the module docstring)."""
 
 
@@ -54,12 +56,13 @@ class FaultInjectedError(RuntimeError):
 @dataclass(frozen=True)
 class Fault:
     """One named fault: at `point`, for `who` ("*" = any), when the point's value equals `when` (None = always),
-    do `action` ("sleep" | "fail" | "exit" | "stale"), sleeping `seconds`."""
+    do `action` (ACTIONS), sleeping `seconds` / killing the children titled `arg`."""
     point: str
     who: str
     when: int | None
     action: str
     seconds: float = 0.0
+    arg: str = ""
 
 
 def parse(spec: str) -> list[Fault]:
@@ -69,12 +72,13 @@ def parse(spec: str) -> list[Fault]:
         where, eq, action = item.partition("=")
         point, colon, target = where.partition(":")
         who, at, when = target.partition("@")
-        kind, _, seconds = action.partition(":")
+        kind, _, arg = action.partition(":")
         if not (eq and colon and point and who) or kind not in ACTIONS or \
-                (kind == "sleep") != bool(seconds) or (at and not when.strip().lstrip("-").isdigit()):
-            raise ValueError(f"{FAULTS_ENV}: {item!r}: expected <point>:<who>[@<when>]=sleep:<s>|fail|exit|stale")
+                (kind in ("sleep", "kill_child")) != bool(arg) or (at and not when.strip().lstrip("-").isdigit()):
+            raise ValueError(f"{FAULTS_ENV}: {item!r}: expected "
+                             "<point>:<who>[@<when>]=sleep:<s>|fail|exit|stale|kill_child:<title>")
         faults.append(Fault(point.strip(), who.strip(), int(when) if at else None, kind,
-                            float(seconds) if seconds else 0.0))
+                            float(arg) if kind == "sleep" else 0.0, arg if kind == "kill_child" else ""))
     return faults
 
 
@@ -84,12 +88,20 @@ def active(point: str, who: str | int) -> list[Fault]:
 
 
 def fire(fault: Fault) -> None:
-    """Do what `fault` says: sleep, raise FaultInjectedError, or end the process (`stale` is `wrap`'s: nothing
-    here)."""
+    """Do what `fault` says: sleep, raise FaultInjectedError, kill child processes, or end the process (`stale`
+    is `wrap`'s: nothing here)."""
     if fault.action == "sleep":
         time.sleep(fault.seconds)
     elif fault.action == "stale":
         return
+    elif fault.action == "kill_child":
+        import psutil
+        for child in psutil.Process().children(recursive=True):
+            try:
+                if " ".join(child.cmdline()).startswith(fault.arg):
+                    child.kill()
+            except psutil.NoSuchProcess:
+                pass
     elif fault.action == "fail":
         raise FaultInjectedError(f"{FAULTS_ENV}: {fault.point} of {fault.who} fails (injected fault)")
     else:

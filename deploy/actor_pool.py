@@ -24,6 +24,9 @@ after it swapped that version in, within max_staleness of the learner's."""
 BATCH_TIMEOUT_SYNCS = 5
 """An actor told to stop (scale-down, end of training) may take this many weight-sync timeouts to finish its
 batch before it is killed."""
+CLOSE_TIMEOUT_S = 10.0
+"""At the run's end the actors end the processes they started (RolloutWorker.close) within this many seconds,
+all together, before Ray kills them."""
 
 
 PROCESS_LOST = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.OutOfMemoryError,
@@ -447,6 +450,13 @@ class ActorPool:
         return scores
 
     def shutdown(self) -> None:
+        """End every actor: each first ends the processes it started, in order (RolloutWorker.close: SGLang's
+        subprocesses included; CLOSE_TIMEOUT_S for all of them together), then Ray kills it."""
+        closing = [h.close.remote() for h in self.actors.values()]
+        try:
+            ray.wait(closing, num_returns=len(closing), timeout=CLOSE_TIMEOUT_S)
+        except Exception:
+            pass  # an actor already gone: Ray's kill below is all it needs
         for h in self.actors.values():
             try:
                 ray.kill(h, no_restart=True)

@@ -13,7 +13,8 @@ change reads as one history).
 """
 from __future__ import annotations
 
-SECTIONS = ("correction", "accept", "replay", "rollout", "kv", "learner", "weight_sync", "broker", "eval", "tier")
+SECTIONS = ("correction", "accept", "replay", "rollout", "kv", "learner", "weight_sync", "broker", "eval", "tier",
+            "actor")
 """The MLflow sections (the part of a name before its first `/`), in the order docs/SPEC.md §4 lists them."""
 
 _BY_SECTION: dict[str, dict[str, str]] = {
@@ -91,12 +92,13 @@ TABLE: dict[str, str] = {name: f"{section}/{short}"
 """Internal name -> MLflow name, for every fixed name."""
 
 FAMILIES = (("broker_", "broker/", "_total"), ("eval/", "eval/", ""), ("tier/", "tier/", ""),
-            ("kv_bytes_turn_", "kv/bytes_turn_", ""))
+            ("kv_bytes_turn_", "kv/bytes_turn_", ""), ("actor/", "actor/", ""))
 """Names made at run time, (internal prefix, MLflow prefix, MLflow suffix): the run's broker counters
 `broker_<count>` (cumulative, broker/run_state.py run_counts) -> `broker/<count>_total` (beside the step's own
 `broker/dropped_stale`, `broker/groups_filtered`); `eval/<mode>/<score>` and `tier/<tier>/<metric>` are
-already in their sections; `kv_bytes_turn_<k>` (a multi-turn episode's KV bytes at the end of its turn k, mean
-over the episodes that reached it) -> `kv/bytes_turn_<k>`."""
+already in their sections, as are an engine's own counters per actor, `actor/<actor id>/<name>`
+(RolloutEngine.engine_stats: SGLang's measured KV pool and retractions); `kv_bytes_turn_<k>` (a multi-turn
+episode's KV bytes at the end of its turn k, mean over the episodes that reached it) -> `kv/bytes_turn_<k>`."""
 
 _INVERSE = {mlflow: name for name, mlflow in TABLE.items()}
 

@@ -118,6 +118,16 @@ class RolloutEngine(Protocol):
         shorter than 2 tokens, or an id outside [0, vocab_size)."""
         ...
 
+    def shutdown(self) -> None:
+        """Stop what the engine started (SGLang: its subprocesses; torch: nothing to stop, its kept episodes are
+        dropped); the engine is not used after it."""
+        ...
+
+    def engine_stats(self) -> dict[str, float]:
+        """The engine's own counters since its start (name -> value), which the actor logs per actor as
+        `actor/<actor id>/<name>` (docs/SPEC.md §4); {} when the engine has none."""
+        ...
+
 
 def check_score(token_ids: list[list[int]], vocab_size: int) -> None:
     """Every engine's `score` input check: ValueError unless `token_ids` holds at least one sequence, each of >= 2

@@ -219,6 +219,14 @@ class TorchEngine:
         KeyError for a key the engine does not hold."""
         return sum(layer["k"].nbytes + layer["v"].nbytes for layer in self._episodes[key].layers)
 
+    def shutdown(self) -> None:
+        """Drop the kept episodes (the torch engine starts no process)."""
+        self._episodes.clear()
+
+    def engine_stats(self) -> dict[str, float]:
+        """None of its own: the torch engine's KV bytes are per sample (`Sample.kv_peak_bytes`)."""
+        return {}
+
     def compressor_for(self, budget: int) -> Compressor:
         """The compressor of `compressor_cfg` with kv_budget = budget (cached). Raises ValueError naming the
         field if that budget is not a valid setting (e.g. <= window)."""

@@ -1,5 +1,7 @@
 """The fault-injection seam (broker/faults.py): specs parse or are named when wrong, a point with no fault named
 runs the function itself, and named faults fire only for their process and version."""
+import os
+
 import pytest
 
 from broker import faults
@@ -53,3 +55,25 @@ def test_a_stale_fault_runs_the_stand_in_instead_of_the_call_at_its_version_only
     assert faults.parse("actor.load_weights:*=stale") == [faults.Fault("actor.load_weights", "*", None, "stale")]
     with pytest.raises(ValueError, match="`stale` at actor.load_weights: that point has no stand-in"):
         faults.wrap(lambda tensors, version: None, "actor.load_weights", "actor-0")
+
+
+def test_kill_child_kills_this_processes_children_of_that_title_only(monkeypatch):
+    """`kill_child:<title>` SIGKILLs the children whose command line starts with <title> (SGLang's subprocesses
+    carry a title such as `sglang::scheduler`) and goes on: another child lives, the function still runs."""
+    import subprocess
+    import sys
+    title = "sparse-rl-test::victim"
+    code = "import time; time.sleep(60)"
+    victim = subprocess.Popen(["bash", "-c", f"exec -a {title} {sys.executable} -c '{code}'"])
+    bystander = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        monkeypatch.setenv(faults.FAULTS_ENV, f"actor.generate:actor-0=kill_child:{title}")
+        assert faults.parse(os.environ[faults.FAULTS_ENV])[0].arg == title
+        assert faults.wrap(lambda: "generated", "actor.generate", "actor-0")() == "generated"
+        assert victim.wait(timeout=10) == -9
+        assert bystander.poll() is None
+    finally:
+        victim.kill()
+        bystander.kill()
+    with pytest.raises(ValueError, match="kill_child"):
+        faults.parse("actor.generate:actor-0=kill_child")

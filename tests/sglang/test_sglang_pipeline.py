@@ -1,13 +1,18 @@
 """SGLang-backed rollout actors through the whole pipeline (docs/sglang.md, "CPU test lane"): `tiny-sglang` on
 real Ray, redis-server, DeepSpeed (CPU) and MLflow, two actors each hosting an in-process SGLang engine in
-sparse mode (R-KV through the sparse_rl_kv backend), weights broadcast back into SGLang after every step."""
+sparse mode (R-KV through the sparse_rl_kv backend), weights broadcast back into SGLang after every step; and an
+actor whose SGLang scheduler fails."""
 from __future__ import annotations
 
 import math
+import threading
+import time
 
+import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
+from broker.faults import FAULTS_ENV
 from deploy.config import load_config
 from deploy.driver import train
 from deploy.metric_names import metric_history
@@ -33,3 +38,73 @@ def test_sglang_actors_train_through_the_pipeline(tmp_path, redis_server):
     # sparse rollouts: the cache kept less than the whole sequence, and the learner saw a mismatch to correct
     assert 0 < summary["kv_retained_ratio"] < 1
     assert summary["mismatch_kl"] > 0
+    # each actor's SGLang engine reports its own measured KV pool and retractions (RolloutEngine.engine_stats) under
+    # actor/<actor id>/ in MLflow: the backend compressed and freed slots, its peak within its pool
+    metrics = client.get_run(summary["mlflow_run_id"]).data.metrics
+    for actor in summary["accounting"]["actor_versions"]:
+        mine = {name.split("/")[2]: v for name, v in metrics.items() if name.startswith(f"actor/{actor}/")}
+        assert mine["sglang_retractions"] == 0, actor
+        assert mine["kv_compressions"] > 0 and mine["kv_freed_slots"] > 0, (actor, mine)
+        assert 0 < mine["kv_pool_peak_used_slots"] <= mine["kv_pool_slots"], (actor, mine)
+        assert mine["kv_pool_peak_used_fraction"] == mine["kv_pool_peak_used_slots"] / mine["kv_pool_slots"]
+
+
+class SGLangProcesses(threading.Thread):
+    """Every process titled `sglang::...` (SGLang's scheduler and detokenizer) that descends from this test's
+    process (its Ray's workers), seen twice a second while the run goes on: `alive()` are those still running,
+    wherever they were re-parented to. Other SGLang processes on the machine are not looked at."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.seen: dict[int, psutil.Process] = {}
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.5):
+            for child in psutil.Process().children(recursive=True):
+                try:
+                    if child.cmdline() and child.cmdline()[0].startswith("sglang::"):
+                        self.seen.setdefault(child.pid, child)
+                except psutil.Error:
+                    pass
+
+    def alive(self) -> list[str]:
+        out = []
+        for p in self.seen.values():
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:   # a zombie runs nothing
+                    out.append(f"{p.pid} {' '.join(p.cmdline())}")
+            except psutil.Error:
+                pass
+        return out
+
+
+@pytest.mark.timeout(900)
+def test_a_failed_scheduler_ends_its_actor_in_one_line_and_leaves_no_sglang_process(tmp_path, redis_server,
+                                                                                   monkeypatch, capfd):
+    """actor-0's SGLang scheduler dies (SIGKILL, broker/faults.py kill_child) at its first batch on weights version
+    1: the driver says so in one line naming the actor and the scheduler, replaces the actor, and the run trains
+    every step; the failed actor ends what is left of its engine (RolloutWorker.close) and, at the run's end, the
+    others theirs: no SGLang process outlives the run."""
+    watch = SGLangProcesses()
+    watch.start()
+    monkeypatch.setenv(FAULTS_ENV, "actor.generate:actor-0@1=kill_child:sglang::scheduler")
+    cfg = load_config("tiny-sglang", [f"run_dir={tmp_path}", f"broker.url={redis_server.url}",
+                                      "learner.weight_sync_timeout_s=120"])
+    try:
+        summary = train(cfg)
+    finally:
+        watch.done.set()
+        watch.join()
+
+    out = capfd.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("rollout actor 0 ")]
+    assert len(lines) == 1 and "sglang::scheduler" in lines[0] and "replacing it" in lines[0], out
+    assert summary["accounting"]["consumed"] == 3 * cfg.train.groups_per_step
+    assert summary["accounting"]["duplicates"] == 0
+    assert "actor-0" not in summary["accounting"]["actor_versions"]
+    assert len(watch.seen) >= 4, watch.seen           # a scheduler and a detokenizer per engine, 3 engines
+    deadline = time.monotonic() + 30
+    while watch.alive() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not watch.alive()

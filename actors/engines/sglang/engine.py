@@ -239,6 +239,9 @@ class SGLangEngine:
         else:
             os.environ.pop(JOINS_ENV, None)       # an earlier engine's file is not this one's
         self.sparse_backend = sparse_backend if self.sparse else None
+        self.stats_path, self._own_stats = self._stats_file()
+        self.retractions = 0
+        """Requests SGLang retracted (re-prefilled when its KV pool ran full) since the start; dense mode only."""
         kwargs.setdefault("skip_tokenizer_init", False)
         self.engine = sglang.Engine(model_path=model_path, **kwargs)
         self.tokenizer = self.engine.tokenizer_manager.tokenizer
@@ -309,6 +312,7 @@ class SGLangEngine:
             kind = reason.get("type") if isinstance(reason, dict) else reason
             if kind not in ("stop", "length"):
                 raise RuntimeError(f"SGLang finished a request with finish_reason={reason!r} (expected stop|length)")
+            self.retractions += int(meta.get("num_retractions") or 0)
             if self.sparse and meta.get("num_retractions"):
                 raise RuntimeError(f"SGLang retracted a request {meta['num_retractions']} time(s) (KV pool full): "
                                    "it was re-prefilled and compressed from scratch, so its logp_sparse does not "
@@ -415,15 +419,43 @@ class SGLangEngine:
                 held = budget
         return held, peak
 
+    def _stats_file(self) -> tuple[str | None, bool]:
+        """(`KV_STATS_ENV`'s file of this engine, whether the engine made it): in sparse mode the file the
+        environment names, else a new temporary file of this engine's own (removed at `shutdown`), which the
+        scheduler subprocess inherits, so that every engine's pool usage can be read (`kv_pool_stats`, one engine
+        per process); (None, False) in dense mode."""
+        if not self.sparse:
+            return None, False
+        if os.environ.get(KV_STATS_ENV):
+            return os.environ[KV_STATS_ENV], False
+        fd, path = tempfile.mkstemp(prefix="sparse-rl-kv-stats-", suffix=".json")
+        os.close(fd)
+        os.environ[KV_STATS_ENV] = path
+        return path, True
+
     def kv_pool_stats(self) -> dict | None:
-        """Measured KV slot usage written by the sparse backend when `SPARSE_RL_KV_STATS` names a file:
-        {"peak_used_slots", "freed_slots", "compressions", "pool_slots"} (slots = tokens of K and V over all
-        layers); None when not in sparse mode or not enabled."""
-        path = os.environ.get(KV_STATS_ENV)
-        if not self.sparse or not path or not os.path.exists(path):
+        """Measured KV slot usage the sparse backend writes after every forward into this engine's stats file
+        (`_stats_file`): {"peak_used_slots", "freed_slots", "compressions", "pool_slots", ...} (slots = tokens
+        of K and V over all layers); None in dense mode or before the backend's first forward."""
+        if not self.stats_path or not os.path.exists(self.stats_path) or not os.path.getsize(self.stats_path):
             return None
-        with open(path) as f:
+        with open(self.stats_path) as f:
             return json.load(f)
+
+    def engine_stats(self) -> dict[str, float]:
+        """This engine's counters since the start, for the actor's per-actor metrics (docs/SPEC.md §4, `actor/`):
+        `sglang_retractions` (requests SGLang re-prefilled because its KV pool ran full: dense mode; sparse mode
+        raises instead), and in sparse mode the measured pool (`kv_pool_stats`): `kv_pool_slots` (slots = tokens),
+        `kv_pool_peak_used_slots`, `kv_pool_peak_used_fraction` (peak / pool), `kv_compressions` (requests
+        compressed) and `kv_freed_slots` (slots given back to SGLang's allocator by eviction)."""
+        out = {"sglang_retractions": float(self.retractions)}
+        stats = self.kv_pool_stats()
+        if stats:
+            out.update(kv_pool_slots=float(stats["pool_slots"]),
+                       kv_pool_peak_used_slots=float(stats["peak_used_slots"]),
+                       kv_pool_peak_used_fraction=stats["peak_used_slots"] / max(stats["pool_slots"], 1),
+                       kv_compressions=float(stats["compressions"]), kv_freed_slots=float(stats["freed_slots"]))
+        return out
 
     # ---------------------------------------------------------------- weight updates
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -560,6 +592,10 @@ class SGLangEngine:
         self.engine.shutdown()
         if self.joins_path is not None and os.path.exists(self.joins_path):
             os.remove(self.joins_path)
+        if self._own_stats:
+            os.environ.pop(KV_STATS_ENV, None)
+            if os.path.exists(self.stats_path):
+                os.remove(self.stats_path)
 
 
 def _top_logprobs(meta: dict, length: int) -> dict:

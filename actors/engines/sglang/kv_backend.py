@@ -220,9 +220,10 @@ class SparseKVAttnBackend(AttentionBackend):
             self.stats["freed_slots"] += int((freed != 0).sum())
         self.n_kept[reqs], self.gap_end[reqs] = budget, seq_lens
         self.stats["compressions"] += int(reqs.numel())
-        if self.stats_path:
-            with open(self.stats_path, "w") as f:
+        if self.stats_path:   # replaced whole: the engine's process may read it meanwhile
+            with open(self.stats_path + ".part", "w") as f:
                 json.dump(self.stats, f)
+            os.replace(self.stats_path + ".part", self.stats_path)
 
     def support_triton(self):
         return False

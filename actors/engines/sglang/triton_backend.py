@@ -346,9 +346,11 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         return chunks
 
     def _write_stats(self) -> None:
+        """The stats into `KV_STATS_ENV`'s file, replaced whole (the engine's process may read it meanwhile)."""
         if self.stats_path:
-            with open(self.stats_path, "w") as f:
+            with open(self.stats_path + ".part", "w") as f:
                 json.dump(self.stats, f)
+            os.replace(self.stats_path + ".part", self.stats_path)
 
     def _to_device(self, *arrays) -> list[torch.Tensor]:
         """Host arrays (built from the mirror) as int64 device tensors of their shapes, in one copy: packed into one
