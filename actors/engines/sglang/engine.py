@@ -536,7 +536,7 @@ class SGLangEngine:
             coro.close()
             raise RuntimeError(f"SGLang {what} refused: {self._failure}; shut the engine down")
         self._task = self.engine.loop.create_task(asyncio.wait_for(coro, self.timeout_s))
-        watch = self.engine.loop.create_task(self._watch_subprocesses())
+        watch = self.engine.loop.create_task(self._poll_subprocesses())
         try:
             return self.engine.loop.run_until_complete(self._task)
         except asyncio.TimeoutError as e:
@@ -549,7 +549,7 @@ class SGLangEngine:
             watch.cancel()
             self._task = None
 
-    async def _watch_subprocesses(self) -> None:
+    async def _poll_subprocesses(self) -> None:
         """While a call runs, every SUBPROCESS_POLL_S seconds: a subprocess of this engine gone (or a zombie) fails
         the call. A subprocess killed from outside (SIGKILL, the OOM killer) sends nothing, and the call would
         otherwise wait for its timeout_s."""
