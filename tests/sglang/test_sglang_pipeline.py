@@ -82,13 +82,13 @@ class SGLangProcesses(threading.Thread):
 @pytest.mark.timeout(900)
 def test_a_failed_scheduler_ends_its_actor_in_one_line_and_leaves_no_sglang_process(tmp_path, redis_server,
                                                                                    monkeypatch, capfd):
-    """actor-0's SGLang scheduler dies (SIGKILL, broker/faults.py kill_child) at its first batch on weights version
-    1: the driver says so in one line naming the actor and the scheduler, replaces the actor, and the run trains
+    """actor-0's SGLang scheduler dies (SIGKILL, broker/faults.py kill_child) at its first batch (weights version
+    0): the driver says so in one line naming the actor and the scheduler, replaces the actor, and the run trains
     every step; the failed actor ends what is left of its engine (RolloutWorker.close) and, at the run's end, the
     others theirs: no SGLang process outlives the run."""
     watch = SGLangProcesses()
     watch.start()
-    monkeypatch.setenv(FAULTS_ENV, "actor.generate:actor-0@1=kill_child:sglang::scheduler")
+    monkeypatch.setenv(FAULTS_ENV, "actor.generate:actor-0@0=kill_child:sglang::scheduler")
     cfg = load_config("tiny-sglang", [f"run_dir={tmp_path}", f"broker.url={redis_server.url}",
                                       "learner.weight_sync_timeout_s=120"])
     try:

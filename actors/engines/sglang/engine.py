@@ -563,6 +563,7 @@ class SGLangEngine:
             coro.close()
             raise RuntimeError(f"SGLang {what} refused: {self._failure}; shut the engine down")
         self._task = self.engine.loop.create_task(asyncio.wait_for(coro, self.timeout_s))
+        watch = self.engine.loop.create_task(self._poll_subprocesses())
         try:
             return self.engine.loop.run_until_complete(self._task)
         except asyncio.TimeoutError as e:
@@ -572,7 +573,18 @@ class SGLangEngine:
                 raise
             raise RuntimeError(f"SGLang {what} failed: {self._failure}") from None
         finally:
+            watch.cancel()
             self._task = None
+
+    async def _poll_subprocesses(self) -> None:
+        """While a call runs, every SUBPROCESS_POLL_S seconds: a subprocess of this engine gone (or a zombie) fails
+        the call. A subprocess killed from outside (SIGKILL, the OOM killer) sends nothing, and the call would
+        otherwise wait for its timeout_s."""
+        while self._failure is None:
+            await asyncio.sleep(SUBPROCESS_POLL_S)
+            dead = self.dead_subprocesses()
+            if dead:
+                self._fail(dead)
 
     @staticmethod
     def _check(result, what: str) -> None:
@@ -608,6 +620,9 @@ def _top_logprobs(meta: dict, length: int) -> dict:
     return {"topk_ids": np.asarray([[t for _, t, _ in r] for r in rows], dtype=np.int32),
             "topk_logprobs": np.asarray([[lp for lp, _, _ in r] for r in rows], dtype=np.float32)}
 
+
+SUBPROCESS_POLL_S = 1.0
+"""How often a running engine call checks that the engine's SGLang subprocesses still run (seconds)."""
 
 _LIVE_ENGINES: set = set()
 """The SGLangEngines of this process that have not been shut down."""
