@@ -95,4 +95,4 @@ class RolloutConfig:
     """learner.weight_sync_verify of the run: check per-tensor checksums after each swap."""
     record_evictions: bool = False
     """Attach each sample's eviction record (learner.policy_target=sparse on a compressing run: the learner
-    replays it). Torch engine only."""
+    replays it). Both engines (torch, sglang)."""

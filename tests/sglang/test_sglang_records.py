@@ -1,0 +1,159 @@
+"""Eviction records from the `sparse_rl_kv` backend (actors/engines/sglang/records.py) on the CPU lane: on the greedy
+cases where the backend is token-identical to TorchEngine (tests/sglang/test_sglang_triton.py, _phase.py), each
+Sample's `eviction_steps` equals TorchEngine's (`record_evictions=True`), for R-KV, SnapKV and StreamingLLM, per-head
+and shared selection, per-request budgets, rows joining mid-decode, and both `compressor.phase` values; every decode
+step runs the self-check, so the record writes run under the backend's host-sync guard (NoHostSync).
+
+One difference is structural, not a tie: a compression due in the forward that produces a response's last token.
+TorchEngine runs it and records its step, T - 1 for a T-token response; SGLang frees the request's row before the
+compression would run (records.py). No query of the sample sees the difference (the last log-prob comes from the
+query at P + T - 2, which sees a key while P + T - 2 < P + steps), so `canonical` sets steps >= T - 1 to never on
+both sides before comparing; the same rule covers a SGLang row compared with a prefix of a longer TorchEngine row.
+No other difference is allowed (no near-tie was needed: the records are equal entry for entry)."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("sglang.srt", reason="needs the SGLang lane venv: bash scripts/setup_sglang_cpu.sh")
+from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+from actors.engines.base import SamplingParams
+from actors.engines.sglang.engine import KV_STATS_ENV, SGLangEngine, sglang_request
+from actors.engines.sglang.triton_backend import SELF_CHECK_ENV
+from actors.engines.torch_engine import TorchEngine
+from compressors import CompressorConfig
+from compressors.config import PHASES
+from tests.sglang.test_sglang_triton import KWARGS, PARAMS, PROMPTS
+from tests.sglang.tiny import JOIN_MAX_NEW, join_prompts
+
+pytestmark = pytest.mark.sglang
+torch.set_num_threads(1)
+NEVER = 65535
+KV_HEADS = 2
+FIRST = 4
+"""Requests admitted at the join batch's first prefill (max_running_requests=4); the fifth joins mid-decode."""
+
+
+def canonical(steps: np.ndarray, tokens: int, response_len: int) -> np.ndarray:
+    """A record uint16 [layers, 1 or KV_HEADS, >= tokens] cut to `tokens` columns, heads broadcast to KV_HEADS, steps
+    >= response_len - 1 set to never (module docstring: evicted after the last query that counts)."""
+    s = np.broadcast_to(steps[:, :, :tokens], (steps.shape[0], KV_HEADS, tokens)).astype(np.int64)
+    return np.where(s >= response_len - 1, NEVER, s)
+
+
+def assert_records_equal(got: list, want: list, shapes: bool = True) -> dict:
+    """Each SGLang (prompt ids, response ids, record) equals its TorchEngine Sample's record (`canonical`, over the
+    SGLang row's tokens); with `shapes` (rows of equal length) the heads dimension is equal too. Returns counts:
+    evicted entries compared, those at a decode step (> 0), and the TorchEngine entries at step T - 1 set to never."""
+    seen = {"evicted": 0, "at_decode": 0, "last_step": 0}
+    for i, ((prompt, response, rec), w) in enumerate(zip(got, want)):
+        tokens, T = len(prompt) + len(response), len(response)
+        assert response == w.response_ids[:T], f"row {i}: response ids differ"
+        assert rec.dtype == np.uint16 and rec.shape[0] == w.eviction_steps.shape[0] and rec.shape[2] == tokens
+        if shapes:
+            assert rec.shape == w.eviction_steps.shape, (i, rec.shape, w.eviction_steps.shape)
+        a, b = canonical(rec, tokens, T), canonical(w.eviction_steps, tokens, T)
+        bad = np.argwhere(a != b)
+        assert not len(bad), f"row {i}: {len(bad)} entries differ, first (layer, head, token) {bad[:5].tolist()}: " \
+                             f"sglang {a[tuple(bad[0])]} torch {b[tuple(bad[0])]}"
+        seen["evicted"] += int((a != NEVER).sum())
+        seen["at_decode"] += int(((a != NEVER) & (a > 0)).sum())
+        raw = np.broadcast_to(w.eviction_steps[:, :, :tokens], a.shape)
+        seen["last_step"] += int(((raw != NEVER) & (raw >= T - 1)).sum())
+    return seen
+
+
+def torch_engine(model_dir, cc):
+    model = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
+    return TorchEngine(model, AutoTokenizer.from_pretrained(model_dir), cc, record_evictions=True)
+
+
+def with_records(samples) -> list:
+    return [(s.prompt_ids, s.response_ids, s.eviction_steps) for s in samples]
+
+
+@pytest.fixture(scope="module", params=[
+    CompressorConfig(method="rkv", kv_budget=16, window=4, interval=8),
+    CompressorConfig(method="snapkv", kv_budget=16, window=4, interval=8, selection="shared"),
+    CompressorConfig(method="streamingllm", kv_budget=16, window=4, interval=8),
+], ids=["rkv-per_head", "snapkv-shared", "streamingllm-per_head"])
+def recording(request, tiny_qwen2_dir, tmp_path_factory):
+    """A recording `sparse_rl_kv` engine, every decode step through the self-check (NoHostSync)."""
+    cc = request.param
+    os.environ[KV_STATS_ENV] = str(tmp_path_factory.mktemp("kv") / "stats.json")
+    os.environ[SELF_CHECK_ENV] = "1"
+    eng = SGLangEngine(str(tiny_qwen2_dir), compressor_cfg=cc, timeout_s=600, record_evictions=True, **KWARGS)
+    yield eng, cc
+    eng.shutdown()
+    del os.environ[KV_STATS_ENV], os.environ[SELF_CHECK_ENV]
+
+
+def test_records_equal_torch_engine(recording, tiny_qwen2_dir):
+    eng, cc = recording
+    got = [g[0] for g in eng.generate(PROMPTS, PARAMS)]
+    stats = eng.kv_pool_stats()
+    assert stats["self_checks"] == stats["decode_steps"] > 0 and stats["record_bytes"] > 0
+    want = [g[0] for g in torch_engine(tiny_qwen2_dir, cc).generate(PROMPTS, PARAMS)]
+    seen = assert_records_equal(with_records(got), want)
+    assert seen["evicted"] > 0 and seen["at_decode"] > 0, seen
+    heads = {s.eviction_steps.shape[1] for s in got}
+    assert heads == ({1} if cc.selection == "shared" else {KV_HEADS}), heads
+    assert not os.listdir(eng.records_dir)                          # read and deleted by generate
+
+
+def test_records_under_per_request_budgets_equal_torch_engine(recording, tiny_qwen2_dir):
+    eng, cc = recording
+    budgets = [12, 20]
+    got = [g[0] for g in eng.generate(PROMPTS, PARAMS, kv_budgets=budgets)]
+    want = [g[0] for g in torch_engine(tiny_qwen2_dir, cc).generate(PROMPTS, PARAMS, kv_budgets=budgets)]
+    assert assert_records_equal(with_records(got), want)["at_decode"] > 0
+
+
+def generate_each_recorded(eng, prompts, max_new) -> list:
+    """Greedy (ignore_eos) in one SGLang call with one max_new_tokens per request (tests/sglang/tiny.py
+    generate_each), each with its eviction record: [(prompt ids, response ids, record)]."""
+    request = sglang_request(SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True), [0] * len(prompts),
+                             None)
+    for sp, m in zip(request["sampling_params"], max_new):
+        sp["max_new_tokens"] = m
+    outs = eng._call(eng.engine.async_generate(input_ids=[list(p) for p in prompts], return_logprob=True,
+                                               **request), "generate")
+    return [(list(p), list(o["output_ids"]), eng._read_record(o["meta_info"]["id"], len(p) + len(o["output_ids"])))
+            for p, o in zip(prompts, outs)]
+
+
+def test_records_of_rows_joining_mid_decode_equal_torch_engine(recording, tiny_qwen2_dir):
+    """The join batch (five prompts of unequal lengths, the fifth joining mid-decode, phase request): each SGLang
+    row's record equals TorchEngine's, all five in one batch, over the SGLang row's tokens."""
+    eng, cc = recording
+    prompts = join_prompts()
+    got = generate_each_recorded(eng, prompts, JOIN_MAX_NEW)
+    params = SamplingParams(temperature=0, max_new_tokens=max(JOIN_MAX_NEW), ignore_eos=True)
+    want = [g[0] for g in torch_engine(tiny_qwen2_dir, cc).generate(prompts, params)]
+    seen = assert_records_equal(got, want, shapes=False)
+    assert seen["at_decode"] > 0 and seen["last_step"] > 0, seen    # the shorter rows cut the torch rows' records
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_records_under_both_phases_equal_torch_engine(phase, tiny_qwen2_dir, tmp_path):
+    """The join batch on a fresh engine under `compressor.phase` request | aligned (the fifth request joining at an
+    engine step that is not a multiple of interval): records equal TorchEngine's, the fifth request's from engine
+    decode step `joined_at` (tests/sglang/test_sglang_triton_phase.py)."""
+    cc = CompressorConfig(method="rkv", kv_budget=16, window=4, interval=8, phase=phase)
+    os.environ[KV_STATS_ENV], os.environ[SELF_CHECK_ENV] = str(tmp_path / "stats.json"), "1"
+    eng = SGLangEngine(str(tiny_qwen2_dir), compressor_cfg=cc, timeout_s=600, record_evictions=True, **KWARGS)
+    try:
+        got = generate_each_recorded(eng, join_prompts(), JOIN_MAX_NEW)
+        joined_at = eng.kv_pool_stats()["last_extend_decode_step"]
+    finally:
+        eng.shutdown()
+        del os.environ[KV_STATS_ENV], os.environ[SELF_CHECK_ENV]
+    assert 0 < joined_at and joined_at % cc.interval
+    ref, prompts, want = torch_engine(tiny_qwen2_dir, cc), join_prompts(), []
+    for index, start in ((range(FIRST), 0), (range(FIRST, len(prompts)), joined_at)):
+        ref.decode_steps = start
+        params = SamplingParams(temperature=0, max_new_tokens=max(JOIN_MAX_NEW[i] for i in index), ignore_eos=True)
+        want += [g[0] for g in ref.generate([prompts[i] for i in index], params)]
+    assert assert_records_equal(got, want, shapes=False)["at_decode"] > 0
