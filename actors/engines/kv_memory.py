@@ -15,6 +15,7 @@ against the engine's measured buffers.
 `compression_event_bytes` bounds the transient device memory of one compression call of the SGLang sparse backend
 (actors/engines/sglang/triton_backend.py), which lives outside SGLang's KV pool; `event_chunk_rows` /
 `event_calls` split an event so that each call stays under `EVENT_BYTES_CAP` (docs/sglang.md, "Limits").
+`record_bytes_per_request` counts the same backend's eviction records (docs/sglang.md, "Eviction records").
 """
 from __future__ import annotations
 
@@ -177,3 +178,23 @@ def event_calls(rows: int, chunk_rows: int) -> int:
     """Compression calls for `rows` due rows of one budget at most `chunk_rows` rows each (`event_chunk_rows`); the
     backend splits them evenly (numpy.array_split), so a call holds at most ceil(rows / calls) rows."""
     return -(-rows // chunk_rows)
+
+
+RECORD_WIDTH_STEP = 256
+"""Tokens by which the SGLang sparse backend's eviction record grows (actors/engines/sglang/records.py: the longest
+request compressed, rounded up to a multiple of this)."""
+
+
+def record_bytes_per_request(layers: int, kv_heads: int, largest_budget: int, tokens: int) -> int:
+    """Device bytes the `sparse_rl_kv` backend's eviction records (actors/engines/sglang/records.py, with
+    `SGLangEngine(record_evictions=True)`) hold per live request, outside SGLang's KV pool and so outside
+    `mem_fraction_static`: the origin map, int32 [layers, kv_heads, largest_budget] (original token index of each
+    packed position), and the step record, int16 [layers, kv_heads, width + 1] with width = `tokens` (the longest
+    request's prompt + response tokens) rounded up to RECORD_WIDTH_STEP, + 1 dump column. The buffers hold one slot
+    per request live at once (one generate call's: prompts x samples); they grow, never shrink. All arguments are
+    counts >= 1; raises ValueError otherwise."""
+    if min(layers, kv_heads, largest_budget, tokens) < 1:
+        raise ValueError(f"layers={layers}, kv_heads={kv_heads}, largest_budget={largest_budget}, tokens={tokens}: "
+                         "expected counts >= 1")
+    width = -(-tokens // RECORD_WIDTH_STEP) * RECORD_WIDTH_STEP
+    return layers * kv_heads * (4 * largest_budget + 2 * (width + 1))

@@ -1,6 +1,7 @@
 """SGLang-backed rollout actors through the whole pipeline (docs/sglang.md, "CPU test lane"): `tiny-sglang` on
 real Ray, redis-server, DeepSpeed (CPU) and MLflow, two actors each hosting an in-process SGLang engine in
-sparse mode (R-KV through the sparse_rl_kv backend), weights broadcast back into SGLang after every step."""
+sparse mode (R-KV through the sparse_rl_kv backend) and recording each request's evictions, which the learner
+replays (learner.policy_target=sparse), weights broadcast back into SGLang after every step."""
 from __future__ import annotations
 
 import math
@@ -19,7 +20,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.system]
 @pytest.mark.timeout(900)
 def test_sglang_actors_train_through_the_pipeline(tmp_path, redis_server):
     cfg = load_config("tiny-sglang", [f"run_dir={tmp_path}", f"broker.url={redis_server.url}",
-                                      "learner.weight_sync_timeout_s=120"])
+                                      "learner.weight_sync_timeout_s=120", "learner.policy_target=sparse"])
     summary = train(cfg)
 
     # exact accounting, and every actor's SGLang engine ends on the learner's last version
@@ -33,3 +34,11 @@ def test_sglang_actors_train_through_the_pipeline(tmp_path, redis_server):
     # sparse rollouts: the cache kept less than the whole sequence, and the learner saw a mismatch to correct
     assert 0 < summary["kv_retained_ratio"] < 1
     assert summary["mismatch_kl"] > 0
+    # eviction replay of the SGLang rollouts (learner.policy_target=sparse): the learner's replayed log-probs equal
+    # the sampler's on the rows sampled with the step's weights (NaN on a step that consumed only stale rows; step 1
+    # has none), while the dense recompute does not
+    exact = [m.value for m in metric_history(client, summary["mlflow_run_id"], "replay_logp_max_abs")]
+    assert len(exact) == 3 and any(math.isfinite(v) for v in exact), exact
+    assert all(v <= 1e-4 for v in exact if math.isfinite(v)), exact
+    dense = [m.value for m in metric_history(client, summary["mlflow_run_id"], "replay_dense_gap_max")]
+    assert len(dense) == 3 and max(dense) > 1e-2, dense

@@ -39,10 +39,9 @@ import os
 import numpy as np
 import torch
 
+from actors.engines.kv_memory import RECORD_WIDTH_STEP
 from actors.engines.sglang.contract import record_path
 
-RECORD_WIDTH_STEP = 256
-"""Tokens by which the record's width grows (the longest request compressed, rounded up to a multiple)."""
 NEVER16 = -1
 """`steps` value of a key never evicted: uint16 65535 stored as int16."""
 
