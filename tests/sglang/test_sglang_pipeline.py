@@ -35,10 +35,9 @@ def test_sglang_actors_train_through_the_pipeline(tmp_path, redis_server):
     assert 0 < summary["kv_retained_ratio"] < 1
     assert summary["mismatch_kl"] > 0
     # eviction replay of the SGLang rollouts (learner.policy_target=sparse): the learner's replayed log-probs equal
-    # the sampler's on the rows sampled with the step's weights (NaN on a step that consumed only stale rows; step 1
-    # has none), while the dense recompute does not
-    exact = [m.value for m in metric_history(client, summary["mlflow_run_id"], "replay_logp_max_abs")]
-    assert len(exact) == 3 and any(math.isfinite(v) for v in exact), exact
-    assert all(v <= 1e-4 for v in exact if math.isfinite(v)), exact
+    # the sampler's on the rows sampled with the step's weights (a step that consumed only stale rows measures none
+    # and logs none; step 1's rows are all fresh), while the dense recompute does not
+    exact = {m.step: m.value for m in metric_history(client, summary["mlflow_run_id"], "replay_logp_max_abs")}
+    assert 1 in exact and set(exact) <= {1, 2, 3} and max(exact.values()) <= 1e-4, exact
     dense = [m.value for m in metric_history(client, summary["mlflow_run_id"], "replay_dense_gap_max")]
     assert len(dense) == 3 and max(dense) > 1e-2, dense

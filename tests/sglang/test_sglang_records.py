@@ -65,6 +65,67 @@ def assert_records_equal(got: list, want: list, shapes: bool = True) -> dict:
     return seen
 
 
+def test_recorder_follows_packed_suffixes_without_host_sync(tmp_path):
+    """EvictionRecorder alone (no engine): two rows, budgets 4 and 6 (`origin` grows for the second), through a
+    prefill compression and decode compressions with random kept sets per (layer, head), left-padded as the backend
+    groups rows, against a list model of each (layer, head)'s live original tokens; the device half under
+    NoHostSync; the record's width grows past its first step; `take` writes each row's record (uint16, never =
+    65535) and gives the slot back."""
+    from actors.engines.sglang.records import EvictionRecorder, int16_bits
+    from actors.engines.sglang.triton_backend import NoHostSync
+
+    rng = np.random.default_rng(0)
+    layers, rows, budgets = 2, [3, 5], {3: 4, 5: 6}
+    rec = EvictionRecorder(layers, KV_HEADS, 4, "cpu", str(tmp_path))
+    rec.enter([3], ["a"], [4])
+    rec.enter([5], ["b"], [6])
+    live = {(r, li, h): list(range(n)) for r, n in ((3, 7), (5, 9)) for li in range(layers) for h in range(KV_HEADS)}
+    want = {r: np.full((layers, KV_HEADS, 1000), NEVER) for r in rows}
+    length, start, steps = {3: 7, 5: 9}, {3: 0, 5: 0}, {3: 0, 5: 0}
+    for _ in range(4):
+        length_a = np.array([length[r] for r in rows])
+        start_a = np.array([start[r] for r in rows])
+        n = int((length_a - start_a).max())
+        pos = length_a[:, None] - n + np.arange(n)[None, :]
+        valid = pos >= start_a[:, None]
+        rec.fit(int(length_a.max()))
+        for i, r in enumerate(rows):                               # one group per budget, as the backend
+            b = budgets[r]
+            t = lambda a: torch.from_numpy(np.asarray(a, dtype=np.int64))  # noqa: E731
+            mapped, rel = EvictionRecorder.host_index(pos[i:i + 1], start_a[i:i + 1], b)
+            keep = np.stack([np.sort(rng.choice(np.flatnonzero(valid[i]), b, replace=False))
+                             for _ in range(KV_HEADS)])[None]      # [1, Hkv, b] positions kept
+            with NoHostSync():
+                for li in range(layers):
+                    origin = rec.origins(li, t(rec.slots_of([r])), t(np.maximum(pos[i:i + 1], 0)), t(mapped).bool(),
+                                         t(rel))
+                    rec.record(li, t(rec.slots_of([r])), origin, t(valid[i:i + 1]).bool(), t(keep),
+                               t(int16_bits([steps[r]])))
+            for li in range(layers):
+                for h in range(KV_HEADS):
+                    kept_pos = set(pos[i, keep[0, h]].tolist())
+                    tokens = live[(r, li, h)]
+                    for p, tok in zip(range(start[r], length[r]), tokens):
+                        if p not in kept_pos:
+                            want[r][li, h, tok] = steps[r]
+                    live[(r, li, h)] = [tok for p, tok in zip(range(start[r], length[r]), tokens) if p in kept_pos]
+            start[r] = length[r] - b
+        for r in rows:                                             # decode: 100 + r tokens appended, then due again
+            for key in live:
+                if key[0] == r:
+                    live[key] += list(range(length[r], length[r] + 100 + r))
+            length[r] += 100 + r
+            steps[r] += 100 + r
+    assert rec.width == 512 and rec.origin.shape[3] == 6             # grown: 2 x 256 columns, the larger budget
+    for r in rows:
+        rec.take(r, length[r])
+        got = np.load(os.path.join(tmp_path, f"{'a' if r == 3 else 'b'}.npy"))
+        assert got.dtype == np.uint16 and got.shape == (layers, KV_HEADS, length[r])
+        assert np.array_equal(got, want[r][:, :, :length[r]]), r
+        assert ((got > 0) & (got < NEVER)).any()
+    assert not rec.slot and len(rec.free) == 2
+
+
 def torch_engine(model_dir, cc):
     model = Qwen2ForCausalLM.from_pretrained(model_dir).eval()
     return TorchEngine(model, AutoTokenizer.from_pretrained(model_dir), cc, record_evictions=True)
