@@ -14,9 +14,14 @@ returns log_softmax(logits). The environment variable `SGLANG_RETURN_ORIGINAL_LO
 untempered log-probs; this engine refuses to start with it set.
 
 Sparse mode (`compressor_cfg.method != "full"`): attention runs in our SGLang attention backend
-`sparse_rl_kv` (actors/engines/sglang/kv_backend.py, registered through SGLang's plugin entry point
+`sparse_rl_kv` (actors/engines/sglang/triton_backend.py, registered through SGLang's plugin entry point
 `sglang.srt.plugins`), which compresses each request's KV with `compressors/` every `interval` decode steps,
 per layer and KV head, and gives the evicted KV slots back to SGLang's allocator. See docs/sglang.md.
+
+With `record_evictions=True` (the rollout actor's, when the learner replays: learner.policy_target=sparse) every
+Sample carries its eviction record (`Sample.eviction_steps`, the torch engine's schema), which the backend writes
+when the request ends (actors/engines/sglang/records.py) into a directory named in `RECORDS_ENV`, read back here by
+request id.
 
 Weight updates, two paths (docs/sglang.md, "Weight updates"):
 - `load_weights(named_tensors, version)` (the `RolloutEngine` protocol): the actor receives the learner's

@@ -32,6 +32,11 @@ Where each part runs:
   prefill, leave when SGLang frees the row), checked against SGLang's host `seq_lens_sum` every step.
 - prefill: the parent's extend kernel (batched); then the last `window` queries go to the ring.
 
+Eviction records (`SGLangEngine(record_evictions=True)` sets RECORDS_ENV): `EvictionRecorder`
+(actors/engines/sglang/records.py) keeps, per live request, layer and KV head, the original token index of each
+packed position and the generated-token count at which each key was evicted -- the torch engine's record, which the
+learner replays; written inside the compression (device ops only), read out once when the request's row leaves.
+
 Per-request budgets: `SGLangEngine.generate(..., kv_budgets=)` puts a budget that is not the run's at the end of
 the request's id (`actors.engines.sglang.engine.budget_rid`); the backend reads it from `ForwardBatch.rids` at the
 request's prefill only. No custom logit processor is attached, so nothing of ours runs per decode step.
