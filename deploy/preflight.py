@@ -255,7 +255,8 @@ def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: i
     batch_rows = a.prompts_per_batch * a.sampling.samples_per_prompt
     event = (0, 0, 0)
     if a.engine.backend == "sglang" and c.method in EVENT_METHODS:      # (the backend refuses h2o at start)
-        event = max(sglang_event(shape, hf.num_attention_heads, c, b, prompt, batch_rows) for b in {low, high})
+        event = max(sglang_event(shape, hf.num_attention_heads, c, b, prompt, batch_rows,
+                                 cfg.learner.replays(c.method)) for b in {low, high})
         if memory is not None:
             memory, source = memory - event[0], f"{source} - compression event {event[0]:,} B"
     records = sglang_records(cfg, shape, high, prompt, new, batch_rows)
@@ -321,14 +322,16 @@ def check_report(cfg: RunConfig, report: PreflightReport, low: int) -> None:
                 "prompts_per_batch / samples_per_prompt / max_new_tokens / kv_budget, or raise preflight.kv_memory_gb")
 
 
-def sglang_event(shape: ModelShape, q_heads: int, c, budget: int, prompt: int, rows: int) -> tuple[int, int, int]:
+def sglang_event(shape: ModelShape, q_heads: int, c, budget: int, prompt: int, rows: int,
+                 record: bool = False) -> tuple[int, int, int]:
     """(bytes, rows per call, live tokens) of the largest compression call of the SGLang sparse backend
     (actors/engines/sglang/triton_backend.py `_event_chunks`) for `rows` requests due at once at `budget` tokens: live =
     max(prompt, budget + interval) (a prompt compressed at prefill; a decode row compressed at most interval tokens
     after it reached its budget), the rows split as the backend does under actors.engines.kv_memory.EVENT_BYTES_CAP;
-    bytes = `compression_event_bytes`. c: the CompressorConfig."""
+    bytes = `compression_event_bytes`. c: the CompressorConfig; record: the backend keeps eviction records (the run
+    replays: learner.policy_target=sparse)."""
     live = max(prompt, budget + c.interval)
-    args = (budget, c.window, q_heads, shape.kv_heads, shape.head_dim, shape.dtype_bytes, c.method)
+    args = (budget, c.window, q_heads, shape.kv_heads, shape.head_dim, shape.dtype_bytes, c.method, record)
     per_call = -(-rows // event_calls(rows, event_chunk_rows(live, *args)))
     return compression_event_bytes(per_call, live, *args), per_call, live
 

@@ -356,7 +356,7 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         stats."""
         live, budget = int((self.seq_len[group] - self.start[group]).max()), int(budget)
         shape = (budget, self.cfg.window, self.num_head, self.kv_pool.head_num, self.head_dim, self.kv_dtype_bytes,
-                 self.cfg.method)
+                 self.cfg.method, self.recorder is not None)
         chunks = np.array_split(group,
                                 event_calls(len(group), event_chunk_rows(live, *shape, cap=self.event_bytes_cap)))
         self.stats["compression_calls"] += len(chunks)
