@@ -53,12 +53,13 @@ def build_engine(engine_cfg, model_path: str, compressor: CompressorConfig, torc
                  record_evictions: bool = False):
     """The engine named by `engine_cfg.backend` (torch | sglang) on `model_path`, with `compressor` (SGLang: and
     `engine_cfg.sglang`'s settings);
-    `record_evictions`: every sample carries its eviction record (torch engine; the config check refuses sglang)."""
+    `record_evictions`: every sample carries its eviction record (both engines: the SGLang engine's `sparse_rl_kv`
+    backend records it as the torch engine does, actors/engines/sglang/records.py)."""
     torch.set_num_threads(torch_threads)
     if engine_cfg.backend == "sglang":
         from actors.engines.sglang.engine import SGLangEngine  # optional: SGLang is installed on GPU machines only
         return SGLangEngine(model_path, compressor, dtype={"fp32": "float32", "bf16": "bfloat16"}[engine_cfg.dtype],
-                            **engine_cfg.sglang.kwargs())
+                            record_evictions=record_evictions, **engine_cfg.sglang.kwargs())
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[engine_cfg.dtype]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()

@@ -98,4 +98,4 @@ class RolloutConfig:
     (learner.weight_sync_fingerprint error | warn); 0 = off."""
     record_evictions: bool = False
     """Attach each sample's eviction record (learner.policy_target=sparse on a compressing run: the learner
-    replays it). Torch engine only."""
+    replays it). Both engines (torch, sglang)."""

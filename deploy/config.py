@@ -412,9 +412,6 @@ def check_sglang(run: RunConfig) -> None:
     check(not run.learner.weight_sync_verify,
           "learner.weight_sync_verify=true checksums the torch engine's parameters after a swap; SGLang holds its "
           "weights in its scheduler process (actors.engine.backend=sglang): set learner.weight_sync_verify=false")
-    check(run.learner.policy_target != "sparse",
-          "learner.policy_target=sparse replays eviction records that actors.engine.backend=sglang does not record: "
-          "use the torch engine or learner.policy_target=dense")
     if run.eval.enabled:
         own = "dense" if compressor.method == "full" else "sparse"
         check(list(run.eval.modes) == [own], f"eval.modes={list(run.eval.modes)}: the SGLang engine's attention "

@@ -25,7 +25,10 @@ With `actors.engine.backend=sglang` and a compressor, one compression call of th
 float32 scores outside SGLang's KV pool, i.e. outside `mem_fraction_static`; its upper bound
 (actors.engines.kv_memory.compression_event_bytes, for the batch's rows at max(prompt, budget + interval) live
 tokens, split as the backend splits them under EVENT_BYTES_CAP) is taken off the actor's memory and shown on its
-own line.
+own line; so are, when the run replays there (learner.policy_target=sparse), the backend's eviction records
+(actors.engines.kv_memory.record_bytes_per_request per request of one generate call, `sglang_records`). The
+backend's query ring (`qwin`, layers x window x query heads x head_dim per request row of SGLang's pool) is not
+counted.
 
 It also sizes the broker's queue: one group's wire bytes (broker.schema.group_wire_bytes: 8 bytes per response
 token, + 6 K with actors.sampling.topk_logprobs = K, 120 at K = 20) times the groups the stream can hold
@@ -43,6 +46,7 @@ from actors.engines.kv_memory import (
     event_calls,
     event_chunk_rows,
     kv_peak_bytes_per_sequence,
+    record_bytes_per_request,
 )
 from broker.schema import group_wire_bytes
 from deploy.config import ConfigError, RunConfig
@@ -86,6 +90,12 @@ class PreflightReport:
     """Rows compressed in that call (the batch, or a chunk of it under actors.engines.kv_memory.EVENT_BYTES_CAP)."""
     event_live: int = 0
     """Live tokens of the longest row in that call: max(prompt, budget + interval)."""
+    record_bytes: int = 0
+    """actors.engine.backend=sglang replaying (learner.policy_target=sparse): device bytes of the sparse backend's
+    eviction records for the requests of one generate call (`sglang_records`), outside mem_fraction_static, already
+    taken off `memory_bytes`; 0 otherwise."""
+    record_requests: int = 0
+    """Requests those records are sized for (the larger of one actor batch and one eval batch)."""
 
     @property
     def dense_per_batch(self) -> int:
@@ -131,6 +141,9 @@ class PreflightReport:
                  *([f"  compression event (SGLang sparse backend, outside mem_fraction_static): {self.event_bytes:,} "
                     f"B at most per call ({self.event_rows} rows x {self.event_live} live tokens), counted in the KV "
                     "memory above"] if self.event_bytes else []),
+                 *([f"  eviction records (SGLang sparse backend, outside mem_fraction_static): {self.record_bytes:,} B "
+                    f"for {self.record_requests} requests, counted in the KV memory above"]
+                   if self.record_bytes else []),
                  f"  {'':<7} {'peak KV B / seq':>16} {'peak KV B / batch':>18} {'seqs that fit':>14}",
                  row("dense", self.dense_per_seq)]
         if self.method != "full":
@@ -242,12 +255,17 @@ def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: i
     batch_rows = a.prompts_per_batch * a.sampling.samples_per_prompt
     event = (0, 0, 0)
     if a.engine.backend == "sglang" and c.method in EVENT_METHODS:      # (the backend refuses h2o at start)
-        event = max(sglang_event(shape, hf.num_attention_heads, c, b, prompt, batch_rows) for b in {low, high})
+        event = max(sglang_event(shape, hf.num_attention_heads, c, b, prompt, batch_rows,
+                                 cfg.learner.replays(c.method)) for b in {low, high})
         if memory is not None:
             memory, source = memory - event[0], f"{source} - compression event {event[0]:,} B"
+    records = sglang_records(cfg, shape, high, prompt, new, batch_rows)
+    if memory is not None and records[0]:
+        memory, source = memory - records[0], f"{source} - eviction records {records[0]:,} B"
     report = PreflightReport(shape, a.engine.backend, c.method, prompt, new, high, c.interval,
                              batch_rows, dense, sparse, memory, source, weight_bytes)
     report.event_bytes, report.event_rows, report.event_live = event
+    report.record_bytes, report.record_requests = records
     check_report(cfg, report, low)
     return report
 
@@ -304,16 +322,33 @@ def check_report(cfg: RunConfig, report: PreflightReport, low: int) -> None:
                 "prompts_per_batch / samples_per_prompt / max_new_tokens / kv_budget, or raise preflight.kv_memory_gb")
 
 
-def sglang_event(shape: ModelShape, q_heads: int, c, budget: int, prompt: int, rows: int) -> tuple[int, int, int]:
+def sglang_event(shape: ModelShape, q_heads: int, c, budget: int, prompt: int, rows: int,
+                 record: bool = False) -> tuple[int, int, int]:
     """(bytes, rows per call, live tokens) of the largest compression call of the SGLang sparse backend
     (actors/engines/sglang/triton_backend.py `_event_chunks`) for `rows` requests due at once at `budget` tokens: live =
     max(prompt, budget + interval) (a prompt compressed at prefill; a decode row compressed at most interval tokens
     after it reached its budget), the rows split as the backend does under actors.engines.kv_memory.EVENT_BYTES_CAP;
-    bytes = `compression_event_bytes`. c: the CompressorConfig."""
+    bytes = `compression_event_bytes`. c: the CompressorConfig; record: the backend keeps eviction records (the run
+    replays: learner.policy_target=sparse)."""
     live = max(prompt, budget + c.interval)
-    args = (budget, c.window, q_heads, shape.kv_heads, shape.head_dim, shape.dtype_bytes, c.method)
+    args = (budget, c.window, q_heads, shape.kv_heads, shape.head_dim, shape.dtype_bytes, c.method, record)
     per_call = -(-rows // event_calls(rows, event_chunk_rows(live, *args)))
     return compression_event_bytes(per_call, live, *args), per_call, live
+
+
+def sglang_records(cfg: RunConfig, shape: ModelShape, budget: int, prompt: int, new: int,
+                   batch_rows: int) -> tuple[int, int]:
+    """(bytes, requests) of the SGLang sparse backend's eviction records (actors/engines/sglang/records.py) when the
+    run replays on the SGLang engine (actors.engine.backend=sglang, learner.policy_target=sparse, compressing), else
+    (0, 0): `record_bytes_per_request` at the largest `budget` and the longest request (`prompt` + the larger of
+    `new` and eval.max_new_tokens), for the most requests one generate call holds (the larger of `batch_rows` and
+    eval.batch_size when eval is on: the buffers grow to it and stay)."""
+    a, ev = cfg.actors, cfg.eval
+    if a.engine.backend != "sglang" or not cfg.learner.replays(a.engine.compressor.method):
+        return 0, 0
+    rows = max(batch_rows, ev.batch_size if ev.enabled else 0)
+    tokens = prompt + max(new, ev.max_new_tokens if ev.enabled else 0)
+    return rows * record_bytes_per_request(shape.layers, shape.kv_heads, budget, tokens), rows
 
 
 def _parameter_count(hf) -> int:

@@ -84,6 +84,18 @@ class Sample:
     (learner/replay.py, learner.policy_target=sparse); None otherwise."""
 
 
+EVICTION_NEVER = 65535
+"""`Sample.eviction_steps` value of a key never evicted."""
+
+
+def collapsed_heads(steps: np.ndarray) -> np.ndarray:
+    """An eviction record uint16 [layers, heads, L] as every engine hands it over: [layers, 1, L] when every KV head
+    of every layer holds the same values (shared selection), else unchanged; contiguous."""
+    if (steps == steps[:, :1]).all():
+        steps = steps[:, :1]
+    return np.ascontiguousarray(steps)
+
+
 class RolloutEngine(Protocol):
     weight_version: int
     """Version of the weights the engine currently samples with."""

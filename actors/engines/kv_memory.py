@@ -15,6 +15,7 @@ against the engine's measured buffers.
 `compression_event_bytes` bounds the transient device memory of one compression call of the SGLang sparse backend
 (actors/engines/sglang/triton_backend.py), which lives outside SGLang's KV pool; `event_chunk_rows` /
 `event_calls` split an event so that each call stays under `EVENT_BYTES_CAP` (docs/sglang.md, "Limits").
+`record_bytes_per_request` counts the same backend's eviction records (docs/sglang.md, "Eviction records").
 """
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ of one event are split into `event_calls` near-equal chunks of at most `event_ch
 
 
 def compression_event_bytes(rows: int, live: int, budget: int, window: int, q_heads: int, kv_heads: int,
-                            head_dim: int, dtype_bytes: int, method: str = "rkv") -> int:
+                            head_dim: int, dtype_bytes: int, method: str = "rkv", record: bool = False) -> int:
     """Upper bound of the device bytes that one call of the `sparse_rl_kv` backend's compression
     (actors/engines/sglang/triton_backend.py `_compress_group`) holds at once, outside SGLang's KV pool and so outside
     `mem_fraction_static`: its index tensors, one layer's gathered K/V and queries, the compressor's float32
@@ -118,7 +119,9 @@ def compression_event_bytes(rows: int, live: int, budget: int, window: int, q_he
     rows: requests compressed in the call (g); live: tokens of the longest one (n, the rows are left-padded to
     it); budget: tokens kept (B < n); window: the compressor's window (w); q_heads / kv_heads / head_dim: the
     model's attention shape; dtype_bytes: bytes per K/V element (2 for bf16); method: rkv | snapkv |
-    streamingllm. Returns bytes (int). Raises ValueError on a count < 1, B >= n, or another method. The bound is
+    streamingllm; record: the backend keeps eviction records (`SGLangEngine(record_evictions=True)`,
+    actors/engines/sglang/records.py). Returns bytes (int). Raises ValueError on a count < 1, B >= n, or another
+    method. The bound is
     the same for both selections: `shared` scores every head on the first layer as `per_head` does, then sorts
     g n entries (at most S) and reuses that kept set on the other layers, so it holds no tensor `per_head` does
     not.
@@ -135,7 +138,11 @@ def compression_event_bytes(rows: int, live: int, budget: int, window: int, q_he
       scaled, masked, softmax); R-KV's redundancy, 4 g Hkv n (the importance) + 4 x 4 g Hkv n D (normalised
       keys, their flip, matmul's two operand copies) + 5 x the similarity block in float32 + bool (two blocks
       when there is more than one) + 24 S (first similar key and value per row, and their concatenation);
-      the selection, 36 S (masked scores, flip, sort values + indices, and as much scratch for a device sort).
+      the selection, 36 S (masked scores, flip, sort values + indices, and as much scratch for a device sort);
+    - with `record`: index tensors int64 [g] x 2, [g, n] x 2 more, and a recording phase in each layer after the
+      selection, 32 S + 12 g Hkv B (each live key's original index, int32 read and int64 kept, the kept and evicted
+      masks, the record's column per key, the index write's linear indices and values; the kept keys' indices,
+      int64 and int32).
     Checked against the CPU allocator's measured peak (tests/sglang/test_sglang_event_memory.py)."""
     g, n, B, w, hq, hkv, D, e = rows, live, budget, window, q_heads, kv_heads, head_dim, dtype_bytes
     if min(g, n, B, w, hq, hkv, D, e) < 1 or B >= n:
@@ -149,6 +156,9 @@ def compression_event_bytes(rows: int, live: int, budget: int, window: int, q_he
     scores = [g * hkv * B * D * (e + 4), 36 * S]
     if method in ("rkv", "snapkv"):
         scores.append(8 * g * hq * w * D + 8 * g * hkv * n * D + 4 * g * hq * w * n + 12 * g * hkv * w * n)
+    if record:
+        index += 8 * (2 * g + 2 * g * n)
+        scores.append(32 * S + 12 * g * hkv * B)
     if method == "rkv":
         block_rows = min(n, max(1, SIMILARITY_BLOCK // S))
         block = g * hkv * block_rows * n
@@ -157,12 +167,12 @@ def compression_event_bytes(rows: int, live: int, budget: int, window: int, q_he
 
 
 def event_chunk_rows(live: int, budget: int, window: int, q_heads: int, kv_heads: int, head_dim: int,
-                     dtype_bytes: int, method: str = "rkv", cap: int = EVENT_BYTES_CAP) -> int:
+                     dtype_bytes: int, method: str = "rkv", record: bool = False, cap: int = EVENT_BYTES_CAP) -> int:
     """The most rows one compression call may hold so that `compression_event_bytes` (same arguments) stays at or
     under `cap` bytes; at least 1 (a single row whose bound exceeds the cap is compressed alone)."""
     def fits(g: int) -> bool:
         return compression_event_bytes(g, live, budget, window, q_heads, kv_heads, head_dim, dtype_bytes,
-                                       method) <= cap
+                                       method, record) <= cap
     lo, hi = 1, 1
     while fits(hi * 2) and hi < 1 << 20:
         hi *= 2
@@ -177,3 +187,23 @@ def event_calls(rows: int, chunk_rows: int) -> int:
     """Compression calls for `rows` due rows of one budget at most `chunk_rows` rows each (`event_chunk_rows`); the
     backend splits them evenly (numpy.array_split), so a call holds at most ceil(rows / calls) rows."""
     return -(-rows // chunk_rows)
+
+
+RECORD_WIDTH_STEP = 256
+"""Tokens by which the SGLang sparse backend's eviction record grows (actors/engines/sglang/records.py: the longest
+request compressed, rounded up to a multiple of this)."""
+
+
+def record_bytes_per_request(layers: int, kv_heads: int, largest_budget: int, tokens: int) -> int:
+    """Device bytes the `sparse_rl_kv` backend's eviction records (actors/engines/sglang/records.py, with
+    `SGLangEngine(record_evictions=True)`) hold per live request, outside SGLang's KV pool and so outside
+    `mem_fraction_static`: the origin map, int32 [layers, kv_heads, largest_budget] (original token index of each
+    packed position), and the step record, int16 [layers, kv_heads, width + 1] with width = `tokens` (the longest
+    request's prompt + response tokens) rounded up to RECORD_WIDTH_STEP, + 1 dump column. The buffers hold one slot
+    per request live at once (one generate call's: prompts x samples); they grow, never shrink. All arguments are
+    counts >= 1; raises ValueError otherwise."""
+    if min(layers, kv_heads, largest_budget, tokens) < 1:
+        raise ValueError(f"layers={layers}, kv_heads={kv_heads}, largest_budget={largest_budget}, tokens={tokens}: "
+                         "expected counts >= 1")
+    width = -(-tokens // RECORD_WIDTH_STEP) * RECORD_WIDTH_STEP
+    return layers * kv_heads * (4 * largest_budget + 2 * (width + 1))

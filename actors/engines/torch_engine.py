@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from actors.engines.base import Sample, SamplingParams, check_params, check_score
+from actors.engines.base import EVICTION_NEVER, Sample, SamplingParams, check_params, check_score, collapsed_heads
 from actors.engines.batch_cache import BatchCache, CacheShape, KeptEpisode, Layout, SlotPlan, rebased, select_slots
 from compressors import Compressor, CompressorConfig, build_compressor
 
@@ -407,10 +407,7 @@ def sample_eviction_steps(evicted_at: torch.Tensor, prompt_width: int, prompt_le
     steps = torch.where(never, 0, cut - prompt_width)
     if bool((steps[~never] >= 65535).any()) or bool((steps < 0).any()):
         raise ValueError("eviction record: steps outside [0, 65535) (max_new_tokens must be < 65535 to replay)")
-    steps = torch.where(never, 65535, steps).to(torch.int32).numpy().astype(np.uint16)
-    if (steps == steps[:, :1]).all():
-        steps = steps[:, :1]
-    return np.ascontiguousarray(steps)
+    return collapsed_heads(torch.where(never, EVICTION_NEVER, steps).to(torch.int32).numpy().astype(np.uint16))
 
 
 def _attend(q, k, v, visible, scale, want_probs):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from actors.engines.base import SamplingParams
-from actors.engines.kv_memory import ModelShape, kv_peak_bytes_per_sequence
+from actors.engines.kv_memory import ModelShape, kv_peak_bytes_per_sequence, record_bytes_per_request
 from deploy.config import load_config
 from deploy.model_cache import TINY_LLAMA, resolve_model
 from deploy.preflight import PreflightError, preflight
@@ -261,3 +261,27 @@ def test_sglang_sparse_preflight_counts_the_compression_event():
     preflight(load_config("tiny", base[2:] + tight), model_path=resolve_model(TINY_LLAMA))
     with pytest.raises(PreflightError, match="234,496 B > 133,955 B of KV memory .*compression event 766,044 B"):
         preflight(load_config("tiny", base + tight, check_files=False), model_path=resolve_model(TINY_LLAMA))
+
+
+def test_sglang_replay_preflight_counts_the_eviction_records():
+    """With learner.policy_target=sparse on the SGLang engine the sparse backend's eviction records
+    (actors/engines/sglang/records.py) are taken off the KV memory beside the compression event (whose bound then
+    counts the recording too): per request
+    layers x 2 KV heads x (4 B x budget 48 + 2 B x (133 tokens rounded up to 256, + 1 dump column)) = layers x 1,412 B,
+    for the 4 requests of one actor batch (eval off); none without replay."""
+    base = ["actors.engine.backend=sglang", "eval.enabled=false", "actors.engine.compressor.kv_budget=48",
+            "actors.engine.compressor.interval=16", "actors.sampling.max_new_tokens=32",
+            "preflight.max_prompt_tokens=101", "preflight.kv_memory_gb=1"]
+    model = resolve_model(TINY_LLAMA)
+    plain = preflight(load_config("tiny", base, check_files=False), model_path=model)
+    replay = preflight(load_config("tiny", base + ["learner.policy_target=sparse"], check_files=False),
+                       model_path=model)
+    per_request = replay.shape.layers * 1_412
+    assert record_bytes_per_request(replay.shape.layers, 2, 48, 133) == per_request
+    assert (plain.record_bytes, replay.record_bytes, replay.record_requests) == (0, 4 * per_request, 4)
+    assert replay.event_bytes > plain.event_bytes          # the compression call's recording phase and indices
+    assert replay.memory_bytes == (1 << 30) - replay.event_bytes - 4 * per_request
+    assert f"eviction records (SGLang sparse backend, outside mem_fraction_static): {4 * per_request:,} B" \
+        in replay.table()
+    with pytest.raises(ValueError, match="tokens=0"):
+        record_bytes_per_request(28, 2, 512, 0)

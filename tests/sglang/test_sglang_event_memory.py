@@ -59,6 +59,7 @@ def bare_backend(cfg, lens, kv_heads, q_heads, head_dim, dtype, layers=2, seed=0
     b.allocator, b.event_bytes_cap, b.pending = Allocator(), 1 << 30, set(range(1, rows))
     b.stats = {k: 0 for k in ("freed_slots", "compressions", "compression_events", "compression_calls",
                               "event_bytes_bound")}
+    b.steps, b.self_check, b.recorder = np.zeros(rows, np.int64), False, None
     first = 1
     for r, n in enumerate(lens, start=1):
         b.req_to_token[r, :n] = torch.arange(first, first + n, dtype=torch.int32)
@@ -90,8 +91,13 @@ CASES = [  # method, selection, rows, longest live, budget, window, KV heads, qu
 ]
 
 
+@pytest.mark.parametrize("record", [False, True], ids=["plain", "recording"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-g{c[2]}-n{c[3]}")
-def test_one_call_stays_under_its_computed_bound(case):
+def test_one_call_stays_under_its_computed_bound(case, record, tmp_path):
+    """With `record` the backend keeps eviction records (actors/engines/sglang/records.py; its persistent buffers are
+    allocated before the call, as they are by the rows' prefill and an earlier compression)."""
+    from actors.engines.sglang.records import EvictionRecorder
+
     method, selection, g, n, budget, w, hkv, hq, d, dtype = case
     torch.set_num_threads(1)
     cfg = CompressorConfig(method=method, kv_budget=budget, window=w, interval=128, selection=selection)
@@ -100,8 +106,12 @@ def test_one_call_stays_under_its_computed_bound(case):
     b = bare_backend(cfg, lens, hkv, hq, d, dtype)
     b.compressor_for(budget)
     rows = np.arange(1, g + 1)
+    if record:
+        b.recorder = EvictionRecorder(b.num_layers, hkv, budget, "cpu", str(tmp_path))
+        b.recorder.enter(rows.tolist(), [f"r{r}" for r in rows], [budget] * g)
+        b.recorder.fit(n)
     measured = peak_bytes(lambda: b._compress_group(rows, budget))
-    bound = compression_event_bytes(g, n, budget, w, hq, hkv, d, b.kv_dtype_bytes, method)
+    bound = compression_event_bytes(g, n, budget, w, hq, hkv, d, b.kv_dtype_bytes, method, record)
     assert measured <= bound, f"measured {measured:,} B > bound {bound:,} B"
     assert (b.start[rows] == lens - budget).all()                      # it did compress every row
 

@@ -1,7 +1,8 @@
 """SGLang-backed rollout actors through the whole pipeline (docs/sglang.md, "CPU test lane"): `tiny-sglang` on
 real Ray, redis-server, DeepSpeed (CPU) and MLflow, two actors each hosting an in-process SGLang engine in
-sparse mode (R-KV through the sparse_rl_kv backend), weights broadcast back into SGLang after every step; and an
-actor whose SGLang scheduler fails."""
+sparse mode (R-KV through the sparse_rl_kv backend) and recording each request's evictions, which the learner
+replays (learner.policy_target=sparse), weights broadcast back into SGLang after every step and fingerprinted;
+and an actor whose SGLang scheduler fails."""
 from __future__ import annotations
 
 import math
@@ -24,7 +25,8 @@ pytestmark = [pytest.mark.sglang, pytest.mark.system]
 @pytest.mark.timeout(900)
 def test_sglang_actors_train_through_the_pipeline(tmp_path, redis_server):
     cfg = load_config("tiny-sglang", [f"run_dir={tmp_path}", f"broker.url={redis_server.url}",
-                                      "learner.weight_sync_timeout_s=120"])
+                                      "learner.weight_sync_timeout_s=120", "learner.policy_target=sparse",
+                                      "broker.max_staleness=0"])
     summary = train(cfg)
 
     # exact accounting, and every actor's SGLang engine ends on the learner's last version
@@ -38,6 +40,16 @@ def test_sglang_actors_train_through_the_pipeline(tmp_path, redis_server):
     # sparse rollouts: the cache kept less than the whole sequence, and the learner saw a mismatch to correct
     assert 0 < summary["kv_retained_ratio"] < 1
     assert summary["mismatch_kl"] > 0
+    # eviction replay of the SGLang rollouts (learner.policy_target=sparse), on-policy (broker.max_staleness=0: every
+    # row is sampled with the step's weights, so every step measures it): the learner's replayed log-probs equal the
+    # sampler's, while the dense recompute does not; and every weight sync's policy fingerprint matched (fp32)
+    exact = {m.step: m.value for m in metric_history(client, summary["mlflow_run_id"], "replay_logp_max_abs")}
+    assert sorted(exact) == [1, 2, 3] and max(exact.values()) <= 1e-4, exact
+    dense = [m.value for m in metric_history(client, summary["mlflow_run_id"], "replay_dense_gap_max")]
+    assert len(dense) == 3 and max(dense) > 1e-2, dense
+    fingerprint = {m.step: m.value for m in metric_history(client, summary["mlflow_run_id"],
+                                                           "weight_sync_fingerprint_max_abs")}
+    assert sorted(fingerprint) == [1, 2, 3] and max(fingerprint.values()) <= 1e-3, fingerprint
     # each actor's SGLang engine reports its own measured KV pool and retractions (RolloutEngine.engine_stats) under
     # actor/<actor id>/ in MLflow: the backend compressed and freed slots, its peak within its pool
     metrics = client.get_run(summary["mlflow_run_id"]).data.metrics

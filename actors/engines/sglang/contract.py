@@ -1,8 +1,10 @@
 """What the SGLang engine (engine.py here, in the actor's process) and the attention backends it registers
 (triton_backend.py, kv_backend.py, in SGLang's scheduler subprocess) agree on across that process boundary:
-backend names, environment-variable names, the budget carried in a request id, and the decode graph backends
-sparse mode accepts. Both sides import it; it imports neither (docs/sglang.md)."""
+backend names, environment-variable names, the budget carried in a request id, the eviction record's file, and the
+decode graph backends sparse mode accepts. Both sides import it; it imports neither (docs/sglang.md)."""
 from __future__ import annotations
+
+import os
 
 SPARSE_BACKEND = "sparse_rl_kv"
 """Name of our attention backend in SGLang's registry (`attention_backend=` of `sglang.Engine`): SGLang's Triton
@@ -42,3 +44,14 @@ first), from which `generate` counts each request's KV under the shared phase ex
 
 DECODE_GRAPH_BACKENDS = ("full", "disabled")
 """Decode CUDA-graph backends sparse mode accepts (`cuda_graph_backend_decode`, `cuda_graph_config`)."""
+RECORDS_ENV = "SPARSE_RL_KV_RECORDS"
+"""Directory, set by `SGLangEngine(record_evictions=True)` in sparse mode (a temporary directory per engine): when a
+request's row leaves SGLang's request pool (the request ended), the `sparse_rl_kv` backend writes its eviction record
+there, at `record_path(directory, request id)` (actors/engines/sglang/records.py), and `generate` reads it back by
+SGLang's `meta_info["id"]` and deletes it."""
+
+
+def record_path(directory: str, rid) -> str:
+    """The file of request `rid`'s eviction record in `directory`: a numpy .npy of uint16 [layers, kv_heads, tokens
+    whose KV was computed], 65535 = never evicted (the request id with path separators replaced)."""
+    return os.path.join(directory, str(rid).replace(os.sep, "_") + ".npy")

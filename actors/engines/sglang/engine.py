@@ -14,9 +14,14 @@ returns log_softmax(logits). The environment variable `SGLANG_RETURN_ORIGINAL_LO
 untempered log-probs; this engine refuses to start with it set.
 
 Sparse mode (`compressor_cfg.method != "full"`): attention runs in our SGLang attention backend
-`sparse_rl_kv` (actors/engines/sglang/kv_backend.py, registered through SGLang's plugin entry point
+`sparse_rl_kv` (actors/engines/sglang/triton_backend.py, registered through SGLang's plugin entry point
 `sglang.srt.plugins`), which compresses each request's KV with `compressors/` every `interval` decode steps,
 per layer and KV head, and gives the evicted KV slots back to SGLang's allocator. See docs/sglang.md.
+
+With `record_evictions=True` (the rollout actor's, when the learner replays: learner.policy_target=sparse) every
+Sample carries its eviction record (`Sample.eviction_steps`, the torch engine's schema), which the backend writes
+when the request ends (actors/engines/sglang/records.py) into a directory named in `RECORDS_ENV`, read back here by
+request id.
 
 Weight updates, two paths (docs/sglang.md, "Weight updates"):
 - `load_weights(named_tensors, version)` (the `RolloutEngine` protocol): the actor receives the learner's
@@ -33,23 +38,27 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import tempfile
+import time
 from dataclasses import asdict, replace
 from typing import Iterable
 
 import numpy as np
 import torch
 
-from actors.engines.base import Sample, SamplingParams, check_params, check_score
+from actors.engines.base import EVICTION_NEVER, Sample, SamplingParams, check_params, check_score, collapsed_heads
 from actors.engines.sglang.contract import (  # noqa: F401  (re-exported: the engine's callers name them here)
     COMPRESSOR_ENV,
     DECODE_GRAPH_BACKENDS,
     JOINS_ENV,
     KV_BUDGET_RID,
     KV_STATS_ENV,
+    RECORDS_ENV,
     SPARSE_BACKEND,
     TORCH_SPARSE_BACKEND,
     budget_rid,
+    record_path,
     rid_budget,
 )
 from compressors import CompressorConfig
@@ -80,6 +89,9 @@ def sglang_request(params: SamplingParams, budgets: list[int], run_budget: int |
     return request
 
 
+RECORD_WAIT_S = 10.0
+"""Seconds `generate` waits for a request's eviction record file (the backend writes it before SGLang sends the
+request's output, so it is normally there at once)."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -194,16 +206,21 @@ class SGLangEngine:
     timeout_s: limit in seconds on every engine call (generate, each weight-update step).
     sparse_backend: "sparse_rl_kv" (SGLang's Triton kernels, CUDA graphs on) | "sparse_rl_kv_torch" (the torch
         reference backend, eager); sparse mode only.
+    record_evictions: attach to every Sample its eviction record (`Sample.eviction_steps`, uint16 [layers, heads,
+        P + T], the torch engine's record: what the learner replays, learner.policy_target=sparse), recorded by the
+        `sparse_rl_kv` backend (actors/engines/sglang/records.py) and handed over through `RECORDS_ENV`'s directory;
+        dense mode: every key never evicted, [layers, 1, P + T].
     engine_kwargs: passed to `sglang.Engine` (device, dtype, mem_fraction_static, ...); in sparse mode
         `sparse_engine_kwargs()` is added, and a setting that contradicts it is refused (`check_sparse_settings`).
     Raises ValueError on an invalid compressor config, a sparse-mode setting it cannot honour (naming the
-        setting; nothing is started), or with `SGLANG_RETURN_ORIGINAL_LOGPROB` set; whatever `sglang.Engine`
-        raises if the model cannot be loaded.
+        setting; nothing is started), record_evictions with the `sparse_rl_kv_torch` backend, or with
+        `SGLANG_RETURN_ORIGINAL_LOGPROB` set; whatever `sglang.Engine` raises if the model cannot be loaded.
     Must be created under `if __name__ == "__main__":` (SGLang spawns its scheduler subprocess).
     """
 
     def __init__(self, model_path: str, compressor_cfg: CompressorConfig | None = None, weight_version: int = 0,
-                 timeout_s: float = 600.0, sparse_backend: str = SPARSE_BACKEND, **engine_kwargs):
+                 timeout_s: float = 600.0, sparse_backend: str = SPARSE_BACKEND, record_evictions: bool = False,
+                 **engine_kwargs):
         import sglang
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -230,14 +247,11 @@ class SGLangEngine:
             check_sparse_settings(kwargs, sparse_backend)
             os.environ[COMPRESSOR_ENV] = json.dumps(asdict(self.compressor_cfg))
             kwargs.update(sparse_engine_kwargs(sparse_backend))
-        self.joins_path = None
-        """`JOINS_ENV`'s file of this engine (compressor.phase aligned, sparse mode), else None."""
-        if self.sparse and self.compressor_cfg.phase == "aligned":
-            fd, self.joins_path = tempfile.mkstemp(prefix="sparse-rl-kv-joins-", suffix=".txt")
-            os.close(fd)
-            os.environ[JOINS_ENV] = self.joins_path
-        else:
-            os.environ.pop(JOINS_ENV, None)       # an earlier engine's file is not this one's
+        if record_evictions and self.sparse and sparse_backend != SPARSE_BACKEND:
+            raise ValueError(f"record_evictions: the {sparse_backend} reference backend records no evictions; use "
+                             f"{SPARSE_BACKEND}")
+        self.record_evictions = record_evictions
+        self._open_channels()
         self.sparse_backend = sparse_backend if self.sparse else None
         self.stats_path, self._own_stats = self._stats_file()
         self.retractions = 0
@@ -261,10 +275,31 @@ class SGLangEngine:
         self.manifest = {name: (tuple(p.shape), dtype) for name, p in meta_model.named_parameters()}
         self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.vocab_size = int(hf_config.vocab_size)
+        self.num_layers = hf_config.num_hidden_layers
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         self.kv_bytes_per_token = (2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim
                                    * torch.empty(0, dtype=dtype).element_size())
         """Bytes of K and V of one token over all layers in SGLang's pool."""
+
+    def _open_channels(self) -> None:
+        """The files the backend writes for `generate`, named to SGLang's scheduler in the environment before it
+        starts (an earlier engine's are unset): `joins_path` (`JOINS_ENV`, compressor.phase aligned) and
+        `records_dir` (`RECORDS_ENV`, record_evictions); each None when not used."""
+        self.joins_path = None
+        """`JOINS_ENV`'s file of this engine (compressor.phase aligned, sparse mode), else None."""
+        if self.sparse and self.compressor_cfg.phase == "aligned":
+            fd, self.joins_path = tempfile.mkstemp(prefix="sparse-rl-kv-joins-", suffix=".txt")
+            os.close(fd)
+            os.environ[JOINS_ENV] = self.joins_path
+        else:
+            os.environ.pop(JOINS_ENV, None)       # an earlier engine's file is not this one's
+        self.records_dir = None
+        """`RECORDS_ENV`'s directory of this engine (record_evictions, sparse mode), else None."""
+        if self.sparse and self.record_evictions:
+            self.records_dir = tempfile.mkdtemp(prefix="sparse-rl-kv-records-")
+            os.environ[RECORDS_ENV] = self.records_dir
+        else:
+            os.environ.pop(RECORDS_ENV, None)
 
     # ---------------------------------------------------------------- generation
     def expected_weights(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -298,6 +333,9 @@ class SGLangEngine:
         retracted a request (`num_retractions` > 0: re-prefilled, its compression history restarted).
         """
         check_params(prompts, params)
+        if self.record_evictions and params.max_new_tokens >= 65535:
+            raise ValueError(f"SamplingParams.max_new_tokens={params.max_new_tokens}: an eviction record counts steps "
+                             "in uint16, so record_evictions needs max_new_tokens < 65535")
         budgets = self._check_budgets(prompts, kv_budgets)
         rows = [p for p in prompts for _ in range(params.n)]
         run_budget = self.compressor_cfg.kv_budget if self.sparse_backend == SPARSE_BACKEND else None
@@ -305,31 +343,8 @@ class SGLangEngine:
         outs = self._call(self.engine.async_generate(input_ids=[list(r) for r in rows], return_logprob=True,
                                                      **request), "generate")
         joined = self._read_joins()
-        samples = []
-        for j, (row, out) in enumerate(zip(rows, outs)):
-            meta = out["meta_info"]
-            reason = meta["finish_reason"]
-            kind = reason.get("type") if isinstance(reason, dict) else reason
-            if kind not in ("stop", "length"):
-                raise RuntimeError(f"SGLang finished a request with finish_reason={reason!r} (expected stop|length)")
-            self.retractions += int(meta.get("num_retractions") or 0)
-            if self.sparse and meta.get("num_retractions"):
-                raise RuntimeError(f"SGLang retracted a request {meta['num_retractions']} time(s) (KV pool full): "
-                                   "it was re-prefilled and compressed from scratch, so its logp_sparse does not "
-                                   "follow the compression schedule; give SGLang more KV (actors.engine.sglang."
-                                   "mem_fraction_static, max_total_tokens) or admit fewer requests (actors.engine."
-                                   "sglang.max_running_requests, schedule_conservativeness)")
-            response = list(out["output_ids"])
-            token_logprobs = meta["output_token_logprobs"]
-            if [t for _, t, _ in token_logprobs] != response:
-                raise RuntimeError("SGLang output_token_logprobs token ids differ from output_ids")
-            retained, peak = self._kv_tokens(len(row), len(response), budgets[j // params.n],
-                                             self._joined_at(joined, meta.get("id")))
-            samples.append(Sample(prompt_ids=list(row), response_ids=response,
-                                  logp_sparse=np.asarray([lp for lp, _, _ in token_logprobs], dtype=np.float32),
-                                  finish_reason=kind, kv_retained_tokens=retained,
-                                  kv_peak_bytes=peak * self.kv_bytes_per_token,
-                                  **(_top_logprobs(meta, len(response)) if params.topk_logprobs > 0 else {})))
+        samples = [self._sample(row, out, budgets[j // params.n], joined, params.topk_logprobs)
+                   for j, (row, out) in enumerate(zip(rows, outs))]
         return [samples[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
     def score(self, token_ids: list[list[int]]) -> list[np.ndarray]:
@@ -348,6 +363,9 @@ class SGLangEngine:
                                                      sampling_params=sampling, return_logprob=True,
                                                      logprob_start_len=0), "score")
         self._read_joins()       # compressor.phase aligned: the probe's prefills are no batch's (the file is emptied)
+        if self.records_dir is not None:        # record_evictions: the probe's records (nothing evicted) go too
+            for ids, out in zip(token_ids, outs):
+                self._read_record(out["meta_info"].get("id"), len(ids) + 1)
         scored = []
         for ids, out in zip(token_ids, outs):
             entries = out["meta_info"].get("input_token_logprobs") or []
@@ -357,6 +375,59 @@ class SGLangEngine:
                                    f"first) for a prompt of {len(ids)} tokens")
             scored.append(np.asarray(values, dtype=np.float32))
         return scored
+
+    def _sample(self, row: list[int], out: dict, budget: int, joined: dict[str, int] | None, topk: int) -> Sample:
+        """The Sample of one request (prompt ids `row`, SGLang's output `out`, its KV `budget`; `joined`: the
+        aligned phase's join steps, `_read_joins`; `topk`: SamplingParams.topk_logprobs), with its eviction record
+        when recording. Raises RuntimeError on a finish reason other than stop | length, a retraction (sparse
+        mode), log-prob ids that differ from the output ids, or a missing record (`_read_record`)."""
+        meta = out["meta_info"]
+        reason = meta["finish_reason"]
+        kind = reason.get("type") if isinstance(reason, dict) else reason
+        if kind not in ("stop", "length"):
+            raise RuntimeError(f"SGLang finished a request with finish_reason={reason!r} (expected stop|length)")
+        self.retractions += int(meta.get("num_retractions") or 0)
+        if self.sparse and meta.get("num_retractions"):
+            raise RuntimeError(f"SGLang retracted a request {meta['num_retractions']} time(s) (KV pool full): "
+                               "it was re-prefilled and compressed from scratch, so its logp_sparse does not "
+                               "follow the compression schedule; give SGLang more KV (actors.engine.sglang."
+                               "mem_fraction_static, max_total_tokens) or admit fewer requests (actors.engine."
+                               "sglang.max_running_requests, schedule_conservativeness)")
+        response = list(out["output_ids"])
+        token_logprobs = meta["output_token_logprobs"]
+        if [t for _, t, _ in token_logprobs] != response:
+            raise RuntimeError("SGLang output_token_logprobs token ids differ from output_ids")
+        retained, peak = self._kv_tokens(len(row), len(response), budget, self._joined_at(joined, meta.get("id")))
+        sample = Sample(prompt_ids=list(row), response_ids=response,
+                        logp_sparse=np.asarray([lp for lp, _, _ in token_logprobs], dtype=np.float32),
+                        finish_reason=kind, kv_retained_tokens=retained, kv_peak_bytes=peak * self.kv_bytes_per_token,
+                        **(_top_logprobs(meta, len(response)) if topk > 0 else {}))
+        if self.record_evictions:
+            sample.eviction_steps = self._read_record(meta.get("id"), len(row) + len(response))
+        return sample
+
+    def _read_record(self, rid, tokens: int) -> np.ndarray:
+        """Request `rid`'s eviction record as `Sample.eviction_steps`: uint16 [layers, heads, tokens] (`tokens` =
+        P + T; the backend's record covers the tokens whose KV was computed, the rest is never evicted; heads 1 when
+        every KV head of every layer holds the same values, as the torch engine's). Read from `RECORDS_ENV`'s
+        directory, where the backend wrote it when the request's row left SGLang's pool (before SGLang sent the
+        output), and deleted. Dense mode: every key never evicted, [layers, 1, tokens]. Raises RuntimeError when
+        no record appears within RECORD_WAIT_S seconds."""
+        if self.records_dir is None:
+            return np.full((self.num_layers, 1, tokens), EVICTION_NEVER, dtype=np.uint16)
+        path = record_path(self.records_dir, rid)
+        deadline = time.monotonic() + RECORD_WAIT_S
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"record_evictions: the {SPARSE_BACKEND} backend wrote no eviction record for "
+                                   f"request {rid!r} in {self.records_dir} within {RECORD_WAIT_S} s")
+            time.sleep(0.01)
+        steps = np.load(path)
+        os.remove(path)
+        out = np.full((*steps.shape[:2], tokens), EVICTION_NEVER, dtype=np.uint16)
+        n = min(tokens, steps.shape[2])
+        out[:, :, :n] = steps[:, :, :n]
+        return collapsed_heads(out)
 
     def _check_budgets(self, prompts: list[list[int]], kv_budgets: list[int] | None) -> list[int]:
         """One budget per prompt (the config's when None); ValueError naming kv_budgets for a wrong length, a
@@ -608,6 +679,8 @@ class SGLangEngine:
             os.environ.pop(KV_STATS_ENV, None)
             if os.path.exists(self.stats_path):
                 os.remove(self.stats_path)
+        if self.records_dir is not None:
+            shutil.rmtree(self.records_dir, ignore_errors=True)
 
 
 def _top_logprobs(meta: dict, length: int) -> dict:

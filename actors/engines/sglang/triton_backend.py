@@ -32,6 +32,11 @@ Where each part runs:
   prefill, leave when SGLang frees the row), checked against SGLang's host `seq_lens_sum` every step.
 - prefill: the parent's extend kernel (batched); then the last `window` queries go to the ring.
 
+Eviction records (`SGLangEngine(record_evictions=True)` sets RECORDS_ENV): `EvictionRecorder`
+(actors/engines/sglang/records.py) keeps, per live request, layer and KV head, the original token index of each
+packed position and the generated-token count at which each key was evicted -- the torch engine's record, which the
+learner replays; written inside the compression (device ops only), read out once when the request's row leaves.
+
 Per-request budgets: `SGLangEngine.generate(..., kv_budgets=)` puts a budget that is not the run's at the end of
 the request's id (`actors.engines.sglang.engine.budget_rid`); the backend reads it from `ForwardBatch.rids` at the
 request's prefill only. No custom logit processor is attached, so nothing of ours runs per decode step.
@@ -42,6 +47,7 @@ cache, no chunked prefill, tp/pp/dp/dcp 1, no overlap scheduling, model-dtype KV
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -51,7 +57,8 @@ import torch
 from sglang.srt.layers.attention.triton_backend import ForwardMetadata, TritonAttnBackend
 
 from actors.engines.kv_memory import EVENT_BYTES_CAP, compression_event_bytes, event_calls, event_chunk_rows
-from actors.engines.sglang.contract import JOINS_ENV, KV_STATS_ENV, rid_budget
+from actors.engines.sglang.contract import JOINS_ENV, KV_STATS_ENV, RECORDS_ENV, rid_budget
+from actors.engines.sglang.records import EvictionRecorder, int16_bits
 from compressors import CompressorConfig, build_compressor, gather_kv
 
 SELF_CHECK_ENV = "SPARSE_RL_KV_SELF_CHECK"
@@ -189,6 +196,10 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         self.stats_path = os.environ.get(KV_STATS_ENV)
         self.joins_path = os.environ.get(JOINS_ENV) if cfg.phase == "aligned" else None
         self.self_check = os.environ.get(SELF_CHECK_ENV) == "1"
+        records = os.environ.get(RECORDS_ENV)
+        self.recorder = (EvictionRecorder(self.num_layers, self.kv_pool.head_num, cfg.kv_budget, self.device, records)
+                         if records else None)
+        """The requests' eviction records (RECORDS_ENV set: SGLangEngine(record_evictions=True)), else None."""
         self.event_bytes_cap = EVENT_BYTES_CAP
         """Bytes one compression call may hold outside SGLang's pool (`_event_chunks`)."""
         self._ptrs, self._pad_buffers = None, None
@@ -215,7 +226,11 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         self.allocator.free, pool.free_rows, pool.clear = free_slots, free_req_rows, clear_rows
 
     def _leave(self, rows: list[int]) -> None:
+        """Request rows leaving (their request ended, or the pool was cleared): out of the host mirror; with a
+        recorder, each live row's eviction record is written out (`EvictionRecorder.take`)."""
         for r in rows:
+            if self.recorder is not None and self.alive[r]:
+                self.recorder.take(r, int(self.seq_len[r]))
             self.alive[r] = False
             self.pending.discard(r)
 
@@ -257,6 +272,8 @@ class SparseTritonAttnBackend(TritonAttnBackend):
             self._advance_decode(fb)
         elif mode.is_extend():
             self._enter_extend(fb)
+        if self.recorder is not None:
+            self.stats["record_bytes"] = self.recorder.bytes       # device bytes of the records now
         self._write_stats()
 
     def _advance_decode(self, fb) -> None:
@@ -292,6 +309,8 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         self.alive[rows], self.seq_len[rows], self.start[rows], self.steps[rows] = True, lens, 0, 0
         self.budget[rows] = budgets
         self.start_dev[torch.from_numpy(rows).to(self.device)] = 0
+        if self.recorder is not None:
+            self.recorder.enter(rows.tolist(), list(rids[:len(rows)]), budgets)
         self.pending.update(rows[lens > self.budget[rows]].tolist())
         self.stats["used_at_last_extend"] = int(self.allocator.size - self.allocator.available_size())
         self.stats["last_extend_decode_step"] = self.stats["decode_steps"]
@@ -337,7 +356,7 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         stats."""
         live, budget = int((self.seq_len[group] - self.start[group]).max()), int(budget)
         shape = (budget, self.cfg.window, self.num_head, self.kv_pool.head_num, self.head_dim, self.kv_dtype_bytes,
-                 self.cfg.method)
+                 self.cfg.method, self.recorder is not None)
         chunks = np.array_split(group,
                                 event_calls(len(group), event_chunk_rows(live, *shape, cap=self.event_bytes_cap)))
         self.stats["compression_calls"] += len(chunks)
@@ -365,8 +384,10 @@ class SparseTritonAttnBackend(TritonAttnBackend):
     def _compress_group(self, rows: np.ndarray, budget) -> torch.Tensor:
         """Compress rows (all holding more than `budget` live tokens) to `budget`; returns the freed slots. The
         index arrays are built on the host from the mirror (numpy: left-padded live positions, the evicted
-        positions [start, length - budget) of every row) and reach the device in one pinned non-blocking copy
-        (`_to_device`); no per-row loop, nothing read back from the device."""
+        positions [start, length - budget) of every row; with a recorder, the rows' record slots, which positions
+        its map holds and their step counts) and reach the device in one pinned non-blocking copy (`_to_device`);
+        no per-row loop, nothing read back from the device (`_compress_device`, under NoHostSync in the
+        self-check)."""
         w = self.cfg.window
         length, start = self.seq_len[rows], self.start[rows]
         new_start = length - budget
@@ -374,9 +395,23 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         pos = length[:, None] - n + np.arange(n)[None, :]                       # left-padded live positions
         live = pos >= start[:, None]
         evict_row, evict_col = np.where(live & (pos < new_start[:, None]))       # host numpy, the mirror
-        rows_t, pos_t, valid, target_pos, qpos, evict_row, evict_col, new_start_t = self._to_device(
-            rows, np.maximum(pos, 0), live, new_start[:, None] + np.arange(budget)[None, :],
-            (length[:, None] - w + np.arange(w)[None, :]) % w, evict_row, evict_col, new_start)
+        host = [rows, np.maximum(pos, 0), live, new_start[:, None] + np.arange(budget)[None, :],
+                (length[:, None] - w + np.arange(w)[None, :]) % w, evict_row, evict_col, new_start]
+        if self.recorder is not None:                    # the steps recorded: each row's own, before this step's
+            self.recorder.fit(int(length.max()))
+            host += [self.recorder.slots_of(rows), *EvictionRecorder.host_index(pos, start, int(budget)),
+                     int16_bits(self.steps[rows])]
+        with NoHostSync() if self.self_check else contextlib.nullcontext():
+            freed = self._compress_device(budget, *self._to_device(*host))
+        self.start[rows] = new_start
+        return freed
+
+    def _compress_device(self, budget, rows_t, pos_t, valid, target_pos, qpos, evict_row, evict_col, new_start_t,
+                         *record) -> torch.Tensor:
+        """`_compress_group`'s device half (device ops only): per layer, gather the rows' live K/V and window
+        queries, select, write the kept K/V into the slots of the packed positions (and, with `record` = the
+        recorder's slots, mapped, rel and step tensors, the eviction record); point the evicted positions at slot 0
+        and set the rows' device start. Returns the freed slots int64 [E]."""
         valid = valid.bool()
         slots = self.req_to_token[rows_t[:, None], pos_t].long().masked_fill(~valid, 0)
         target = self.req_to_token[rows_t[:, None], target_pos].long()
@@ -389,12 +424,14 @@ class SparseTritonAttnBackend(TritonAttnBackend):
             if keep is None or self.cfg.selection != "shared":
                 queries = self.qwin[li][rows_t[:, None], qpos].transpose(1, 2)     # [g, Hq, w, D]
                 keep = compressor.select(ks, queries, valid)                       # [g, Hkv, budget]
+            if record:
+                origin = self.recorder.origins(li, record[0], pos_t, record[1].bool(), record[2])
+                self.recorder.record(li, record[0], origin, valid, keep, record[3])
             k_buf[target[:, None, :], heads] = gather_kv(ks, keep)
             v_buf[target[:, None, :], heads] = gather_kv(vs, keep)
             del ks, vs                      # freed before the next layer's gather (compression_event_bytes)
         freed = slots[evict_row, evict_col]                 # live slots of the evicted positions (never slot 0)
         self.req_to_token[rows_t[evict_row], pos_t[evict_row, evict_col]] = 0
-        self.start[rows] = new_start
         self.start_dev[rows_t] = new_start_t
         return freed
 

@@ -1,0 +1,171 @@
+"""Eviction records of the `sparse_rl_kv` backend (actors/engines/sglang/triton_backend.py): per request, layer and KV
+head, the number of generated tokens at which each key was evicted -- the torch engine's record
+(`actors.engines.torch_engine.sample_eviction_steps`, `Sample.eviction_steps`), which the learner replays
+(learner/replay.py, `learner.policy_target=sparse`).
+
+The backend packs each request's kept keys into the suffix [start, seq_len) of its row and tracks only start and
+length on the host, so a key's row position no longer says which token it is. `EvictionRecorder` keeps, on the
+device, per live request (a *record slot*):
+- `origin` int32 [slots, layers, Hkv, largest budget]: after a compression of a row with budget B, the original
+  token index of each packed position start + j, j < B (positions from start + B on hold the tokens appended since,
+  at their own index; a row never compressed, start 0, holds every token at its own index). The suffix holds at most
+  budget + interval tokens after a compression (docs/sglang.md, Schedule), of which only the B packed ones need the
+  map, so `origin` is sized by the largest budget, not by budget + interval;
+- `steps` int16 [slots, layers, Hkv, width + 1]: original token index -> generated tokens when evicted, as uint16
+  bits (-1 = 65535 = never); column `width` is a dump column that the writes of kept keys and padding go to.
+Slots are the live requests (a host map from SGLang's request row, taken at the row's prefill and given back when it
+leaves), so the buffers grow with the most requests live at once (one generate call's), not with SGLang's request
+pool; `width` grows in steps of RECORD_WIDTH_STEP tokens with the longest request compressed, `origin` with the
+largest budget that entered. Growing is eager (between steps) and reads nothing back.
+
+`record` (inside the backend's compression, `_compress_group`) is device ops only: no host sync (checked under the
+backend's NoHostSync in the lane's self-check). `take` copies a leaving request's record to the host once and writes
+it to `contract.record_path(directory, rid)` for `SGLangEngine.generate`.
+
+Steps (the torch engine's, `BatchCache.compact`: evicted at column col + 1): a compression in the forward of decode
+step s (s = 1 for the forward of the first sampled token) records s; a prompt compressed after its prefill records
+0. The backend runs the compression due after step s's attention just before step s + 1's forward, while the row's
+host step count is still s (`steps[row]`), and passes that count. A row that ends with the forward of step s never
+runs the compression due in it (its row leaves first); the torch engine runs it and records s = T - 1 for a
+T-token response. Such a key is seen by every query the sample's log-probs come from (the last one is at P + T - 2,
+learner/replay.py: query q sees key k while q < P + steps), so both records replay the same.
+
+Bytes: `actors.engines.kv_memory.record_bytes_per_request` (docs/sglang.md, Eviction records).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from actors.engines.kv_memory import RECORD_WIDTH_STEP
+from actors.engines.sglang.contract import record_path
+
+NEVER16 = -1
+"""`steps` value of a key never evicted: uint16 65535 stored as int16."""
+
+
+def int16_bits(steps: np.ndarray) -> np.ndarray:
+    """Step counts int [n] in [0, 65535) as the int16 values holding their uint16 bits, int64 [n]. Raises ValueError
+    for a count outside [0, 65535) (a record needs max_new_tokens < 65535)."""
+    steps = np.asarray(steps, dtype=np.int64)
+    if steps.size and (steps.min() < 0 or steps.max() >= 65535):
+        raise ValueError(f"eviction record: step {int(steps.max())} outside [0, 65535)")
+    return steps.astype(np.uint16).view(np.int16).astype(np.int64)
+
+
+def grown(t: torch.Tensor, shape: tuple[int, ...], fill: int, keep: tuple[int, ...] | None = None) -> torch.Tensor:
+    """A new tensor of `shape` (same dtype and device) filled with `fill`, holding t[:keep] at [:keep] (each dim;
+    keep: t's shape when None)."""
+    keep = tuple(t.shape) if keep is None else keep
+    out = torch.full(shape, fill, dtype=t.dtype, device=t.device)
+    index = tuple(slice(0, k) for k in keep)
+    out[index] = t[index]
+    return out
+
+
+class EvictionRecorder:
+    """The eviction records of the live requests of one `sparse_rl_kv` backend (module docstring).
+
+    layers / kv_heads: the KV pool's; budget: the run's budget (tokens; `origin` grows for a larger one);
+    device: the pool's; directory: where `take` writes the records (contract.RECORDS_ENV).
+    """
+
+    def __init__(self, layers: int, kv_heads: int, budget: int, device, directory: str):
+        self.layers, self.kv_heads, self.device, self.directory = layers, kv_heads, device, directory
+        self.width = 0
+        """Record columns (original token indices) held; column `width` is the dump column."""
+        self.steps = torch.full((0, layers, kv_heads, 1), NEVER16, dtype=torch.int16, device=device)
+        self.origin = torch.zeros(0, layers, kv_heads, int(budget), dtype=torch.int32, device=device)
+        self.slot: dict[int, int] = {}
+        """SGLang request row -> record slot, for the live requests."""
+        self.rid: dict[int, str] = {}
+        self.free: list[int] = []
+        self.heads = torch.arange(kv_heads, device=device)[None, :, None]
+        self.packed = torch.arange(int(budget), device=device)
+
+    @property
+    def bytes(self) -> int:
+        """Device bytes the recorder holds now (`steps` + `origin`)."""
+        return self.steps.nbytes + self.origin.nbytes
+
+    def enter(self, rows: list[int], rids: list, budgets: list[int]) -> None:
+        """Requests entering at their prefill: request rows (host ints), SGLang request ids, budgets (tokens). Takes
+        a slot per row (growing the buffers for more live requests or a larger budget) and resets its record to
+        never. Eager; device ops only."""
+        for row in rows:                              # a row SGLang handed out again without freeing it
+            if row in self.slot:
+                self.free.append(self.slot.pop(row))
+        short, old = len(rows) - len(self.free), self.steps.shape[0]
+        budget = max(self.origin.shape[3], max(budgets, default=0))
+        if short > 0 or budget > self.origin.shape[3]:
+            slots = old + max(short, 0)
+            self.steps = grown(self.steps, (slots, *self.steps.shape[1:]), NEVER16)
+            self.origin = grown(self.origin, (slots, self.layers, self.kv_heads, budget), 0)
+            self.free += list(range(old, slots))
+            self.packed = torch.arange(budget, device=self.device)
+        taken = [self.free.pop() for _ in rows]
+        for row, rid, s in zip(rows, rids, taken):
+            self.slot[row], self.rid[row] = s, rid
+        if taken:
+            self.steps[torch.tensor(taken, device=self.device)] = NEVER16
+
+    def slots_of(self, rows: np.ndarray) -> np.ndarray:
+        """The record slots of request rows (host int64 [g])."""
+        return np.asarray([self.slot[int(r)] for r in rows], dtype=np.int64)
+
+    def fit(self, length: int) -> None:
+        """Grow the record to hold original token indices < `length` (eager, before a compression)."""
+        if length <= self.width:
+            return
+        width = -(-length // RECORD_WIDTH_STEP) * RECORD_WIDTH_STEP
+        keep = (self.steps.shape[0], self.layers, self.kv_heads, self.width)   # not the old dump column
+        self.steps = grown(self.steps, (self.steps.shape[0], self.layers, self.kv_heads, width + 1), NEVER16, keep)
+        self.width = width
+
+    @staticmethod
+    def host_index(pos: np.ndarray, start: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
+        """For one compression group (host, the backend's mirror): left-padded live positions pos int64 [g, n], the
+        rows' starts int64 [g], their budget -> (mapped bool [g, n]: the position is one of the B packed by the
+        row's last compression; rel int64 [g, n]: its index in `origin`, 0 elsewhere)."""
+        rel = pos - start[:, None]
+        mapped = (start[:, None] > 0) & (rel >= 0) & (rel < budget)
+        return mapped, np.where(mapped, rel, 0)
+
+    def origins(self, li: int, slots: torch.Tensor, pos: torch.Tensor, mapped: torch.Tensor,
+                rel: torch.Tensor) -> torch.Tensor:
+        """Original token index of each live position of layer li, int64 [g, Hkv, n]: slots int64 [g]; pos int64
+        [g, n] (positions, left-padded), mapped bool [g, n], rel int64 [g, n] (`host_index`). Device ops only."""
+        table = self.origin[slots[:, None, None], li, self.heads, rel[:, None, :]].long()
+        return torch.where(mapped[:, None, :], table, pos[:, None, :])
+
+    def record(self, li: int, slots: torch.Tensor, origin: torch.Tensor, valid: torch.Tensor, keep: torch.Tensor,
+               step: torch.Tensor) -> None:
+        """Layer li of one compression: the kept keys' original indices into `origin` (packed order), the evicted
+        ones' record set to `step`. slots int64 [g]; origin int64 [g, Hkv, n] (`origins`); valid bool [g, n] (live,
+        not padding); keep int64 [g, Hkv, B] (positions kept, ascending); step int64 [g] (int16 bits, `int16_bits`).
+        Device ops only (no host sync)."""
+        kept = torch.zeros(origin.shape, dtype=torch.bool, device=origin.device).scatter_(2, keep, True)
+        B = keep.shape[2]
+        self.origin[slots[:, None, None], li, self.heads, self.packed[:B]] = origin.gather(2, keep).to(torch.int32)
+        column = torch.where(valid[:, None, :] & ~kept, origin, self.width)          # kept and padding: the dump
+        self.steps[slots[:, None, None], li, self.heads, column] = step.to(torch.int16)[:, None, None].expand(
+            column.shape)
+
+    def take(self, row: int, length: int) -> None:
+        """A request's row leaves: its record, uint16 [layers, Hkv, length] (`length`: tokens whose KV was computed;
+        never past the record's width), to `record_path(directory, rid)` (written to a temporary name, then
+        renamed: a reader never sees a partial file), and its slot given back. One device-to-host copy (the request
+        has ended; not graph code). Rows without a slot are ignored."""
+        if row not in self.slot:
+            return
+        s, rid = self.slot.pop(row), self.rid.pop(row)
+        self.free.append(s)
+        out = np.full((self.layers, self.kv_heads, length), np.uint16(65535), dtype=np.uint16)
+        n = min(length, self.width)
+        out[:, :, :n] = self.steps[s, :, :, :n].cpu().numpy().view(np.uint16)
+        path = record_path(self.directory, rid)
+        with open(path + ".tmp", "wb") as f:
+            np.save(f, out)
+        os.replace(path + ".tmp", path)
