@@ -62,10 +62,17 @@ def test_kill_child_kills_this_processes_children_of_that_title_only(monkeypatch
     carry a title such as `sglang::scheduler`) and goes on: another child lives, the function still runs."""
     import subprocess
     import sys
+    import time
+
+    import psutil
     title = "sparse-rl-test::victim"
     code = "import time; time.sleep(60)"
     victim = subprocess.Popen(["bash", "-c", f"exec -a {title} {sys.executable} -c '{code}'"])
     bystander = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.monotonic() + 30
+    while psutil.Process(victim.pid).cmdline()[:1] != [title]:     # bash has exec'd it under its title
+        assert time.monotonic() < deadline, psutil.Process(victim.pid).cmdline()
+        time.sleep(0.05)
     try:
         monkeypatch.setenv(faults.FAULTS_ENV, f"actor.generate:actor-0=kill_child:{title}")
         assert faults.parse(os.environ[faults.FAULTS_ENV])[0].arg == title
