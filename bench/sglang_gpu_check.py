@@ -89,7 +89,7 @@ def model_info(tiny: bool) -> dict:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     with torch.device("meta"):
         params = sum(p.numel() for p in Qwen2ForCausalLM(cfg).parameters())
-    return {"params": params,
+    return {"params": params, "layers": cfg.num_hidden_layers, "kv_heads": cfg.num_key_value_heads,
             "kv_bytes_per_token_bf16": 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2}
 
 
@@ -155,25 +155,53 @@ def engine_kwargs(args, dtype: str, dense: bool, batch: int, pool_tokens: int | 
     return dict(kw, dtype=dtype, random_seed=0, log_level="error")
 
 
-def run_engine(args, compressor, dtype: str, prompts, params, pool_tokens: int | None = None, triton: bool = False):
+def run_engine(args, compressor, dtype: str, prompts, params, pool_tokens: int | None = None, triton: bool = False,
+               record: bool = False, probe: list | None = None):
     """Start an SGLangEngine, generate once (timed), shut it down. Returns (samples, seconds, pool stats of the
-    sparse backend or None, KV bytes per token)."""
+    sparse backend or None, KV bytes per token); with `record` the samples carry their eviction records
+    (`SGLangEngine(record_evictions=True)`); with `probe` (token-id sequences) also (the engine's `score` of it after
+    the generate, its seconds): the weight-sync fingerprint's engine side."""
     from actors.engines.sglang.engine import KV_STATS_ENV, SGLangEngine
 
     stats_path = Path(args.model_dir) / f"kv_stats_{os.getpid()}.json"
     if stats_path.exists():
         stats_path.unlink()
     os.environ[KV_STATS_ENV] = str(stats_path)
-    eng = SGLangEngine(args.model_dir, compressor, timeout_s=400,
+    eng = SGLangEngine(args.model_dir, compressor, timeout_s=400, record_evictions=record,
                        **engine_kwargs(args, dtype, dense=compressor.method == "full", batch=len(prompts),
                                        pool_tokens=pool_tokens, triton=triton))
     try:
         t0 = time.perf_counter()
         out = eng.generate(prompts, params)
         seconds = time.perf_counter() - t0
-        return [g[0] for g in out], seconds, eng.kv_pool_stats(), eng.kv_bytes_per_token
+        result = ([g[0] for g in out], seconds, eng.kv_pool_stats(), eng.kv_bytes_per_token)
+        if probe is None:
+            return result
+        t0 = time.perf_counter()
+        scored = eng.score(probe)
+        return (*result, scored, time.perf_counter() - t0)
     finally:
         eng.shutdown()
+
+
+def records_differing(got: list, want: list, agree: list[int], eq_len: int) -> tuple[int, int]:
+    """(rows compared, entries differing) between SGLang's and the torch engine's eviction records (uint16 [layers,
+    heads or 1, tokens], 65535 = never) on the rows whose tokens agree throughout, heads broadcast to the larger
+    count, steps >= T - 1 read as never on both sides (a compression due in the forward of the last token: SGLang
+    frees the row first; no query of the sample follows it; docs/sglang.md, "Eviction records and replay")."""
+    import numpy as np
+
+    rows, differing = 0, 0
+    for a, b, n in zip(got, want, agree):
+        if n < eq_len:
+            continue
+        T = len(a.response_ids)
+        tokens, heads = len(a.prompt_ids) + T, max(a.eviction_steps.shape[1], b.eviction_steps.shape[1])
+        ca, cb = (np.broadcast_to(s.eviction_steps[:, :, :tokens], (s.eviction_steps.shape[0], heads, tokens))
+                  .astype(np.int64) for s in (a, b))
+        ca, cb = (np.where(c >= T - 1, 65535, c) for c in (ca, cb))
+        rows, differing = rows + 1, differing + int((ca != cb).sum())
+    return rows, differing
 
 
 def main(argv=None) -> dict:
@@ -237,10 +265,16 @@ def main(argv=None) -> dict:
 
         eq_prompts = prompts[:args.eq_prompts]
         eq_params = SamplingParams(temperature=0.0, max_new_tokens=args.eq_len, ignore_eos=True)
-        got, _, eq_stats, _ = run_engine(args, rkv, "float32", eq_prompts, eq_params)
+        from actors.engines.kv_memory import record_bytes_per_request
+        from broker.fingerprint import max_abs, probe, probe_tokens
+
+        probe_ids = probe(vocab, probe_tokens(args.kv_budget))
+        got, _, eq_stats, _, scored, score_s = run_engine(args, rkv, "float32", eq_prompts, eq_params, record=True,
+                                                          probe=probe_ids)
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).to(device).eval()
-        want = [g[0] for g in TorchEngine(model, AutoTokenizer.from_pretrained(args.model_dir), rkv,
-                                          device=device).generate(eq_prompts, eq_params)]
+        reference = TorchEngine(model, AutoTokenizer.from_pretrained(args.model_dir), rkv, device=device,
+                                record_evictions=True)
+        want = [g[0] for g in reference.generate(eq_prompts, eq_params)]
         agree, max_diff = [], 0.0
         for a, b in zip(got, want):
             n = next((i for i, (x, y) in enumerate(zip(a.response_ids, b.response_ids)) if x != y), args.eq_len)
@@ -251,9 +285,18 @@ def main(argv=None) -> dict:
         # decode step of the first compression (0: the prompt itself is compressed at prefill)
         first = 0 if args.prompt_len > args.kv_budget else \
             ((args.kv_budget - args.prompt_len) // args.interval + 1) * args.interval
+        compared, differing = records_differing(got, want, agree, args.eq_len)
         eq = {"tokens_agreeing_before_divergence": agree, "eq_len": args.eq_len, "max_abs_logp_diff": max_diff,
               "first_compression_step": first, "compression_reached_before_divergence": min(agree) > first,
-              "batch": len(eq_prompts), "graph_replays": eq_stats["graph_replays"]}
+              "batch": len(eq_prompts), "graph_replays": eq_stats["graph_replays"],
+              # eviction replay's input: SGLang's records against the torch engine's, and their device bytes per
+              # request at the check's shape (records.py; outside mem_fraction_static)
+              "records_rows_compared": compared, "records_entries_differing": differing,
+              "record_bytes_per_request": record_bytes_per_request(
+                  info["layers"], info["kv_heads"], args.kv_budget, args.prompt_len + args.response_len),
+              # the weight-sync fingerprint: SGLang's score of the probe against the torch engine's, same weights
+              "fingerprint_max_abs": max_abs(reference.score(probe_ids), scored),
+              "fingerprint_score_s": round(score_s, 3)}
         del model
 
     print(f"{'run':<24}{'batch':>6}{'tokens':>10}{'seconds':>10}{'tokens/s':>12}{'KV peak MiB':>14}"
