@@ -116,7 +116,9 @@ class EvictionRecorder:
         return np.asarray([self.slot[int(r)] for r in rows], dtype=np.int64)
 
     def fit(self, length: int) -> None:
-        """Grow the record to hold original token indices < `length` (eager, before a compression)."""
+        """Grow the record to hold original token indices < `length` (a host int or numpy integer; eager, before a
+        compression)."""
+        length = int(length)
         if length <= self.width:
             return
         width = -(-length // RECORD_WIDTH_STEP) * RECORD_WIDTH_STEP

@@ -398,8 +398,8 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         host = [rows, np.maximum(pos, 0), live, new_start[:, None] + np.arange(budget)[None, :],
                 (length[:, None] - w + np.arange(w)[None, :]) % w, evict_row, evict_col, new_start]
         if self.recorder is not None:                    # the steps recorded: each row's own, before this step's
-            self.recorder.fit(int(length.max()))
-            host += [self.recorder.slots_of(rows), *EvictionRecorder.host_index(pos, start, int(budget)),
+            self.recorder.fit(length.max())                                   # host numpy: the mirror
+            host += [self.recorder.slots_of(rows), *EvictionRecorder.host_index(pos, start, budget),
                      int16_bits(self.steps[rows])]
         with NoHostSync() if self.self_check else contextlib.nullcontext():
             freed = self._compress_device(budget, *self._to_device(*host))
