@@ -150,7 +150,7 @@ def test_resume_continues_the_same_record_and_a_fork_starts_its_own(tmp_path, re
     checkpoints in its own directory. Fork (learner.resume_from): a new record tagged with its parent, whose
     checkpoints it never writes."""
     common = [f"run_dir={tmp_path}", "eval.enabled=false", "learner.weight_sync_timeout_s=60",
-              "learner.checkpoint_interval=1", f"broker.url={redis_server.url}"]
+              "learner.checkpoint_interval=1", f"broker.url={redis_server.url}", "actors.count=1"]
     first = train(load_config("tiny", common + ["train.steps=2"]))
     run_dir = first["run_dir"]
     second = train(resume_config(run_dir, ["train.steps=4"]), resume=run_dir)

@@ -44,6 +44,10 @@ def write_jsonl(path: Path, lines: list[str]) -> Path:
     return path
 
 
+ONE_ACTOR = "actors.count=1"
+"""Runs whose check needs no second rollout actor start one: each actor is a process that imports torch and loads
+the model, about a fifth of a tiny run's CPU time on a loaded 2-core CI machine (docs/development.md, "CI time")."""
+
 GOOD = json.dumps({"question": "What is 1 + 1?", "answer": "1 + 1 = 2\n#### 2"})
 
 
@@ -186,7 +190,7 @@ def test_sigterm_stops_the_run_cleanly_with_a_checkpoint_of_the_last_step(tmp_pa
     the resume it prints works. SIGKILL of another run's driver: its Redis and Ray die with it (the resume runs
     while Ray's agents of the killed run take their time to exit)."""
     runs = tmp_path / "runs"
-    run = Run("--config", "tiny", f"run_dir={runs}", "train.steps=50", "learner.checkpoint_interval=100",
+    run = Run("--config", "tiny", f"run_dir={runs}", "train.steps=50", "learner.checkpoint_interval=100", ONE_ACTOR,
               "eval.enabled=false")
     try:
         run.until(r"^step 2/50")
@@ -209,7 +213,8 @@ def test_sigterm_stops_the_run_cleanly_with_a_checkpoint_of_the_last_step(tmp_pa
     assert_all_gone(tree, redis_port(run.text))
     version = int(match.group(2))
 
-    killed = Run("--config", "tiny", f"run_dir={tmp_path / 'killed'}", "train.steps=50", "eval.enabled=false")
+    killed = Run("--config", "tiny", f"run_dir={tmp_path / 'killed'}", "train.steps=50", "eval.enabled=false",
+                 ONE_ACTOR)
     resumed = None
     try:
         killed.until(r"^step 1/50")
@@ -252,7 +257,7 @@ def test_ctrl_c_after_training_points_at_eval_and_a_changed_resume_is_refused_un
     untouched), so that a plain `--resume` afterwards trains on; a SIGTERM after that run printed `done` exits 0 with
     one line."""
     runs = tmp_path / "runs"
-    run = Run("--config", "tiny", f"run_dir={runs}", "train.steps=2", "learner.checkpoint_interval=1",
+    run = Run("--config", "tiny", f"run_dir={runs}", "train.steps=2", "learner.checkpoint_interval=1", ONE_ACTOR,
               "eval.before=false", "eval.limit=48", "eval.max_new_tokens=48")
     try:
         run.until(r"^groups produced")  # training is over; the evaluation starts
@@ -314,7 +319,7 @@ def test_a_learner_lost_outside_a_step_ends_the_run_at_once(tmp_path):
     saves the final weights, or its first step raises: each run ends within 30 s of the death with exit 1 and one
     line naming the rank and the phase, with a command that works (start again without a checkpoint, resume with
     one), MLflow FAILED, no process left."""
-    base = ["--config", "tiny", "train.steps=2", "eval.enabled=false", "train.wait_report_s=1"]
+    base = ["--config", "tiny", "train.steps=2", "eval.enabled=false", "train.wait_report_s=1", ONE_ACTOR]
     died = "run failed: learner rank 0 died while"
     cases = {  # name: (faults, extra overrides, the line after "sparse-rl: ")
         "actors loading": ("actor.start:*=sleep:300", [], f"{died} the actors were loading: "),  # they load 5 minutes
@@ -332,7 +337,7 @@ def test_a_learner_lost_outside_a_step_ends_the_run_at_once(tmp_path):
         run = Run(*base, f"run_dir={runs}", *extra, env=env)
         try:
             if name == "actors loading":
-                run.until(r"^waiting for the rollout actors for \d+ s: 2 rollout actor\(s\) starting")
+                run.until(r"^waiting for the rollout actors for \d+ s: 1 rollout actor\(s\) starting")
                 (learner,) = learner_processes(run)
                 learner.kill()
             else:

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_ctrl_c_stops_the_run_cleanly(tmp_path):
     runs = tmp_path / "runs"
     command = [sys.executable, "-m", "deploy.cli", "train", "--config", "tiny", f"run_dir={runs}", "train.steps=50",
-               "learner.checkpoint_interval=1"]
+               "learner.checkpoint_interval=1", "actors.count=1"]
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     # its own process group, signalled as a terminal's Ctrl-C signals the foreground group
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

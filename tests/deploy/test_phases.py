@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.deploy.test_faults import ENV, Run, running
+from tests.deploy.test_faults import ENV, ONE_ACTOR, Run, running
 
 pytestmark = pytest.mark.system
 
@@ -65,7 +65,7 @@ def test_a_stalled_learner_step_gets_a_line_within_wait_report_s(tmp_path):
     """The learner stalls 20 s at the start of its step from version 1 (fault `learner.step:0@1=sleep:20`): a line
     names the step, learner-0 and its phase (recompute) within train.wait_report_s of the stall, and again every
     train.wait_report_s while it lasts; the run finishes; the steps on time get no such line."""
-    run = Run("--config", "tiny", f"run_dir={tmp_path / 'runs'}", "train.steps=3", "eval.enabled=false",
+    run = Run("--config", "tiny", f"run_dir={tmp_path / 'runs'}", "train.steps=3", "eval.enabled=false", ONE_ACTOR,
               f"train.wait_report_s={WAIT_REPORT_S}", env={**ENV, "SPARSE_RL_FAULTS": "learner.step:0@1=sleep:20"})
     try:
         stalled = run.until(SLOW)
@@ -88,7 +88,7 @@ def test_a_frozen_learner_gets_a_line_within_wait_report_s(tmp_path):
     """The issue's case: the learner's process frozen (SIGSTOP) for FROZEN_S after step 2: a line naming learner-0 and
     its phase within train.wait_report_s (plus the time an actor takes to queue a group, when it froze while
     reading its groups: then the line says a group waits unread); after SIGCONT the run finishes."""
-    run = Run("--config", "tiny", f"run_dir={tmp_path / 'runs'}", "train.steps=4", "eval.enabled=false",
+    run = Run("--config", "tiny", f"run_dir={tmp_path / 'runs'}", "train.steps=4", "eval.enabled=false", ONE_ACTOR,
               f"train.wait_report_s={WAIT_REPORT_S}")
     try:
         run.until(r"^step 2/4 ")
@@ -128,7 +128,7 @@ def test_the_actors_load_their_model_while_the_learner_starts(tmp_path):
     `learner.init:0=sleep:30`). A line every train.wait_report_s says that the driver waits for the learner to start,
     and an actor's model load shows on the console before the last of them; the run trains its step."""
     env = {**ENV, "SPARSE_RL_FAULTS": f"learner.init:0=sleep:{LEARNER_HELD_S}"}
-    run = Run("--config", "tiny", f"run_dir={tmp_path / 'runs'}", "train.steps=1", "eval.enabled=false",
+    run = Run("--config", "tiny", f"run_dir={tmp_path / 'runs'}", "train.steps=1", "eval.enabled=false", ONE_ACTOR,
               f"train.wait_report_s={WAIT_REPORT_S}", env=env)
     try:
         rc = run.finish(timeout=500)

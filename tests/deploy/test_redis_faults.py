@@ -90,7 +90,8 @@ def test_a_redis_outage_longer_than_the_bound_ends_the_run_with_one_line(tmp_pat
     and the shutdown (exit 1), with one line naming Redis and its address and how to start again, MLflow FAILED,
     nothing of the run left running."""
     runs = tmp_path / "runs"
-    run = Run("--config", "tiny", f"run_dir={runs}", "train.steps=50", "eval.enabled=false", "broker.retry_s=5")
+    run = Run("--config", "tiny", f"run_dir={runs}", "train.steps=50", "eval.enabled=false", "broker.retry_s=5",
+              "actors.count=1")
     try:
         run.until(r"^step 1/50")
         tree, port = run.processes(), redis_port(run.text)

@@ -16,7 +16,7 @@ import pytest
 
 from broker.run_state import read_learner_version
 from learner.checkpoint import read_client_state
-from tests.deploy.test_faults import ENV, Run, mlflow_status, redis_port
+from tests.deploy.test_faults import ENV, ONE_ACTOR, Run, mlflow_status, redis_port
 
 pytestmark = pytest.mark.system
 
@@ -41,7 +41,7 @@ def learner_steps(run_dir) -> set[int]:
 def test_a_stop_between_the_commit_and_the_console_line_keeps_the_record_whole(tmp_path, signum, fault, interval):
     runs = tmp_path / "runs"
     run = Run("--config", "tiny", f"run_dir={runs}", "train.steps=50", f"learner.checkpoint_interval={interval}",
-              "eval.enabled=false", env={**ENV, "SPARSE_RL_FAULTS": fault})
+              "eval.enabled=false", ONE_ACTOR, env={**ENV, "SPARSE_RL_FAULTS": fault})
     try:
         run.until(r"^step 1/50")
         (run_dir,) = runs.iterdir()
