@@ -15,8 +15,6 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from math_verify import parse, verify
-
 from actors.config import load_callable
 from actors.user_code import UserCode, UserCodeError, UserCodeTimeout
 
@@ -49,6 +47,9 @@ def math_reward(response: str, gold: str) -> RewardResult:
     """Score one response against a gold final answer (e.g. '72', '-3.5', '1800').
 
     Raises ValueError if the gold answer itself cannot be parsed (a data error, not a model error)."""
+    from math_verify import parse, verify  # here: math-verify imports sympy (~0.4 s), which the driver and learner,
+    # importing this module for its config, do not need
+
     # math-verify's timeout uses signal.alarm, which only works in the main thread.
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     gold_parsed = parse(f"${gold}$", parsing_timeout=timeout)

@@ -49,9 +49,11 @@ def actors_live(summary) -> list[float]:
 @pytest.mark.timeout(900)
 def test_slow_starting_actor_is_not_killed_and_joins_while_the_learner_steps(tmp_path, redis_server, monkeypatch,
                                                                             capfd):
-    # actor-0 (at start) and actor-1 (added at run time) take longer to start than the 3 s ping timeout
-    monkeypatch.setenv(FAULTS_ENV, "actor.start:actor-0=sleep:6,actor.start:actor-1=sleep:6")
-    steps = 30  # a new Ray worker takes ~20 s to import torch and load the model here: it joins well before the end
+    # actor-0 (at start) and actor-1 (added at run time) take longer to start than the 3 s ping timeout; the
+    # learner stalls 40 s at its step from version 3 (two steps after the scale-up), so that actor-1, which takes
+    # ~20 s to import torch and load the model on a loaded machine, joins well before the end without 30 steps of work
+    monkeypatch.setenv(FAULTS_ENV, "actor.start:actor-0=sleep:6,actor.start:actor-1=sleep:6,learner.step:0@3=sleep:40")
+    steps = 10
     cfg = load_config("tiny", [f"run_dir={tmp_path}", f"broker.url={redis_server.url}", "actors.count=1",
                                f"train.steps={steps}", "eval.enabled=false", "learner.weight_sync_timeout_s=3",
                                "train.group_wait_s=120", "actors.prompts_per_batch=1", "train.groups_per_step=4"])
