@@ -26,8 +26,8 @@ def import_deepspeed():
     try:
         import deepspeed
     finally:
-        if blocked and sys.modules.get("mlflow", 0) is None:
-            del sys.modules["mlflow"]
+        if blocked:
+            sys.modules.pop("mlflow", None)
     return deepspeed
 
 

@@ -13,7 +13,7 @@ import redis
 
 from broker.redis_server import find_redis_server
 from tests.deploy.test_e2e import check_accounting
-from tests.deploy.test_faults import Run, assert_all_gone, mlflow_status, redis_port, running
+from tests.deploy.test_faults import ONE_ACTOR, Run, assert_all_gone, mlflow_status, redis_port, running
 
 pytestmark = pytest.mark.system
 
@@ -91,7 +91,7 @@ def test_a_redis_outage_longer_than_the_bound_ends_the_run_with_one_line(tmp_pat
     nothing of the run left running."""
     runs = tmp_path / "runs"
     run = Run("--config", "tiny", f"run_dir={runs}", "train.steps=50", "eval.enabled=false", "broker.retry_s=5",
-              "actors.count=1")
+              ONE_ACTOR)
     try:
         run.until(r"^step 1/50")
         tree, port = run.processes(), redis_port(run.text)
