@@ -61,29 +61,6 @@ def test_a_reward_that_never_returns_shows_the_actors_scoring(tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_a_stalled_learner_step_gets_a_line_within_wait_report_s(tmp_path):
-    """The learner stalls 20 s at the start of its step from version 1 (fault `learner.step:0@1=sleep:20`): a line
-    names the step, learner-0 and its phase (recompute) within train.wait_report_s of the stall, and again every
-    train.wait_report_s while it lasts; the run finishes; the steps on time get no such line."""
-    run = Run("--config", "tiny", f"run_dir={tmp_path / 'runs'}", "train.steps=3", "eval.enabled=false", ONE_ACTOR,
-              f"train.wait_report_s={WAIT_REPORT_S}", env={**ENV, "SPARSE_RL_FAULTS": "learner.step:0@1=sleep:20"})
-    try:
-        stalled = run.until(SLOW)
-        rc = run.finish(timeout=600)
-    finally:
-        run.kill()
-    assert rc == 0, run.text
-    step, phase, seconds, detail = stalled.groups()
-    assert (step, phase) == ("2", "recompute"), stalled.string
-    assert WAIT_REPORT_S <= int(seconds) <= WAIT_REPORT_S + SLACK_S, stalled.string
-    assert detail.endswith(" s since it had its groups"), stalled.string
-    slow = re.findall(SLOW, run.text, re.M)
-    assert {s for s, *_ in slow} == {"2"} and len(slow) >= 2, run.text  # again while it lasts; no other step
-    assert not re.search(WAITING_FOR_LEARNER, run.text, re.M), run.text
-    assert re.search(r"^step 3/3 ", run.text, re.M), run.text
-
-
-@pytest.mark.timeout(900)
 def test_a_frozen_learner_gets_a_line_within_wait_report_s(tmp_path):
     """The issue's case: the learner's process frozen (SIGSTOP) for FROZEN_S after step 2: a line naming learner-0 and
     its phase within train.wait_report_s (plus the time an actor takes to queue a group, when it froze while
@@ -121,17 +98,23 @@ LEARNER_HELD_S = 30
 than the actors need to start and load the tiny model on a loaded 2-core machine."""
 
 
-@pytest.mark.timeout(600)
-def test_the_actors_load_their_model_while_the_learner_starts(tmp_path):
-    """The rollout actors start with the learner ranks, not after them, so a run's start takes the longer of the
-    two, not their sum: learner rank 0 held LEARNER_HELD_S at the start of its constructor (fault
+@pytest.mark.timeout(900)
+def test_a_held_learner_start_and_a_stalled_step_each_get_their_lines(tmp_path):
+    """One run, two holds (a whole run each would cost twice the start-up).
+    The start: the rollout actors start with the learner ranks, not after them, so a run's start takes the longer of
+    the two, not their sum: learner rank 0 held LEARNER_HELD_S at the start of its constructor (fault
     `learner.init:0=sleep:30`). A line every train.wait_report_s says that the driver waits for the learner to start,
-    and an actor's model load shows on the console before the last of them; the run trains its step."""
-    env = {**ENV, "SPARSE_RL_FAULTS": f"learner.init:0=sleep:{LEARNER_HELD_S}"}
-    run = Run("--config", "tiny", f"run_dir={tmp_path / 'runs'}", "train.steps=1", "eval.enabled=false", ONE_ACTOR,
-              f"train.wait_report_s={WAIT_REPORT_S}", env=env)
+    and an actor's model load shows on the console before the last of them.
+    A step: the learner stalls 20 s at the start of its step from version 1 (fault `learner.step:0@1=sleep:20`): a
+    line names the step, learner-0 and its phase (recompute) within train.wait_report_s of the stall, and again every
+    train.wait_report_s while it lasts; the steps on time get no such line, and no call on the learner but the start
+    gets a waiting line. The run finishes."""
+    faults = f"learner.init:0=sleep:{LEARNER_HELD_S},learner.step:0@1=sleep:20"
+    run = Run("--config", "tiny", f"run_dir={tmp_path / 'runs'}", "train.steps=3", "eval.enabled=false", ONE_ACTOR,
+              f"train.wait_report_s={WAIT_REPORT_S}", env={**ENV, "SPARSE_RL_FAULTS": faults})
     try:
-        rc = run.finish(timeout=500)
+        stalled = run.until(SLOW)
+        rc = run.finish(timeout=600)
     finally:
         run.kill()
     assert rc == 0, run.text
@@ -140,4 +123,12 @@ def test_the_actors_load_their_model_while_the_learner_starts(tmp_path):
     loads = [m.start() for m in re.finditer(r"\(RolloutWorker pid=\d+\)\S*\s*Loading weights", run.text, re.M)]
     assert waits and loads, run.text  # (transformers' load bar, relayed by Ray)
     assert loads[0] < waits[-1], run.text  # an actor loaded its model while the learner was still held
-    assert re.search(r"^step 1/1 ", run.text, re.M), run.text
+
+    step, phase, seconds, detail = stalled.groups()
+    assert (step, phase) == ("2", "recompute"), stalled.string
+    assert WAIT_REPORT_S <= int(seconds) <= WAIT_REPORT_S + SLACK_S, stalled.string
+    assert detail.endswith(" s since it had its groups"), stalled.string
+    slow = re.findall(SLOW, run.text, re.M)
+    assert {s for s, *_ in slow} == {"2"} and len(slow) >= 2, run.text  # again while it lasts; no other step
+    assert not re.search(WAITING_FOR_LEARNER, run.text, re.M), run.text  # (the start's line says "(starting)")
+    assert re.search(r"^step 3/3 ", run.text, re.M), run.text

@@ -3,20 +3,26 @@ learner's commit of a step and the driver's console line for it still leaves eve
 with its line in trained_prompts.jsonl and its learner metrics in MLflow. `sparse-rl train` of the `tiny` preset
 in a subprocess (real Ray, Redis, DeepSpeed and MLflow); the gap is held open with the fault seam
 (broker/faults.py): `driver.log` (the driver has the step's report and has not logged it yet) and
-`learner.committed` (the learner committed and has not answered the driver yet)."""
+`learner.committed` (the learner committed and has not answered the driver yet). The Ctrl-C case also checks the
+user's side of a stop (exit 130, one line saying where and how to resume, no traceback, MLflow KILLED, nothing of the
+run left, its embedded Redis included) and resumes the run as the line says: the same MLflow run (versions 1..4,
+FINISHED) and the counters continued (the embedded broker keeps its data in the run directory)."""
 from __future__ import annotations
 
 import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from broker.run_state import read_learner_version
 from learner.checkpoint import read_client_state
-from tests.deploy.test_faults import ENV, ONE_ACTOR, Run, mlflow_status, redis_port
+from tests.deploy.test_faults import ENV, ONE_ACTOR, Run, assert_all_gone, mlflow_status, redis_port
 
 pytestmark = pytest.mark.system
 
@@ -53,14 +59,17 @@ def test_a_stop_between_the_commit_and_the_console_line_keeps_the_record_whole(t
             assert time.monotonic() < deadline, run.text
             time.sleep(0.2)
         time.sleep(3)  # the driver is in the gap now (its fault or the learner's holds it for 300 s)
+        tree, sent = run.processes(), time.monotonic()
         if signum == signal.SIGINT:
             os.killpg(run.proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the foreground process group
         else:
             run.proc.send_signal(signal.SIGTERM)  # as Slurm or docker stop: the driver alone
         rc = run.finish(timeout=240)
+        took = time.monotonic() - sent
     finally:
         run.kill()
     assert rc == (130 if signum == signal.SIGINT else 143), run.text
+    assert took < 30, (took, run.text)
     assert not re.search(r"^step 2/50", run.text, re.M), run.text  # the stop landed before step 2's console line
     assert "Traceback" not in run.text, run.text
     ckpt = run_dir / "checkpoints"
@@ -74,3 +83,59 @@ def test_a_stop_between_the_commit_and_the_console_line_keeps_the_record_whole(t
     what = "interrupted" if signum == signal.SIGINT else r"terminated \(SIGTERM\)"
     assert re.search(rf"^sparse-rl: {what} at step 2 of 50; last checkpoint: {re.escape(str(ckpt))}/version_2 ",
                      run.text, re.M), run.text
+    assert_all_gone(tree, redis_port(run.text))  # the run's processes and its embedded Redis (stopped last)
+    if signum == signal.SIGINT:
+        ctrl_c_is_one_line_and_the_resume_it_prints_trains_on(run.text, run_dir)
+    else:
+        sigterm_is_one_line_and_the_resume_it_prints_trains_on(run.text, run_dir)
+
+
+def sigterm_is_one_line_and_the_resume_it_prints_trains_on(text: str, run_dir: Path) -> None:
+    """After SIGTERM at step 2 of 50 with no interval checkpoint (Slurm's time limit, pod deletion, docker stop): the
+    learner checkpointed its last step, the one line says so and how to resume, Ray's native crash handler printed
+    nothing, and the resume it prints trains on."""
+    lines = [line for line in text.splitlines() if line.startswith("sparse-rl: ")]
+    assert len(lines) == 1, text
+    match = re.fullmatch(rf"sparse-rl: terminated \(SIGTERM\) at step 2 of 50; last checkpoint: "
+                         rf"{re.escape(str(run_dir / 'checkpoints'))}/version_2 \(.*\); resume with: (\S+) train "
+                         rf"--resume {re.escape(str(run_dir))}", lines[0])
+    assert match, lines[0]
+    assert "logging.cc" not in text and "*** SIGTERM received" not in text, text
+    resumed = subprocess.run([match.group(1), "train", "--resume", str(run_dir), "train.steps=3"], cwd=run_dir.parent,
+                             env=ENV, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed at weight version 2" in resumed.stdout, resumed.stdout
+    assert mlflow_status(run_dir) == "FINISHED"
+
+
+def ctrl_c_is_one_line_and_the_resume_it_prints_trains_on(text: str, run_dir: Path) -> None:
+    """After a Ctrl-C at step 2 of 50: the one line as a user reads it, then `--resume` to 4 steps continues the
+    same record (one MLflow run, versions 1..4 once each in the log of trained prompts, counters continued)."""
+    from mlflow.tracking import MlflowClient
+
+    from deploy.metric_names import metric_history
+
+    assert "KeyboardInterrupt" not in text, text
+    (line,) = [line for line in text.splitlines() if "interrupted" in line]
+    ckpt = run_dir / "checkpoints"
+    assert re.fullmatch(rf"sparse-rl: interrupted at step 2 of 50; last checkpoint: {re.escape(str(ckpt))}/version_2 "
+                        rf"\(the learner may be a step ahead of the console; a resume continues from version \d+\); "
+                        rf"resume with: {re.escape(str(Path(sys.executable).parent))}/sparse-rl train --resume "
+                        rf"{re.escape(str(run_dir))}", line), line
+    resumed = subprocess.run([sys.executable, "-m", "deploy.cli", "train", "--resume", str(run_dir), "train.steps=4"],
+                             cwd=run_dir.parent, env=ENV, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed at weight version 2" in resumed.stdout, resumed.stdout
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])  # still one MLflow run
+    assert run.info.status == "FINISHED"
+    assert {m.step for m in metric_history(client, run.info.run_id, "reward_mean")} == {1, 2, 3, 4}
+    logged = [json.loads(line)["version"] for line in (run_dir / "trained_prompts.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3, 4], logged  # every version once, also the one the interrupted driver never logged
+    summary = json.loads((run_dir / "summary.json").read_text())
+    gps = int(re.search(r"^  groups_per_step: (\d+)$", (run_dir / "config.yaml").read_text(), re.M).group(1))
+    assert summary["groups_trained"] == 4 * gps  # the learner's counter continued from the checkpoint
+    acc = summary["accounting"]  # the broker's counters continued too: the identity holds over both lives
+    assert acc["consumed"] >= 4 * gps
+    assert acc["produced"] == (acc["consumed"] + acc["dropped_stale"] + acc["dead_lettered"] + acc["duplicates"]
+                               + acc["left_in_queue"]), acc
