@@ -12,7 +12,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
@@ -27,7 +26,6 @@ from broker.streams import connect  # noqa: E402
 from deploy.config import ConfigError, load_config  # noqa: E402
 from deploy.driver import train  # noqa: E402
 from deploy.metric_names import SECTIONS, metric_history  # noqa: E402
-from deploy.record import resume_config  # noqa: E402
 from deploy.scale import request_scale  # noqa: E402
 
 STEP_METRICS = ("rejection_rate", "mismatch_kl", "mismatch_kl_k1", "token_mask_fraction", "reward_mean",
@@ -141,39 +139,6 @@ def test_actors_scaled_and_killed_while_learner_steps(tmp_path, redis_server):
     live = [m.value
             for m in metric_history(MlflowClient(summary["mlflow_uri"]), summary["mlflow_run_id"], "actors_live")]
     assert live[0] == 1 and max(live) == 3 and live[-1] == 2, live
-
-
-@pytest.mark.system
-@pytest.mark.timeout(900)
-def test_resume_continues_the_same_record_and_a_fork_starts_its_own(tmp_path, redis_server):
-    """Resume: the same run directory, MLflow run (versions 1..4 in one history) and learner counters, new
-    checkpoints in its own directory. Fork (learner.resume_from): a new record tagged with its parent, whose
-    checkpoints it never writes."""
-    common = [f"run_dir={tmp_path}", "eval.enabled=false", "learner.weight_sync_timeout_s=60",
-              "learner.checkpoint_interval=1", f"broker.url={redis_server.url}", "actors.count=1"]
-    first = train(load_config("tiny", common + ["train.steps=2"]))
-    run_dir = first["run_dir"]
-    second = train(resume_config(run_dir, ["train.steps=4"]), resume=run_dir)
-
-    assert (second["run_dir"], second["mlflow_run_id"]) == (run_dir, first["mlflow_run_id"])
-    gps = first["accounting"]["consumed"] // 2
-    assert second["groups_trained"] == 4 * gps  # the learner's counter continued from the checkpoint's 2 * gps
-    assert second["accounting"]["learner_version"] == 4 and set(second["accounting"]["actor_versions"].values()) == {4}
-    client = MlflowClient(second["mlflow_uri"])
-    history = metric_history(client, first["mlflow_run_id"], "rejection_rate")
-    assert sorted(m.step for m in history) == [1, 2, 3, 4]
-    run = client.get_run(first["mlflow_run_id"])
-    assert run.info.status == "FINISHED" and run.data.tags["resumed_at_versions"] == "2"
-    assert run.data.tags["resume_v2.train.steps"] == "4"
-    assert len(client.search_runs([run.info.experiment_id])) == 1
-    assert (Path(run_dir) / "checkpoints" / "latest").read_text() == "version_4"
-
-    forked = train(load_config("tiny", common + ["train.steps=5", f"learner.resume_from={run_dir}/checkpoints"]))
-    assert forked["run_dir"] != run_dir and forked["accounting"]["learner_version"] == 5
-    tags = MlflowClient(forked["mlflow_uri"]).get_run(forked["mlflow_run_id"]).data.tags
-    assert tags["parent_run_id"] == first["run_id"] and tags["parent_mlflow_run_id"] == first["mlflow_run_id"]
-    assert (Path(forked["run_dir"]) / "checkpoints" / "latest").read_text() == "version_5"
-    assert (Path(run_dir) / "checkpoints" / "latest").read_text() == "version_4"  # the parent's are untouched
 
 
 def test_a_record_that_cannot_be_resumed_fails_before_anything_starts(tmp_path):

@@ -18,12 +18,14 @@ import signal
 import threading
 import time
 import uuid
+from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import pytest  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
 
 from broker.config import BrokerConfig  # noqa: E402
 from broker.faults import FAULTS_ENV  # noqa: E402
@@ -33,6 +35,8 @@ from broker.streams import connect  # noqa: E402
 from deploy.config import load_config  # noqa: E402
 from deploy.driver import train  # noqa: E402
 from deploy.learner_group import LearnerGroup  # noqa: E402
+from deploy.metric_names import metric_history  # noqa: E402
+from deploy.record import resume_config  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
 from learner.learner import Learner  # noqa: E402
 from tests.deploy.test_e2e import check_accounting  # noqa: E402
@@ -190,22 +194,41 @@ def test_two_rank_learner_run_end_to_end(tmp_path, redis_server):
 
 @pytest.mark.system
 @pytest.mark.timeout(1200)
-def test_resumed_run_trains_the_prompts_of_an_uninterrupted_one(tmp_path, redis_server):
-    """k=2 steps with checkpoints, stop, resume to version 4 (the same record: its embedded Redis comes back with
-    the queue the first life left, which is discarded): the prompt ids trained, in order, are those of one
-    uninterrupted 4-step run with the same seed. Two learner ranks (ZeRO-2 shards)."""
+def test_a_resumed_run_continues_its_record_and_trains_the_prompts_of_an_uninterrupted_one(tmp_path, redis_server):
+    """k=2 steps with checkpoints, stop, `--resume` to version 4, then a fork of it; two learner ranks (ZeRO-2 shards).
+    Resume: the same run directory, MLflow run (versions 1..4 in one history) and learner counters, new checkpoints
+    in its own directory; its embedded Redis comes back with the queue the first life left, which is discarded, and
+    the prompt ids trained, in order, are those of one uninterrupted 4-step run with the same seed. Fork
+    (learner.resume_from): a new record tagged with its parent, whose checkpoints it never writes."""
     common = [f"run_dir={tmp_path}", "actors.count=1", "broker.max_staleness=100", "eval.enabled=false",
               "learner.ranks=2", "learner.zero_stage=2", "learner.checkpoint_interval=1",
               "learner.weight_sync_timeout_s=60"]
     whole = train(load_config("tiny", common + ["train.steps=4", f"broker.url={redis_server.url}"]))
     first = train(load_config("tiny", common + ["train.steps=2"]))
-    first_prompts = trained_prompts(first)
-    second = train(load_config("tiny", common + ["train.steps=4",
-                                                  f"learner.checkpoint_dir={first['run_dir']}/checkpoints"]))
+    run_dir, first_prompts = first["run_dir"], trained_prompts(first)
+    second = train(resume_config(run_dir, ["train.steps=4"]), resume=run_dir)
 
-    assert second["run_dir"] == first["run_dir"] and second["accounting"]["learner_version"] == 4
+    assert (second["run_dir"], second["mlflow_run_id"]) == (run_dir, first["mlflow_run_id"])
+    gps = first["accounting"]["consumed"] // 2
+    assert second["groups_trained"] == 4 * gps  # the learner's counter continued from the checkpoint's 2 * gps
+    assert second["accounting"]["learner_version"] == 4 and set(second["accounting"]["actor_versions"].values()) == {4}
     assert len(trained_prompts(whole)) == 8 and len(first_prompts) == 4
     assert trained_prompts(second) == trained_prompts(whole)  # the record's log: versions 1..4
+    client = MlflowClient(second["mlflow_uri"])
+    history = metric_history(client, first["mlflow_run_id"], "rejection_rate")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4]
+    run = client.get_run(first["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["resumed_at_versions"] == "2"
+    assert run.data.tags["resume_v2.train.steps"] == "4"
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+    assert (Path(run_dir) / "checkpoints" / "latest").read_text() == "version_4"
+
+    forked = train(load_config("tiny", common + ["train.steps=5", f"learner.resume_from={run_dir}/checkpoints"]))
+    assert forked["run_dir"] != run_dir and forked["accounting"]["learner_version"] == 5
+    tags = MlflowClient(forked["mlflow_uri"]).get_run(forked["mlflow_run_id"]).data.tags
+    assert tags["parent_run_id"] == first["run_id"] and tags["parent_mlflow_run_id"] == first["mlflow_run_id"]
+    assert (Path(forked["run_dir"]) / "checkpoints" / "latest").read_text() == "version_5"
+    assert (Path(run_dir) / "checkpoints" / "latest").read_text() == "version_4"  # the parent's are untouched
 
 
 @pytest.mark.system
