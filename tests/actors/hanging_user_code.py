@@ -14,12 +14,6 @@ def spin_reward(response, response_ids, item):
     return len(response_ids) / item.metadata["target"]
 
 
-def spin_always(response, response_ids, item):
-    """A reward that never returns."""
-    while True:
-        pass
-
-
 def forever(*args, **kwargs):
     """Never returns, whatever it is given."""
     while True:

@@ -5,6 +5,7 @@ subprocess (real Ray, Redis, DeepSpeed and MLflow), made slow through a reward t
 (broker/faults.py) and SIGSTOP of the learner's process."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -37,8 +38,9 @@ def test_a_reward_that_never_returns_shows_the_actors_scoring(tmp_path):
     """The issue's case: a reward function that never returns (`time.sleep(1e9)`, actors.reward.timeout_s=3: each
     sample ends at the timeout, a batch of 4 samples scores for 12 s, three train.wait_report_s). While the learner
     waits for its groups the line names the phase the actors are in, "scoring" ("queue empty: actor-0 scoring for
-    5 s, actor-1 scoring for 4 s"), not "still generating"; the run finishes; no learner line (the learner is on
-    time)."""
+    5 s, actor-1 scoring for 4 s"), not "still generating"; no learner line (the learner is on time). Every sample
+    scores 0 and is a reward error, each actor says so once, and the run trains its step and ends with exit 0. (A
+    busy-looping reward, which a timeout must kill rather than wait out: tests/actors/test_user_code.py.)"""
     user = tmp_path / "user_code"
     user.mkdir()
     (user / "hanging_reward.py").write_text("import time\n\n\ndef reward(text, response_ids, item):\n"
@@ -58,6 +60,14 @@ def test_a_reward_that_never_returns_shows_the_actors_scoring(tmp_path):
     assert "still generating" not in run.text, run.text
     assert not re.search(SLOW, run.text, re.M) and not re.search(WAITING_FOR_LEARNER, run.text, re.M), run.text
     assert re.search(r"^step 1/1 ", run.text, re.M), run.text
+    said = re.findall(r"(actor-\d+): reward function hanging_reward:reward timed out after 3 s on \S+ "
+                      r"\(actors\.reward\.timeout_s; the sample scored 0, counted in reward_errors\); later timeouts "
+                      r"are counted, not printed", run.text)
+    assert said and len(said) == len(set(said)), run.text  # once per actor
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    acc = json.loads((run_dir / "summary.json").read_text())["accounting"]
+    assert acc["learner_version"] == 1
+    assert acc["reward_errors"] == 2 * acc["produced"], acc  # samples_per_prompt 2 (the tiny preset)
 
 
 @pytest.mark.timeout(900)
