@@ -38,7 +38,8 @@ def test_linear_schedule_reaches_the_rollouts(tmp_path, redis_server):
     # widest prompt-width spread (40 x 256 = 10,240 B), so the last step's bytes fall whatever prompts it drew
     # (48 -> 40 frees 4,096 B, which a wider batch can undo: CI saw it).
     cfg = load_config("tiny", [f"run_dir={tmp_path}", f"broker.url={redis_server.url}", "eval.enabled=false",
-                               "actors.engine.compressor.budget_schedule=linear", "broker.max_staleness=0",
+                               "actors.count=1", "actors.engine.compressor.budget_schedule=linear",
+                               "broker.max_staleness=0",
                                "actors.engine.compressor.kv_budget_final=12", "preflight.kv_memory_gb=0.000279397",
                                "learner.weight_sync_timeout_s=60"])
     summary = train(cfg)
@@ -60,7 +61,7 @@ def test_controller_budget_reaches_actors_within_one_step(tmp_path, redis_server
     # 32 (start) -> 40 -> 48 -> 56 -> 64 (the max). 4 training prompts so prompts come back and get a tier.
     steps = 4
     cfg = load_config("tiny", [f"run_dir={tmp_path}", f"broker.url={redis_server.url}", "eval.enabled=false",
-                               f"train.steps={steps}", "actors.data.size=4",
+                               f"train.steps={steps}", "actors.data.size=4", "actors.count=1",
                                "actors.engine.compressor.kv_budget=32",
                                "actors.engine.compressor.budget_control=mismatch",
                                "actors.engine.compressor.kv_budget_min=16", "actors.engine.compressor.kv_budget_max=64",

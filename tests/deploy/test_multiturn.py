@@ -35,7 +35,7 @@ def test_multi_turn_episodes_train_through_the_pipeline(tmp_path):
     runs episodes too (3 turns, reward 0.75)."""
     done = subprocess.run([CLI, "train", "--config", "tiny-lookup", "run_dir=runs", "train.steps=3",
                            "eval.before=true", "actors.env.factory=scripted_envs:ScriptedEnv",
-                           "learner.policy_target=sparse", "broker.max_staleness=0"],
+                           "learner.policy_target=sparse", "broker.max_staleness=0", "actors.count=1"],
                           cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=800)
     assert done.returncode == 0, done.stdout
