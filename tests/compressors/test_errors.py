@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compressors import CompressorConfig, accumulate_attention, build_compressor, gather_kv
+from compressors import CompressorConfig, SelectContext, accumulate_attention, build_compressor, gather_kv
 
 
 @pytest.mark.parametrize("fields, name", [
@@ -59,7 +59,7 @@ def test_h2o_requires_attention_mass():
     with pytest.raises(ValueError, match="attn_mass"):
         c.select(torch.randn(1, 1, 6, 4), None, None)
     with pytest.raises(ValueError, match="attn_mass"):
-        c.select(torch.randn(1, 1, 6, 4), None, None, torch.zeros(1, 1, 5))
+        c.select(torch.randn(1, 1, 6, 4), None, None, SelectContext(attn_mass=torch.zeros(1, 1, 5)))
 
 
 def test_accumulate_and_gather_errors():
