@@ -62,7 +62,7 @@ class CompressorConfig:
     protect_values + window (checked); with `all` a prompt longer than kv_budget - window - sinks does not fit,
     and then the budget wins, at the prefill and at every later event: the window is kept, then the sinks, then
     the protected tokens the method itself ranks highest (random: a random subset) fill the rest; the generated
-    tokens before the window are evicted first (Compressor.select)."""
+    tokens before the window are evicted first, unless protect_values holds them (Compressor.select)."""
     protect_values: int = 0
     """Value-norm protection, every method (VaSE, arXiv 2606.03928 §3.1): at each event the k candidate keys with
     the largest L2 norm of their value vector, per layer and KV head (shared selection: of the norm averaged over
@@ -223,14 +223,16 @@ class CompressorConfig:
         if self.method == "random" and self.h2o_recent != H2O_RECENT:
             raise ValueError(f"compressor.h2o_recent={self.h2o_recent} is read by method h2o only; method random "
                              f"always keeps the last compressor.window={self.window} tokens: leave h2o_recent unset")
-        fixed = {"compressor.sinks": self.sink_tokens, "compressor.protect_prompt": self.prompt_protection()[1],
-                 "compressor.protect_values": self.protect_values}
+        fixed = {f"compressor.sinks={self.sink_tokens}": self.sink_tokens,
+                 f"compressor.protect_prompt={self.protect_prompt}": self.prompt_protection()[1],
+                 f"compressor.protect_values={self.protect_values}": self.protect_values}
         named = {name: n for name, n in fixed.items() if n}
         if not named or self.method == "full":
             return
-        limit = self.kv_budget + (self.method == "streamingllm" and list(named) == ["compressor.sinks"])
+        limit = self.kv_budget + (self.method == "streamingllm" and list(named)[0].startswith("compressor.sinks=")
+                                  and len(named) == 1)
         if sum(named.values()) + self.window >= limit:
-            parts = " + ".join(f"{name}={n}" for name, n in named.items())
+            parts = " + ".join(named)
             raise ValueError(f"{parts} protected + compressor.window={self.window} leave no slot to choose in "
                              f"compressor.kv_budget={self.kv_budget} (need protected + window < kv_budget"
                              f"{', sinks + window <= kv_budget for streamingllm' if limit > self.kv_budget else ''})")

@@ -25,7 +25,7 @@ def cases(draw, methods=("rkv", "snapkv", "h2o", "streamingllm", "random"), prot
     sinks = draw(st.integers(0, room))
     values = draw(st.integers(0, room - sinks)) if protection and method != "streamingllm" else 0
     last = kv_budget - window - 1 - sinks - values
-    prompt = draw(st.sampled_from(["off", "all"] + ([f"last:{last}"] if last else []))) if protection else "off"
+    prompt = draw(st.sampled_from(["off", "all"] + ([f"last:{last}"] if last > 0 else []))) if protection else "off"
     cfg = CompressorConfig(
         method=method, kv_budget=kv_budget, window=window,
         h2o_recent=draw(st.integers(window, kv_budget - 1)) if method == "h2o" else 64,
