@@ -125,13 +125,13 @@ class Compressor:
         valid: bool [batch, heads, seq] (selection shared: heads 1, valid in every head); ctx as `select`'s."""
         cfg, seq = self.cfg, valid.shape[-1]
         recent = cfg.h2o_recent if cfg.method == "h2o" else cfg.window
-        cls = torch.zeros(valid.shape, dtype=torch.int8, device=valid.device)
+        protected = torch.zeros_like(valid)           # masks and torch.where only: no host sync on any device
         kind, n = cfg.prompt_protection()
         if kind != "off":
-            pos, plen = ctx.positions[:, :valid.shape[1]] if ctx.positions.dim() == 3 else ctx.positions[:, None], \
-                ctx.prompt_len[:, None, None]
+            pos = ctx.positions[:, :valid.shape[1]] if ctx.positions.dim() == 3 else ctx.positions[:, None]
+            plen = ctx.prompt_len[:, None, None]
             first = plen - n if kind == "last" else torch.zeros_like(plen)
-            cls[valid & (pos < plen) & (pos >= first)] = PROTECTED
+            protected = protected | (valid & (pos < plen) & (pos >= first))
         if cfg.protect_values > 0:
             norm = ctx.values.float().norm(dim=-1)
             norm = norm.mean(dim=1, keepdim=True) if valid.shape[1] == 1 else norm
@@ -139,9 +139,9 @@ class Compressor:
             candidate[..., seq - recent:] = False
             order = torch.sort(norm.masked_fill(~candidate, float("-inf")).flip(-1), dim=-1, descending=True,
                                stable=True).indices[..., :cfg.protect_values]
-            top = torch.zeros_like(valid).scatter_(-1, seq - 1 - order, True)
-            cls[top & candidate] = PROTECTED
-        cls[valid & (valid.cumsum(dim=-1) <= cfg.sink_tokens)] = SINK
+            protected = protected | (torch.zeros_like(valid).scatter_(-1, seq - 1 - order, True) & candidate)
+        sink = valid & (valid.cumsum(dim=-1) <= cfg.sink_tokens)
+        cls = torch.where(sink, SINK, torch.where(protected, PROTECTED, CANDIDATE)).to(torch.int8)
         cls[..., seq - recent:] = WINDOW
         return cls
 
