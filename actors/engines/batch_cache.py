@@ -29,11 +29,12 @@ NEVER = torch.iinfo(torch.long).max
 @dataclasses.dataclass
 class KeptEpisode:
     """What the engine keeps of an episode between its turns. layers: per layer {k, v [Hkv, slots, D]; valid
-    [Hkv, slots]; mass (H2O) [Hkv, slots]; col (record_evictions): episode token index of each slot}, the
-    retained slots in time order; qwin: per layer the last <= window queries [Hq, w, D]; length: tokens whose
-    K/V were computed (the next position); pending: the last sampled token (its K/V not yet computed); prompt_len:
-    the first prompt's tokens; evicted_at (record_evictions): int64 [layers, Hkv, length + 1] episode token index
-    of the first query that no longer saw each key (int64 max = never)."""
+    [Hkv, slots]; mass (H2O) [Hkv, slots]; col (record_evictions): episode token index of each slot; pos (a
+    compressor that reads positions): each slot's true position}, the retained slots in time order; qwin: per
+    layer the last <= window queries [Hq, w, D]; length: tokens whose K/V were computed (the next position);
+    pending: the last sampled token (its K/V not yet computed); prompt_len: the first prompt's tokens; evicted_at
+    (record_evictions): int64 [layers, Hkv, length + 1] episode token index of the first query that no longer saw
+    each key (int64 max = never)."""
     layers: list
     qwin: list
     length: int
@@ -326,7 +327,8 @@ class BatchCache:
 
     def peak_bytes(self, chunk_slots: int) -> int:
         """Peak K/V bytes per row: the buffers plus the largest transient beside them (one layer's prefill K/V,
-        or one compaction chunk of `chunk_slots` slots). Validity and scores are not K/V and are not counted."""
+        or one compaction chunk of `chunk_slots` slots). Validity, positions and scores are not K/V and are not
+        counted."""
         rows = len(self.row_ids)
         buffers = sum(c["k"].nbytes + c["v"].nbytes for c in self.layers) // rows
         chunk = 2 * chunk_slots * self.shape.kv_heads * self.shape.head_dim * self.layers[0]["k"].element_size()
