@@ -46,7 +46,7 @@ class TorchEngine:
 
     model: the HF causal LM; its weights are used as they are (no copy); put in eval mode.
     tokenizer: HF tokenizer of the model (EOS ids, stop-string decoding).
-    compressor_cfg: `CompressorConfig` (method rkv|snapkv|h2o|streamingllm|full, kv_budget, window, interval,
+    compressor_cfg: `CompressorConfig` (method rkv|snapkv|h2o|streamingllm|random|full, kv_budget, window, interval,
         selection per_head|shared); validated by `build_compressor`.
     record_evictions: attach to every Sample its own eviction record (`Sample.eviction_steps`, see
         `sample_eviction_steps`: what the learner replays), and keep, after each `generate`,
