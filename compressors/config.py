@@ -181,8 +181,8 @@ class CompressorConfig:
         Checked: method, selection and phase names; 1 <= window < kv_budget; interval >= 1; 0 <= rkv_lambda <= 1;
         pool_kernel odd and >= 1 (same padding); 0 <= similarity_threshold <= 1; for h2o
         window <= h2o_recent < kv_budget; sinks, protect_values >= 0, protect_prompt off | all | last:<n>, and
-        sinks + n + protect_values + window < kv_budget (streamingllm with sinks alone: <=); for random
-        h2o_recent left at its default (h2o's field).
+        sinks + n + protect_values + window (h2o: h2o_recent) < kv_budget (streamingllm with sinks alone: <=);
+        for random h2o_recent left at its default (h2o's field).
         """
         if self.method not in METHODS:
             raise ValueError(f"compressor.method={self.method!r} is unknown; expected one of {METHODS}")
@@ -231,9 +231,10 @@ class CompressorConfig:
             return
         limit = self.kv_budget + (self.method == "streamingllm" and list(named)[0].startswith("compressor.sinks=")
                                   and len(named) == 1)
-        if sum(named.values()) + self.window >= limit:
-            parts = " + ".join(named)
-            raise ValueError(f"{parts} protected + compressor.window={self.window} leave no slot to choose in "
+        recent = f"compressor.h2o_recent={self.h2o_recent}" if self.method == "h2o" else \
+            f"compressor.window={self.window}"                       # the slots always kept
+        if sum(named.values()) + int(recent.partition("=")[2]) >= limit:
+            raise ValueError(f"{' + '.join(named)} protected + {recent} leave no slot to choose in "
                              f"compressor.kv_budget={self.kv_budget} (need protected + window < kv_budget"
                              f"{', sinks + window <= kv_budget for streamingllm' if limit > self.kv_budget else ''})")
 

@@ -33,6 +33,8 @@ from compressors import CompressorConfig, SelectContext, accumulate_attention, b
     (dict(protect_prompt="first:3"), "compressor.protect_prompt='first:3': expected off, all or last:<n>"),
     (dict(protect_prompt="last:0"), "compressor.protect_prompt='last:0'"),
     (dict(protect_values=-1), "compressor.protect_values=-1 must be >= 0"),
+    (dict(method="h2o", kv_budget=12, window=2, h2o_recent=8, protect_values=4),
+     "compressor.protect_values=4 protected + compressor.h2o_recent=8 leave no slot"),
     (dict(method="random", h2o_recent=32), "compressor.h2o_recent=32 is read by method h2o only"),
 ])
 def test_config_errors_name_the_field(fields, name):

@@ -21,14 +21,14 @@ def cases(draw, methods=("rkv", "snapkv", "h2o", "streamingllm", "random"), prot
     method = draw(st.sampled_from(methods))
     window = draw(st.integers(1, 3))
     kv_budget = draw(st.integers(window + 2, 10))
-    room = kv_budget - window - (method != "streamingllm")   # protected + window < kv_budget (streamingllm: <=)
+    recent = draw(st.integers(window, kv_budget - 1)) if method == "h2o" else window   # the slots always kept
+    room = kv_budget - recent - (method != "streamingllm")   # protected + recent < kv_budget (streamingllm: <=)
     sinks = draw(st.integers(0, room))
     values = draw(st.integers(0, room - sinks)) if protection and method != "streamingllm" else 0
-    last = kv_budget - window - 1 - sinks - values
+    last = kv_budget - recent - 1 - sinks - values
     prompt = draw(st.sampled_from(["off", "all"] + ([f"last:{last}"] if last > 0 else []))) if protection else "off"
     cfg = CompressorConfig(
-        method=method, kv_budget=kv_budget, window=window,
-        h2o_recent=draw(st.integers(window, kv_budget - 1)) if method == "h2o" else 64,
+        method=method, kv_budget=kv_budget, window=window, h2o_recent=recent if method == "h2o" else 64,
         sinks=sinks, protect_values=values, protect_prompt=prompt,
         pool_kernel=draw(st.sampled_from([1, 3, 7])),
         selection=draw(st.sampled_from(["per_head", "shared"])))
