@@ -409,7 +409,8 @@ class RolloutWorker:
         return SampleRecord(prompt_ids=s.prompt_ids, response_ids=s.response_ids, logp_sparse=s.logp_sparse,
                             finish_reason=s.finish_reason, reward=reward.reward,
                             kv_retained_tokens=s.kv_retained_tokens, kv_peak_bytes=s.kv_peak_bytes,
-                            topk_ids=s.topk_ids, topk_logprobs=s.topk_logprobs, trainable=s.trainable,
+                            kv_protected_fraction=s.kv_protected_fraction, topk_ids=s.topk_ids,
+                            topk_logprobs=s.topk_logprobs, trainable=s.trainable,
                             eviction_steps=getattr(s, "eviction_steps", None)), reward.status
 
     def _publish(self, batch: "Batch", groups: list[TrajectoryGroup]) -> None:

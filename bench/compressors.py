@@ -35,7 +35,7 @@ from transformers import LlamaConfig, Qwen2Config  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding  # noqa: E402
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding  # noqa: E402
 
-from compressors import CompressorConfig, accumulate_attention, build_compressor, gather_kv  # noqa: E402
+from compressors import CompressorConfig, SelectContext, accumulate_attention, build_compressor, gather_kv  # noqa: E402
 
 SHAPES = {
     "qwen2.5-7b": (Qwen2Config, Qwen2DecoderLayer, Qwen2RotaryEmbedding,
@@ -114,7 +114,7 @@ def bench_shape(name: str, batch: int, kv_budget: int, interval: int, window: in
 
         def event(compressor=compressor):  # bound: timed in this iteration
             with torch.inference_mode():
-                keep_idx = compressor.select(keys, queries, valid, attn_mass)
+                keep_idx = compressor.select(keys, queries, valid, SelectContext(attn_mass=attn_mass))
                 out = [gather_kv(t, keep_idx) for t in (keys, values, valid)]
                 if compressor.needs_attention_mass:
                     out.append(gather_kv(attn_mass, keep_idx))

@@ -30,6 +30,8 @@ class SampleRecord:
     reward: float
     kv_retained_tokens: int = 0
     kv_peak_bytes: int = 0
+    kv_protected_fraction: float = 0.0
+    """The share of the kept KV slots protection held at the last compression (actors.engines.base.Sample)."""
     topk_ids: np.ndarray | None = None
     """int32 [T, K]: the K most likely tokens of pi_sparse at each response position (None: not sent; all
     samples of a group send the same K or none)."""
@@ -91,6 +93,7 @@ class SchemaError(ValueError):
 #   prompt_lens [G], response_lens [G]        sample i owns the i-th slice of each array
 #   prompt_ids, response_ids, logp_sparse     [dtype str, shape [n]] of the samples' arrays concatenated
 #   finish_reason, reward, kv_retained_tokens, kv_peak_bytes   lists of G values (_SAMPLE_FIELDS)
+#   kv_protected_fraction                     list of G values (_OPTIONAL_SAMPLE_FIELDS; absent: 0.0)
 #   topk                                      K (0 = no top-k arrays); with K > 0 also
 #   topk_ids, topk_logprobs                   [dtype str, [n * K]]: row-major [T, K] per sample, concatenated
 #   trainable                                 0 (every response token trainable) or ["|u1", [n]]: uint8 per
@@ -114,6 +117,8 @@ _GROUP_FIELDS = {"run_id": str, "group_id": str, "prompt_id": str, "weight_versi
 _OPTIONAL_GROUP_FIELDS = {"budget_tier": (str, ""), "prompt_index": (int, -1)}
 """Header fields added after schema version 1: written always, read with their default when absent."""
 _SAMPLE_FIELDS = {"finish_reason": str, "reward": float, "kv_retained_tokens": int, "kv_peak_bytes": int}
+_OPTIONAL_SAMPLE_FIELDS = {"kv_protected_fraction": (float, 0.0)}
+"""Per-sample header lists added within schema version 4: written always, read with their default when absent."""
 
 
 def _sample_at(lens: list[int], flat_index: int) -> int:
@@ -216,10 +221,12 @@ def encode_group(group: TrajectoryGroup, max_response_tokens: int = 32768, max_p
         raise SchemaError("length_mismatch", f"samples[{i}]: len(logp_sparse) = {len(arrays['logp_sparse'][i])} "
                                              f"!= len(response_ids) = {lens['response_lens'][i]}")
     columns = {name: [kind(getattr(s, name)) for s in group.samples] for name, kind in _SAMPLE_FIELDS.items()}
+    optional = {name: [kind(getattr(s, name)) for s in group.samples]
+                for name, (kind, _) in _OPTIONAL_SAMPLE_FIELDS.items()}
     counts = {name: sum(lens[_LENS[name]]) * (topk if name in _TOPK_ARRAYS else 1) for name in wire}
     msg = {name: kind(getattr(group, name)) for name, kind in _GROUP_FIELDS.items()}
     msg.update({name: kind(getattr(group, name)) for name, (kind, _) in _OPTIONAL_GROUP_FIELDS.items()})
-    msg.update(schema_version=SCHEMA_VERSION, topk=topk, **lens, **columns)
+    msg.update(schema_version=SCHEMA_VERSION, topk=topk, **lens, **columns, **optional)
     msg.update({name: [dtype.str, [counts[name]]] for name, dtype in wire.items()})
     msg.setdefault("trainable", 0)
     eviction, blobs = _eviction_blobs(group.samples, lens)
@@ -408,6 +415,8 @@ def decode_group(data: bytes, max_message_bytes: int = 64 * 1024 * 1024, max_res
     if n == 0:
         raise SchemaError("no_samples", f"group {fields['group_id']!r} has no samples")
     columns = {name: _column(msg, name, kind, n) for name, kind in _SAMPLE_FIELDS.items()}
+    optional = {name: _column(msg, name, kind, n) if name in msg else [default] * n
+                for name, (kind, default) in _OPTIONAL_SAMPLE_FIELDS.items()}
     lens = {name: _column(msg, name, int, n) for name in ("prompt_lens", "response_lens")}
     if min(lens["prompt_lens"] + lens["response_lens"]) < 0:
         raise SchemaError("bad_shape", "prompt_lens / response_lens hold a negative length")
@@ -423,14 +432,15 @@ def decode_group(data: bytes, max_message_bytes: int = 64 * 1024 * 1024, max_res
     _validate(lens, arrays, columns["reward"], max_response_tokens, max_prompt_tokens, topk)
     prompt_ids, response_ids, logp_sparse = arrays["prompt_ids"], arrays["response_ids"], arrays["logp_sparse"]
     samples, p0, r0 = [], 0, 0
-    for p, r, eviction_steps, finish_reason, reward, kv_retained_tokens, kv_peak_bytes in zip(
-            lens["prompt_lens"], lens["response_lens"], evictions, *(columns[name] for name in _SAMPLE_FIELDS)):
+    for p, r, eviction_steps, protected, finish_reason, reward, kv_retained_tokens, kv_peak_bytes in zip(
+            lens["prompt_lens"], lens["response_lens"], evictions, optional["kv_protected_fraction"],
+            *(columns[name] for name in _SAMPLE_FIELDS)):
         top = {name: arrays[name][r0 * topk:(r0 + r) * topk].reshape(r, topk) for name in _TOPK_ARRAYS} if topk else {}
         if "trainable" in arrays:
             top["trainable"] = arrays["trainable"][r0:r0 + r]
         samples.append(SampleRecord(
             prompt_ids=prompt_ids[p0:p0 + p], response_ids=response_ids[r0:r0 + r], logp_sparse=logp_sparse[r0:r0 + r],
             finish_reason=finish_reason, reward=reward, kv_retained_tokens=kv_retained_tokens,
-            kv_peak_bytes=kv_peak_bytes, eviction_steps=eviction_steps, **top))
+            kv_peak_bytes=kv_peak_bytes, kv_protected_fraction=protected, eviction_steps=eviction_steps, **top))
         p0, r0 = p0 + p, r0 + r
     return TrajectoryGroup(**fields, samples=samples)

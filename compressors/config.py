@@ -4,12 +4,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-METHODS = ("rkv", "snapkv", "h2o", "streamingllm", "full")
+METHODS = ("rkv", "snapkv", "h2o", "streamingllm", "random", "full")
 SELECTIONS = ("per_head", "shared")
 SCHEDULES = ("constant", "linear", "cosine", "length")
 CONTROLS = ("off", "mismatch")
 TIERS = ("off", "confidence")
 PHASES = ("request", "aligned")
+H2O_RECENT = 64
+"""h2o_recent's default (a method other than h2o must leave it so: it reads no such field)."""
 BUDGET_METRICS = ("accept_p5", "accept_p1", "accept_p50", "accept_mean", "accept_upper_p5",
                   "xi_p1", "xi_p5", "xi_p50", "xi_sym_p1", "xi_sym_p5", "xi_sym_p50")
 """accept_*: Sparrow's per-token acceptance rate (learner/acceptance.py; needs actors.sampling.topk_logprobs);
@@ -20,7 +22,9 @@ statistic whose tail sits far lower than the acceptance rate's for the same pair
 @dataclass
 class CompressorConfig:
     method: str = "rkv"
-    """KV eviction policy: one of rkv | snapkv | h2o | streamingllm | full (full = dense, no eviction)."""
+    """KV eviction policy: one of rkv | snapkv | h2o | streamingllm | random | full (full = dense, no eviction;
+    random: a uniform choice per layer and KV head, scored by a hash of the sample's seed, layer, KV head, token
+    position and event, Random Attention, arXiv 2609.03430 §3)."""
     kv_budget: int = 512
     """B: tokens kept per sequence, per layer, per KV head after a compression (prompt included)."""
     window: int = 8
@@ -45,9 +49,25 @@ class CompressorConfig:
     """1-D max-pool kernel (stride 1, same padding) applied to the importance scores (R-KV, SnapKV)."""
     similarity_threshold: float = 0.5
     """R-KV: cosine similarity above which the most recent similar key is kept as the representative."""
-    sinks: int = 4
-    """StreamingLLM: attention-sink tokens always kept at the start of the sequence."""
-    h2o_recent: int = 64
+    sinks: int | None = None
+    """Attention sinks (StreamingLLM, arXiv 2309.17453 §3.2), every method: the first `sinks` valid tokens of each
+    row (the sequence's first tokens: the prompt's first n, after any left padding) are never eviction candidates.
+    None = the method's own: 4 for streamingllm, 0 for the others. Protection order when the budget cannot hold
+    everything protected: the window, then the sinks, then protect_prompt / protect_values (see protect_prompt)."""
+    protect_prompt: str = "off"
+    """Prompt protection, every method (arXiv 2605.18053 §4; Random Attention, arXiv 2609.03430 §3): off | all
+    (every token of the row's prompt, a multi-turn episode's first prompt) | last:<n> (the prompt's last n tokens,
+    its boundary with the response). The first n prompt tokens are `sinks: n` (one name per idea). Protected
+    tokens are never evicted while the budget holds them with the window: kv_budget must exceed sinks + n +
+    protect_values + window (checked); with `all` a prompt longer than kv_budget - window - sinks does not fit,
+    and then the budget wins, at the prefill and at every later event: the window is kept, then the sinks, then
+    the protected tokens the method itself ranks highest (random: a random subset) fill the rest; the generated
+    tokens before the window are evicted first, unless protect_values holds them (Compressor.select)."""
+    protect_values: int = 0
+    """Value-norm protection, every method (VaSE, arXiv 2606.03928 §3.1): at each event the k candidate keys with
+    the largest L2 norm of their value vector, per layer and KV head (shared selection: of the norm averaged over
+    the heads), are never evicted (large-value tokens whose eviction causes repetition loops); 0 = off."""
+    h2o_recent: int = H2O_RECENT
     """H2O: most recent tokens always kept besides the heavy hitters (must be >= window)."""
     selection: str = "per_head"
     """per_head (R-KV reference: one kept set per layer and KV head) | shared (one set per sequence, chosen
@@ -129,16 +149,40 @@ class CompressorConfig:
     def __post_init__(self):
         # YAML 1.1 (omegaconf, also for dotted overrides) reads a bare `off` as a boolean, which reaches these str
         # fields as "False": `budget_control=off` means "off".
-        for name in ("budget_control", "budget_tiers"):
+        for name in ("budget_control", "budget_tiers", "protect_prompt"):
             if str(getattr(self, name)) == "False":
                 setattr(self, name, "off")
+
+    @property
+    def sink_tokens(self) -> int:
+        """The sinks this config keeps: `sinks`, or the method's own when None (4 for streamingllm, else 0)."""
+        if self.sinks is None:
+            return 4 if self.method == "streamingllm" else 0
+        return self.sinks
+
+    def prompt_protection(self) -> tuple[str, int]:
+        """protect_prompt parsed: ("off", 0) | ("all", 0) | ("last", n). Raises ValueError naming the field."""
+        kind, _, n = str(self.protect_prompt).partition(":")
+        if kind in ("off", "all") and not n:
+            return kind, 0
+        if kind == "last" and n.isdigit() and int(n) >= 1:
+            return "last", int(n)
+        raise ValueError(f"compressor.protect_prompt={self.protect_prompt!r}: expected off, all or last:<n> (n >= 1 "
+                         "prompt tokens; the first n are compressor.sinks)")
+
+    @property
+    def protects(self) -> bool:
+        """True when some token besides the window is protected (sinks, protect_prompt, protect_values)."""
+        return self.sink_tokens > 0 or self.protect_prompt != "off" or self.protect_values > 0
 
     def validate(self) -> None:
         """Raise ValueError naming the field (`compressor.<field>`) for an impossible setting.
 
         Checked: method, selection and phase names; 1 <= window < kv_budget; interval >= 1; 0 <= rkv_lambda <= 1;
         pool_kernel odd and >= 1 (same padding); 0 <= similarity_threshold <= 1; for h2o
-        window <= h2o_recent < kv_budget; for streamingllm sinks >= 0 and sinks + window <= kv_budget.
+        window <= h2o_recent < kv_budget; sinks, protect_values >= 0, protect_prompt off | all | last:<n>, and
+        sinks + n + protect_values + window (h2o: h2o_recent) < kv_budget (streamingllm with sinks alone: <=);
+        for random h2o_recent left at its default (h2o's field).
         """
         if self.method not in METHODS:
             raise ValueError(f"compressor.method={self.method!r} is unknown; expected one of {METHODS}")
@@ -165,14 +209,34 @@ class CompressorConfig:
             if self.h2o_recent >= self.kv_budget:
                 raise ValueError(
                     f"compressor.h2o_recent={self.h2o_recent} must be < compressor.kv_budget={self.kv_budget}")
-        if self.method == "streamingllm":
-            if self.sinks < 0:
-                raise ValueError(f"compressor.sinks={self.sinks} must be >= 0")
-            if self.sinks + self.window > self.kv_budget:
-                raise ValueError(
-                    f"compressor.sinks={self.sinks} leaves fewer than compressor.window={self.window} recent "
-                    f"slots in compressor.kv_budget={self.kv_budget} (need sinks + window <= kv_budget)")
+        self._validate_protection()
         self._validate_budget_control()
+
+    def _validate_protection(self) -> None:
+        """sinks, protect_prompt, protect_values; random with h2o_recent. The tokens protected whatever the prompt
+        (sinks + last:n + protect_values) plus the window must leave the method a slot to choose: < kv_budget
+        (streamingllm: <=, its choice is recency, which the window continues)."""
+        if self.sink_tokens < 0:
+            raise ValueError(f"compressor.sinks={self.sinks} must be >= 0")
+        if self.protect_values < 0:
+            raise ValueError(f"compressor.protect_values={self.protect_values} must be >= 0")
+        if self.method == "random" and self.h2o_recent != H2O_RECENT:
+            raise ValueError(f"compressor.h2o_recent={self.h2o_recent} is read by method h2o only; method random "
+                             f"always keeps the last compressor.window={self.window} tokens: leave h2o_recent unset")
+        fixed = {f"compressor.sinks={self.sink_tokens}": self.sink_tokens,
+                 f"compressor.protect_prompt={self.protect_prompt}": self.prompt_protection()[1],
+                 f"compressor.protect_values={self.protect_values}": self.protect_values}
+        named = {name: n for name, n in fixed.items() if n}
+        if not named or self.method == "full":
+            return
+        limit = self.kv_budget + (self.method == "streamingllm" and list(named)[0].startswith("compressor.sinks=")
+                                  and len(named) == 1)
+        recent = f"compressor.h2o_recent={self.h2o_recent}" if self.method == "h2o" else \
+            f"compressor.window={self.window}"                       # the slots always kept
+        if sum(named.values()) + int(recent.partition("=")[2]) >= limit:
+            raise ValueError(f"{' + '.join(named)} protected + {recent} leave no slot to choose in "
+                             f"compressor.kv_budget={self.kv_budget} (need protected + window < kv_budget"
+                             f"{', sinks + window <= kv_budget for streamingllm' if limit > self.kv_budget else ''})")
 
     def _validate_budget_control(self) -> None:
         if self.budget_schedule not in SCHEDULES:

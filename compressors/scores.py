@@ -95,11 +95,47 @@ def snapkv_scores(keys, queries, valid, window, pool_kernel) -> torch.Tensor:
     return F.pad(window_importance(keys[:, :, :n], queries, valid[:, :, :n], pool_kernel), (0, window))
 
 
-def streamingllm_scores(valid: torch.Tensor, sinks: int) -> torch.Tensor:
-    """StreamingLLM (arXiv 2309.17453): the first `sinks` valid slots of each row (attention sinks, after any
-    left padding) score highest, every other slot scores its slot index (more recent = higher).
+def streamingllm_scores(valid: torch.Tensor) -> torch.Tensor:
+    """StreamingLLM (arXiv 2309.17453 §3.2): every slot scores its slot index (more recent = higher); its
+    attention sinks are `Compressor.select`'s SINK class (compressor.sinks, 4 by default for this method).
     valid: bool [batch, kv_heads, seq]. Returns float32 [batch, kv_heads, seq]."""
     seq = valid.shape[-1]
-    position = torch.arange(seq, dtype=torch.float32, device=valid.device).expand(valid.shape)
-    is_sink = valid & (valid.cumsum(dim=-1) <= sinks)
-    return torch.where(is_sink, float(2 * seq), position)
+    return torch.arange(seq, dtype=torch.float32, device=valid.device).expand(valid.shape)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijection of 32-bit values held in int64 [0, 2^32): xor-shift / multiply rounds (the multipliers are odd
+    and < 2^31, so no product leaves int64 and every step is exact on any device)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x5BD1E995) & _M32
+    return x ^ (x >> 16)
+
+
+def random_hash(seed: torch.Tensor, layer: int, positions: torch.Tensor, event: torch.Tensor) -> torch.Tensor:
+    """The 32-bit hash of (sample seed, layer, KV head, token position, event) that `random_scores` ranks by, in
+    integer device ops (no host sync): h = mix(seed_lo ^ C), mix(h ^ seed_hi), mix(h ^ layer), mix(h ^ head),
+    mix(h ^ position), mix(h ^ event), with mix = `_mix32`, C = 0x165667B1, seed_lo / seed_hi the low / high 32 bits
+    of the int64 seed (two's complement), position and event taken mod 2^32.
+
+    seed, event: int64 [batch]; positions: int64 [batch, kv_heads, seq] (the head is the index along dim 1).
+    Returns int64 [batch, kv_heads, seq] in [0, 2^32)."""
+    heads = positions.shape[1]
+    h = _mix32((seed & _M32) ^ 0x165667B1)
+    h = _mix32(h ^ ((seed >> 32) & _M32))
+    h = _mix32(h ^ (layer & _M32))
+    h = _mix32(h[:, None] ^ torch.arange(heads, device=positions.device))              # [batch, kv_heads]
+    h = _mix32(h[..., None] ^ (positions & _M32))                                       # [batch, kv_heads, seq]
+    return _mix32(h ^ (event & _M32)[:, None, None])
+
+
+def random_scores(seed: torch.Tensor, layer: int, positions: torch.Tensor, event: torch.Tensor) -> torch.Tensor:
+    """Random eviction (Random Attention, arXiv 2609.03430 §3: uniform per layer and KV head): every slot scores
+    `random_hash` of its sample's seed, the layer, its KV head, its true position and the event, as float64 (exact
+    for 32-bit values), so the kept candidates are a uniform random subset, reproducible from these inputs alone
+    (the same on every engine). Shapes as `random_hash`; returns float64 [batch, kv_heads, seq]."""
+    return random_hash(seed.long(), layer, positions.long(), event.long()).double()

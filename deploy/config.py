@@ -18,6 +18,7 @@ from pathlib import Path
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from actors.engines.sglang.contract import unsupported_compressor_settings
 from actors.rollout_config import ActorsConfig, EvalConfig, RolloutConfig
 from broker.config import BrokerConfig
 from broker.fingerprint import probe_tokens
@@ -400,6 +401,10 @@ def check_sglang(run: RunConfig) -> None:
     """What a run on the SGLang engine (actors.engine.backend=sglang) cannot do, and its settings
     (actors.engine.sglang) against the sparse backend's needs: ConfigError naming the fields (docs/sglang.md)."""
     compressor = run.actors.engine.compressor
+    unsupported = unsupported_compressor_settings(compressor)
+    check(not unsupported, f"actors.engine.compressor.{', actors.engine.compressor.'.join(unsupported)}: the SGLang "
+          "engine's backend cannot run this yet (no per-sample seeds, events, positions or prompt lengths reach its "
+          "select; h2o: no attention mass): use actors.engine.backend=torch")
     check(compressor.budget_schedule != "length",
           "actors.engine.compressor.budget_schedule='length' grows the budget within a trajectory: the torch engine "
           "only (actors.engine.backend=torch); the SGLang engine's budget is fixed per request")

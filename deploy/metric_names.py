@@ -57,7 +57,8 @@ _BY_SECTION: dict[str, dict[str, str]] = {
     },
     # the KV cache: retained share, bytes, budget (SPEC §5.1)
     "kv": {
-        "kv_retained_ratio": "retained_ratio", "kv_peak_bytes_mean": "peak_bytes_mean",
+        "kv_retained_ratio": "retained_ratio", "kv_protected_fraction": "protected_fraction",
+        "kv_peak_bytes_mean": "peak_bytes_mean",
         "kv_peak_bytes_per_seq": "peak_bytes_per_seq", "kv_budget": "budget",
         "kv_budget_control": "budget_control", "kv_budget_change": "budget_change",
         "actor_kv_budget": "actor_budget",

@@ -69,13 +69,20 @@ def checkpoint_version(ckpt_dir: str | Path) -> int | None:
 
 def resume_config(run_dir: str | Path, overrides: list[str] = ()) -> RunConfig:
     """The config of the run in run_dir (its config.yaml) with `overrides` applied on top (e.g. train.steps=20
-    to train further). Raises ConfigError when run_dir is not a run directory."""
+    to train further). A config written before compressor protection (no `protect_values`) resumes with sinks
+    null (the method's own: 0) for a method other than streamingllm, which read no sinks then. Raises
+    ConfigError when run_dir is not a run directory."""
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise ConfigError(f"--resume {run_dir}: no config.yaml there; expected a run directory made by "
                           "`sparse-rl train` (runs/<run id>)")
-    if OmegaConf.select(OmegaConf.load(path), "eval.draw") is None:  # written before the draw was versioned:
+    saved = OmegaConf.load(path)
+    if OmegaConf.select(saved, "eval.draw") is None:  # written before the draw was versioned:
         overrides = ["eval.draw=1", *overrides]  # its held-out items stay those it was evaluated on
+    for section in ("actors.engine.compressor", "eval.sparse_compressor"):
+        old = OmegaConf.select(saved, section)
+        if old is not None and "protect_values" not in old and old.get("method") != "streamingllm":
+            overrides = [f"{section}.sinks=null", *overrides]  # written when sinks were streamingllm's alone
     return load_config(str(path), list(overrides))
 
 

@@ -78,6 +78,7 @@ def step_metrics(groups: list[TrajectoryGroup], staleness: list[int], t: LossInp
         "response_length_mean": response_len.mean().item(),
         "response_truncated_fraction": float(np.mean(truncated)),
         "kv_retained_ratio": float(np.mean(kv_ratio)),
+        "kv_protected_fraction": float(np.mean([s.kv_protected_fraction for g in groups for s in g.samples])),
         "kv_peak_bytes_mean": float(np.mean([s.kv_peak_bytes for g in groups for s in g.samples])),
         "kv_budget": float(np.mean([g.kv_budget for g in groups])),
         "num_sequences": t.batch.size,

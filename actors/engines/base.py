@@ -77,6 +77,10 @@ class Sample:
     trainable: np.ndarray | None = None
     """uint8 [T] for a multi-turn episode (actors/envs/episode.py): 1 where the sampler generated the token, 0 on the
     environment's and the chat template's tokens; None (an engine's own samples): every token was sampled."""
+    kv_protected_fraction: float = 0.0
+    """The share of the cache's kept tokens that the compressor's protection held (sinks, protect_prompt,
+    protect_values; not the window) at this sample's last compression, mean over layers and KV heads; 0 when it
+    was never compressed or nothing is protected (Compressor.protected_share). The torch engine's; SGLang: 0."""
     eviction_steps: np.ndarray | None = None
     """With the engine's record_evictions: uint16 [layers, heads, P + T], per key of this sample's own tokens
     (prompt, then response) the number of response tokens generated when it was evicted (65535 = never);

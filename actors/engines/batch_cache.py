@@ -4,7 +4,7 @@ per-layer buffers the engine's forward reads, extends and compacts in place.
 - `Layout`: the call's left-padded columns (prompt width P, each row's pad, the columns of the eviction record) and
   the ids it prefills;
 - `SlotPlan`: the slots every layer holds (after the prefill, at most: capacity) and when a decode step compresses;
-- `BatchCache`: per layer K/V/validity (+ H2O attention mass, + record columns) buffers
+- `BatchCache`: per layer K/V/validity (+ H2O attention mass, + record columns, + true positions) buffers
   `[rows, kv_heads, capacity, ...]`, the last `window` queries per layer, the eviction record (`evicted_at`), the
   original row of each live row; extended by a prefill or a decode step, compacted with `select_slots` +
   `gather_kv` (recording what it drops), shrunk when rows finish, and read back as a `KeptEpisode`;
@@ -19,7 +19,7 @@ import torch
 # COMPACT_CHUNK: slots moved per step of the in-place compaction (the only extra K/V memory an eviction needs);
 # actors/engines/kv_memory.py predicts the engine's KV bytes.
 from actors.engines.kv_memory import COMPACT_CHUNK
-from compressors import Compressor, CompressorConfig, accumulate_attention, gather_kv
+from compressors import Compressor, CompressorConfig, SelectContext, accumulate_attention, gather_kv
 from compressors.budget import length_budget
 
 NEVER = torch.iinfo(torch.long).max
@@ -29,11 +29,12 @@ NEVER = torch.iinfo(torch.long).max
 @dataclasses.dataclass
 class KeptEpisode:
     """What the engine keeps of an episode between its turns. layers: per layer {k, v [Hkv, slots, D]; valid
-    [Hkv, slots]; mass (H2O) [Hkv, slots]; col (record_evictions): episode token index of each slot}, the
-    retained slots in time order; qwin: per layer the last <= window queries [Hq, w, D]; length: tokens whose
-    K/V were computed (the next position); pending: the last sampled token (its K/V not yet computed); prompt_len:
-    the first prompt's tokens; evicted_at (record_evictions): int64 [layers, Hkv, length + 1] episode token index
-    of the first query that no longer saw each key (int64 max = never)."""
+    [Hkv, slots]; mass (H2O) [Hkv, slots]; col (record_evictions): episode token index of each slot; pos (a
+    compressor that reads positions): each slot's true position}, the retained slots in time order; qwin: per
+    layer the last <= window queries [Hq, w, D]; length: tokens whose K/V were computed (the next position);
+    pending: the last sampled token (its K/V not yet computed); prompt_len: the first prompt's tokens; evicted_at
+    (record_evictions): int64 [layers, Hkv, length + 1] episode token index of the first query that no longer saw
+    each key (int64 max = never)."""
     layers: list
     qwin: list
     length: int
@@ -169,17 +170,24 @@ class BatchCache:
 
     layers: per layer {k, v [R, Hkv, capacity, D] (dtype); valid bool [R, Hkv, capacity]; mass float32
         [R, Hkv, capacity] (H2O's accumulated attention); col int64 [R, Hkv, capacity] (record_evictions: the
-        layout column of each slot, -1 = none)}; the first `n` slots are filled, the same count on every row
+        layout column of each slot, -1 = none); pos int64 [R, Hkv, capacity] (a compressor that needs positions:
+        each slot's true token position)}; the first `n` slots are filled, the same count on every row
         (validity marks each row's and head's own).
     qwin: per layer the last <= window queries [R, Hq, w, D] (pads zeroed; None until the first prefill).
     evicted_at: with record_evictions, per layer int64 [R0, Hkv, columns]: the column of the first query that no
         longer sees each key column (NEVER: never evicted), indexed by original row (R0 = the call's rows).
     row_ids: int64 [R], the original row of each live row; transient_bytes: the largest prefill K/V tensor pair.
+    seed, prompt_len: int64 [R], each live row's sample seed and first prompt's tokens (the compressor's
+        SelectContext; set by the engine); protected_fraction: float32 [R], the share of each live row's kept
+        valid slots that protection held (sinks, protect_prompt, protect_values) at its last compression, mean
+        over layers and KV heads (0: never compressed, or nothing protected).
     """
 
-    def __init__(self, shape: CacheShape, rows: int, capacity: int, window: int, mass: bool, columns: int | None):
+    def __init__(self, shape: CacheShape, rows: int, capacity: int, window: int, mass: bool, columns: int | None,
+                 positions: bool = False):
         """Empty buffers of `capacity` slots for `rows` rows; `mass`: H2O's attention mass; `columns`: the
-        eviction record's columns (record_evictions), None for no record."""
+        eviction record's columns (record_evictions), None for no record; `positions`: keep each slot's true
+        position (a compressor whose `needs` names positions)."""
         dev, kv = shape.device, (rows, shape.kv_heads, capacity)
         self.shape, self.window, self.n, self.transient_bytes = shape, window, 0, 0
         self.layers: list[dict[str, torch.Tensor]] = []
@@ -191,12 +199,17 @@ class BatchCache:
                 layer["mass"] = torch.zeros(*kv, device=dev)
             if columns is not None:
                 layer["col"] = torch.full(kv, -1, dtype=torch.long, device=dev)
+            if positions:
+                layer["pos"] = torch.zeros(*kv, dtype=torch.long, device=dev)
             self.layers.append(layer)
         self.qwin: list[torch.Tensor | None] = [None] * shape.layers
         self.evicted_at = None if columns is None else [
             torch.full((rows, shape.kv_heads, columns), NEVER, dtype=torch.long, device=dev)
             for _ in range(shape.layers)]
         self.row_ids = torch.arange(rows, device=dev)
+        self.seed = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.prompt_len = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.protected_fraction = torch.zeros(rows, device=dev)
 
     def load(self, states: list[KeptEpisode | None], layout: Layout) -> None:
         """Put each kept episode's slots in [kept - its slots, kept) of its row (record columns re-based to the
@@ -220,17 +233,20 @@ class BatchCache:
                 if self.evicted_at is not None:
                     self.evicted_at[li][r, :, pad:pad + st.evicted_at.shape[2]] = rebased(st.evicted_at[li], pad)
 
-    def prefill(self, li: int, ks: torch.Tensor, vs: torch.Tensor, col: int, visible: torch.Tensor,
-                key_valid: torch.Tensor) -> tuple[dict, torch.Tensor]:
-        """Layer li's new K/V [R, Hkv, q, D] of a prefill, the last at layout column `col`; visible bool
-        [R, 1, q, q] among them, key_valid bool [R, q]. Returns (slots, visible [R, 1 or Hkv, q, S]): with no
-        filled slots (n = 0) the new ones alone (written by `store` or `compact`); else they are written to
-        [n, n + q) and slots are the layer's first n + q (views; no mass) with visibility of the older ones."""
+    def prefill(self, li: int, ks: torch.Tensor, vs: torch.Tensor, col: int, positions: torch.Tensor,
+                visible: torch.Tensor, key_valid: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        """Layer li's new K/V [R, Hkv, q, D] of a prefill, the last at layout column `col`, at true `positions`
+        int64 [R, q]; visible bool [R, 1, q, q] among them, key_valid bool [R, q]. Returns (slots, visible
+        [R, 1 or Hkv, q, S]): with no filled slots (n = 0) the new ones alone (written by `store` or `compact`);
+        else they are written to [n, n + q) and slots are the layer's first n + q (views; no mass) with visibility
+        of the older ones."""
         R, q = ks.shape[0], ks.shape[2]
         c, n = self.layers[li], self.n
         slots = {"k": ks, "v": vs, "valid": key_valid[:, None, :].expand(R, self.shape.kv_heads, q)}
         if "col" in c:
             slots["col"] = (col + 1 - q + torch.arange(q, device=ks.device)).expand(R, self.shape.kv_heads, q)
+        if "pos" in c:
+            slots["pos"] = positions[:, None, :].expand(R, self.shape.kv_heads, q)
         self.transient_bytes = max(self.transient_bytes, ks.nbytes + vs.nbytes)
         if not n:
             return slots, visible
@@ -240,13 +256,16 @@ class BatchCache:
         visible = torch.cat([old_seen, visible.expand(R, self.shape.kv_heads, q, q)], -1)
         return {name: t[:, :, :n + q] for name, t in c.items() if name != "mass"}, visible
 
-    def append(self, li: int, ks: torch.Tensor, vs: torch.Tensor, col: int) -> tuple[dict, torch.Tensor]:
-        """Layer li's K/V [R, Hkv, 1, D] of a decode step into slot n (layout column `col`). Returns (slots: the
-        layer's first n + 1 (views), visible bool [R, Hkv, 1, n + 1])."""
+    def append(self, li: int, ks: torch.Tensor, vs: torch.Tensor, col: int,
+               positions: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        """Layer li's K/V [R, Hkv, 1, D] of a decode step into slot n (layout column `col`, true `positions`
+        int64 [R, 1]). Returns (slots: the layer's first n + 1 (views), visible bool [R, Hkv, 1, n + 1])."""
         c, n = self.layers[li], self.n
         c["k"][:, :, n], c["v"][:, :, n], c["valid"][:, :, n] = ks[:, :, 0], vs[:, :, 0], True
         if "col" in c:
             c["col"][:, :, n] = col
+        if "pos" in c:
+            c["pos"][:, :, n] = positions
         slots = {name: t[:, :, :n + 1] for name, t in c.items()}
         return slots, slots["valid"][:, :, None, :]
 
@@ -298,7 +317,8 @@ class BatchCache:
         keep_rows = live.nonzero().squeeze(1)
         self.layers = [{name: t.index_select(0, keep_rows) for name, t in c.items()} for c in self.layers]
         self.qwin = [w.index_select(0, keep_rows) for w in self.qwin]
-        self.row_ids = self.row_ids[keep_rows]
+        self.row_ids, self.seed, self.prompt_len, self.protected_fraction = (
+            t[keep_rows] for t in (self.row_ids, self.seed, self.prompt_len, self.protected_fraction))
         return keep_rows
 
     def retained(self, i: int) -> int:
@@ -307,7 +327,8 @@ class BatchCache:
 
     def peak_bytes(self, chunk_slots: int) -> int:
         """Peak K/V bytes per row: the buffers plus the largest transient beside them (one layer's prefill K/V,
-        or one compaction chunk of `chunk_slots` slots). Validity and scores are not K/V and are not counted."""
+        or one compaction chunk of `chunk_slots` slots). Validity, positions and scores are not K/V and are not
+        counted."""
         rows = len(self.row_ids)
         buffers = sum(c["k"].nbytes + c["v"].nbytes for c in self.layers) // rows
         chunk = 2 * chunk_slots * self.shape.kv_heads * self.shape.head_dim * self.layers[0]["k"].element_size()
@@ -329,20 +350,26 @@ class BatchCache:
                            response[-1], layout.first_prompt[r])
 
 
-def select_slots(compressor: Compressor, slots: dict, queries: torch.Tensor, candidates: int | None) -> torch.Tensor:
+def select_slots(compressor: Compressor, slots: dict, queries: torch.Tensor, candidates: int | None,
+                 ctx: SelectContext) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The slots of one layer to keep, int64 [R, Hkv, k] ascending: compressor.select over every slot, or over
-    the first `candidates` only, the later ones all kept after them. Raises RuntimeError if the compressor's
-    indices are not strictly ascending."""
+    the first `candidates` only, the later ones all kept after them; and, when the compressor protects tokens,
+    the share of the kept valid candidates protection held, float32 [R] (Compressor.protected_share), else None.
+    ctx: the row-level SelectContext fields (prompt_len, seed, event, layer); the per-slot ones the compressor
+    needs (values, attn_mass, positions) are taken from `slots`. Raises RuntimeError if the compressor's indices
+    are not strictly ascending."""
     end = slots["k"].shape[2] if candidates is None else candidates
-    mass = slots.get("mass")
-    keep = compressor.select(slots["k"][:, :, :end], queries, slots["valid"][:, :, :end],
-                             None if mass is None else mass[:, :, :end])
+    per_slot = {"values": "v", "attn_mass": "mass", "positions": "pos"}
+    ctx = dataclasses.replace(ctx, **{f: slots[name][:, :, :end] for f, name in per_slot.items()
+                                      if f in compressor.needs})
+    keep = compressor.select(slots["k"][:, :, :end], queries, slots["valid"][:, :, :end], ctx)
+    share = compressor.protected_share(keep, slots["valid"][:, :, :end], ctx) if compressor.cfg.protects else None
     if end < slots["k"].shape[2]:
         rest = torch.arange(end, slots["k"].shape[2], device=keep.device)
         keep = torch.cat([keep, rest.expand(*keep.shape[:2], rest.shape[0])], -1)
     if not bool((keep[..., 1:] > keep[..., :-1]).all()):
         raise RuntimeError("compressor.select returned slot indices that are not strictly ascending")
-    return keep
+    return keep, share
 
 
 def rebased(evicted_at: torch.Tensor, shift: int) -> torch.Tensor:

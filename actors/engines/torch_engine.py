@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from actors.engines.base import EVICTION_NEVER, Sample, SamplingParams, check_params, check_score, collapsed_heads
 from actors.engines.batch_cache import BatchCache, CacheShape, KeptEpisode, Layout, SlotPlan, rebased, select_slots
-from compressors import Compressor, CompressorConfig, build_compressor
+from compressors import Compressor, CompressorConfig, SelectContext, build_compressor
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -46,7 +46,7 @@ class TorchEngine:
 
     model: the HF causal LM; its weights are used as they are (no copy); put in eval mode.
     tokenizer: HF tokenizer of the model (EOS ids, stop-string decoding).
-    compressor_cfg: `CompressorConfig` (method rkv|snapkv|h2o|streamingllm|full, kv_budget, window, interval,
+    compressor_cfg: `CompressorConfig` (method rkv|snapkv|h2o|streamingllm|random|full, kv_budget, window, interval,
         selection per_head|shared); validated by `build_compressor`.
     record_evictions: attach to every Sample its own eviction record (`Sample.eviction_steps`, see
         `sample_eviction_steps`: what the learner replays), and keep, after each `generate`,
@@ -251,9 +251,12 @@ class TorchEngine:
         plan = SlotPlan.of(compressor.cfg, self.compressor_cfg, layout.kept, layout.new, params.max_new_tokens)
         cache = BatchCache(self._cache_shape(), len(rows), plan.capacity, compressor.cfg.window,
                            mass=compressor.needs_attention_mass,
-                           columns=layout.columns if self.record_evictions else None)
+                           columns=layout.columns if self.record_evictions else None,
+                           positions="positions" in compressor.needs)
         cache.load(states, layout)
         gen = _generator(params.seed, self.device)
+        cache.seed, cache.prompt_len = _row_seeds(params.seed, len(rows), gen, self.device, compressor), \
+            torch.tensor(layout.first_prompt, dtype=torch.long, device=self.device)
         # prefill: the new ids (dense causal) over the kept cache; compressed right after when over the budget
         logits = self._forward(layout.ids, layout.positions, cache, layout.width - 1, compressor,
                                compact_to=plan.filled if plan.compress_prefill else None,
@@ -266,7 +269,7 @@ class TorchEngine:
             tok, lp, top = _sample(logits, params, gen)                      # [R_live] int64, [R_live] float32
             finished = out.add(cache.row_ids.tolist(), tok, lp, top)
             for i, r, reason in finished:
-                out.end(r, reason, cache.retained(i), peak_bytes)
+                out.end(r, reason, cache.retained(i), peak_bytes, float(cache.protected_fraction[i]))
                 if keys is not None:
                     self._episodes[keys[r]] = cache.kept_episode(i, r, layout, out.ids[r])
             if len(finished) == len(cache.row_ids):
@@ -306,14 +309,15 @@ class TorchEngine:
         R, q = tokens.shape
         h = m.embed_tokens(tokens)
         cos, sin = m.rotary_emb(h, positions)
-        keep = None                                                          # selection "shared": from layer 0
+        keep, shares = None, []                                              # selection "shared": from layer 0
+        ctx = SelectContext(prompt_len=cache.prompt_len, seed=cache.seed, event=positions[:, -1] + 1)
         for li, layer in enumerate(m.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             qs, ks, vs = (p(x).view(R, q, -1, hd).transpose(1, 2) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
             qs, ks = self._apply_rope(qs, ks, cos, sin)
-            slots, visible = (cache.append(li, ks, vs, col) if prefill is None
-                              else cache.prefill(li, ks, vs, col, *prefill))
+            slots, visible = (cache.append(li, ks, vs, col, positions) if prefill is None
+                              else cache.prefill(li, ks, vs, col, positions, *prefill))
             out, probs = _attend(qs, slots["k"], slots["v"], visible, attn.scaling,
                                  want_probs="mass" in cache.layers[li])
             h = h + attn.o_proj(out.transpose(1, 2).reshape(R, q, -1))
@@ -323,9 +327,13 @@ class TorchEngine:
                 cache.store(li, slots, prefill is not None)
                 continue
             if keep is None or compressor.cfg.selection != "shared":
-                keep = select_slots(compressor, slots, cache.qwin[li], candidates)
+                keep, share = select_slots(compressor, slots, cache.qwin[li], candidates,
+                                           dataclasses.replace(ctx, layer=li))
+            shares.append(share)
             cache.compact(li, slots, keep, col)
         cache.n = cache.n + q if compact_to is None else compact_to
+        if compact_to is not None and compressor.cfg.protects:
+            cache.protected_fraction = torch.stack(shares).mean(0)
         return self.model.lm_head(m.norm(h[:, -1])).float()
 
     def _attach_records(self, cache: BatchCache, layout: Layout, samples: list[Sample],
@@ -377,12 +385,13 @@ class _Responses:
             return "stop"
         return "length" if len(ids) >= p.max_new_tokens else None
 
-    def end(self, r: int, reason: str, kv_retained_tokens: int, kv_peak_bytes: int) -> None:
-        """Row r's Sample, with its cache's retained slots and peak K/V bytes."""
+    def end(self, r: int, reason: str, kv_retained_tokens: int, kv_peak_bytes: int,
+            kv_protected_fraction: float = 0.0) -> None:
+        """Row r's Sample, with its cache's retained slots, peak K/V bytes and protected share."""
         self.samples[r] = Sample(prompt_ids=list(self.rows[r]), response_ids=self.ids[r],
                                  logp_sparse=np.asarray(self.logps[r], dtype=np.float32), finish_reason=reason,
                                  kv_retained_tokens=kv_retained_tokens, kv_peak_bytes=int(kv_peak_bytes),
-                                 **_stacked_topk(self.topks[r]))
+                                 kv_protected_fraction=kv_protected_fraction, **_stacked_topk(self.topks[r]))
 
 
 def _generator(seed: int | None, device: torch.device) -> torch.Generator:
@@ -393,6 +402,16 @@ def _generator(seed: int | None, device: torch.device) -> torch.Generator:
     else:
         gen.manual_seed(seed)
     return gen
+
+
+def _row_seeds(seed: int | None, rows: int, gen: torch.Generator, device, compressor: Compressor) -> torch.Tensor:
+    """Each row's sample seed for the compressor (method random's hash), int64 [rows]: (base x 1000003 + row)
+    mod 2^63, base = SamplingParams.seed, or with none one draw of the call's generator (only when the compressor
+    reads seeds, so seeded sampling draws the same tokens with any compressor); zeros when it reads none."""
+    if "seed" not in compressor.needs:
+        return torch.zeros(rows, dtype=torch.long, device=device)
+    base = seed if seed is not None else int(torch.randint(2**62, (1,), generator=gen, device=gen.device))
+    return torch.tensor([(base * 1000003 + r) % 2**63 for r in range(rows)], dtype=torch.long, device=device)
 
 
 def sample_eviction_steps(evicted_at: torch.Tensor, prompt_width: int, prompt_len: int,

@@ -57,6 +57,7 @@ class _Live:
     logps: list = field(default_factory=list)     # per turn of the rollout: float32 array (zeros on observations)
     kv_bytes: list = field(default_factory=list)
     retained: int = 0
+    protected: float = 0.0
     tool_calls: int = 0
     turns: int = 0
     finish: str = ""
@@ -133,6 +134,7 @@ def _sample_turn(generate, running: list[_Live], params: SamplingParams, budget_
             ep.logps.append(np.asarray(s.logp_sparse, dtype=np.float32))
             ep.kv_bytes.append(int(s.kv_peak_bytes))
             ep.retained = int(s.kv_retained_tokens)
+            ep.protected = float(s.kv_protected_fraction)
             ep.turns += 1
 
 
@@ -157,6 +159,7 @@ def _episode_sample(ep: _Live, reward: float) -> EpisodeSample:
         prompt_ids=list(ep.prompt_ids), response_ids=ep.rollout.ids, logp_sparse=logp,
         finish_reason="stop" if ep.finish == "done" else "length" if ep.finish.startswith("max_") else "stop",
         kv_retained_tokens=ep.retained, kv_peak_bytes=max(ep.kv_bytes, default=0), trainable=trainable,
+        kv_protected_fraction=ep.protected,
         reward=reward, finish=ep.finish, turns=ep.turns, tool_calls=ep.tool_calls,
         obs_tokens=int(len(trainable) - trainable.sum()), turn_kv_bytes=list(ep.kv_bytes),
         eviction_steps=ep.eviction_steps)

@@ -37,7 +37,8 @@ def samples(draw):
     return SampleRecord(prompt_ids=rng.integers(0, 2**31 - 1, n_prompt, dtype=np.int32),
                         response_ids=rng.integers(0, 2**31 - 1, n_response, dtype=np.int32),
                         logp_sparse=logp, finish_reason=draw(text), reward=draw(finite),
-                        kv_retained_tokens=draw(st.integers(0, 2**40)), kv_peak_bytes=draw(st.integers(0, 2**50)))
+                        kv_retained_tokens=draw(st.integers(0, 2**40)), kv_peak_bytes=draw(st.integers(0, 2**50)),
+                        kv_protected_fraction=draw(st.floats(0.0, 1.0)))
 
 
 groups = st.builds(TrajectoryGroup, run_id=text, group_id=text, prompt_id=text,
@@ -59,8 +60,22 @@ def test_round_trip_is_exact(group):
         assert t.logp_sparse.dtype == np.float32
         for name in ("prompt_ids", "response_ids", "logp_sparse"):  # bitwise, so -0.0 and tiny values count
             assert getattr(t, name).tobytes() == getattr(s, name).tobytes(), name
-        assert (t.finish_reason, t.reward, t.kv_retained_tokens, t.kv_peak_bytes) == \
-               (s.finish_reason, s.reward, s.kv_retained_tokens, s.kv_peak_bytes)
+        assert (t.finish_reason, t.reward, t.kv_retained_tokens, t.kv_peak_bytes, t.kv_protected_fraction) == \
+               (s.finish_reason, s.reward, s.kv_retained_tokens, s.kv_peak_bytes, s.kv_protected_fraction)
+
+
+def test_a_message_without_the_protected_fraction_reads_0(make_group):
+    """kv_protected_fraction came within schema version 4: a header without it (an older writer) reads 0.0."""
+    group = make_group("g", n_samples=2, response_tokens=3)
+    group.samples[0].kv_protected_fraction = 0.25
+    data = encode_group(group)
+    unpacker = msgpack.Unpacker(io.BytesIO(data), raw=False)
+    header = unpacker.unpack()
+    assert header["kv_protected_fraction"] == [0.25, 0.0]
+    assert [s.kv_protected_fraction for s in decode_group(data).samples] == [0.25, 0.0]
+    del header["kv_protected_fraction"]
+    old = msgpack.packb(header, use_bin_type=True) + data[unpacker.tell():]
+    assert [s.kv_protected_fraction for s in decode_group(old).samples] == [0.0, 0.0]
 
 
 def test_wire_layout_is_a_msgpack_header_then_raw_little_endian_arrays(make_group):

@@ -44,53 +44,102 @@ def redundancy_row(K, valid, threshold):
     return out
 
 
-def scores(method, K, Q, valid, cfg, attn_mass=None):
-    """Scores of the candidate slots, [batch, kv_heads, n_candidates] float64, per SPEC §5."""
+M32 = 2**32 - 1
+
+
+def mix32(x):
+    """The 32-bit mixer of compressors.scores, on Python ints (its formula, written again)."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) % 2**32
+    x ^= x >> 15
+    x = (x * 0x5BD1E995) % 2**32
+    return x ^ (x >> 16)
+
+
+def random_hash(seed, layer, head, position, event):
+    """The hash of one (sample seed, layer, KV head, position, event), from its docstring's formula."""
+    seed %= 2**64                                              # the int64's two's complement bits
+    h = mix32((seed % 2**32) ^ 0x165667B1)
+    for part in (seed >> 32, layer, head, position % 2**32, event % 2**32):
+        h = mix32(h ^ part)
+    return h
+
+
+def scores(method, K, Q, valid, cfg, attn_mass=None, ctx=None):
+    """Scores of all slots, [batch, kv_heads, seq] float64, per SPEC §5 (the window's are never used)."""
     batch, kv_heads, seq, _ = K.shape
     group = Q.shape[1] // kv_heads if Q is not None else 1
-    protected = cfg.h2o_recent if method == "h2o" else cfg.window
-    n = seq - protected
-    out = np.zeros((batch, kv_heads, n))
+    out = np.zeros((batch, kv_heads, seq))
+    n = seq - cfg.window
     for b in range(batch):
         for h in range(kv_heads):
             if method in ("rkv", "snapkv"):
                 Qg = Q[b, h * group:(h + 1) * group]
                 imp = importance_row(K[b, h], Qg, valid[b, h], cfg.window, cfg.pool_kernel)
                 if method == "snapkv":
-                    out[b, h] = imp
+                    out[b, h, :n] = imp
                 else:
                     red = redundancy_row(K[b, h], valid[b, h], cfg.similarity_threshold)[:n]
-                    out[b, h] = cfg.rkv_lambda * imp - (1 - cfg.rkv_lambda) * red
+                    out[b, h, :n] = cfg.rkv_lambda * imp - (1 - cfg.rkv_lambda) * red
             elif method == "h2o":
-                out[b, h] = attn_mass[b, h, :n]
+                out[b, h] = attn_mass[b, h]
             elif method == "streamingllm":
-                first_valid = [j for j in range(seq) if valid[b, h, j]][:cfg.sinks]
-                out[b, h] = [2 * seq if j in first_valid else j for j in range(n)]
+                out[b, h] = np.arange(seq)
+            elif method == "random":
+                out[b, h] = [random_hash(int(ctx["seed"][b]), ctx["layer"], h, int(ctx["positions"][b, j]),
+                                         int(ctx["event"][b])) for j in range(seq)]
     return out
 
 
-def keep(method, K, Q, valid, cfg, attn_mass=None):
+def classes(valid, cfg, ctx):
+    """Keep class of every slot [batch, heads, seq] (3 window, 2 sink, 1 protected, 0 other) from the config's
+    rules: sinks = the first `sink_tokens` valid slots; protect_prompt over positions; protect_values = the k
+    largest value norms (ties: the later slot) among the valid slots before the window."""
+    batch, heads, seq = valid.shape
+    recent = cfg.h2o_recent if cfg.method == "h2o" else cfg.window
+    kind, last = cfg.prompt_protection()
+    cls = np.zeros((batch, heads, seq), dtype=int)
+    for b in range(batch):
+        for h in range(heads):
+            valid_slots = [j for j in range(seq) if valid[b, h, j]]
+            if kind != "off":
+                plen = int(ctx["prompt_len"][b])
+                lo = plen - last if kind == "last" else 0
+                for j in valid_slots:
+                    if lo <= int(ctx["positions"][b, j]) < plen:
+                        cls[b, h, j] = 1
+            if cfg.protect_values:
+                norm = np.linalg.norm(ctx["values"][b], axis=-1)          # [kv_heads, seq]
+                norm = norm.mean(axis=0) if heads == 1 else norm[h]
+                cands = [j for j in valid_slots if j < seq - recent]
+                for j in sorted(cands, key=lambda j: (norm[j], j), reverse=True)[:cfg.protect_values]:
+                    cls[b, h, j] = 1
+            for j in valid_slots[:cfg.sink_tokens]:
+                cls[b, h, j] = 2
+            cls[b, h, seq - recent:] = 3
+    return cls
+
+
+def keep(method, K, Q, valid, cfg, attn_mass=None, ctx=None):
     """Kept slots per row, [batch, kv_heads] nested lists of sorted ints, plus the per-row score margin at
-    the budget boundary (to skip float near-ties)."""
+    the budget boundary (to skip float near-ties; inf where the boundary is not between two scored slots)."""
     batch, kv_heads, seq, _ = K.shape
-    sc = scores(method, K, Q, valid, cfg, attn_mass)
-    protected = sc.shape[-1]
+    sc = scores(method, K, Q, valid, cfg, attn_mass, ctx)
     vrow = valid
     if cfg.selection == "shared":
-        sc = np.repeat(sc.mean(axis=1, keepdims=True), kv_heads, axis=1)
-        vrow = np.repeat(valid.all(axis=1, keepdims=True), kv_heads, axis=1)
-    n = protected
-    take = cfg.kv_budget - (seq - n)
+        sc = sc.mean(axis=1, keepdims=True)
+        vrow = valid.all(axis=1, keepdims=True)
+    cls = classes(vrow, cfg, ctx)
     kept, margins = [], []
     for b in range(batch):
         kept.append([])
         margins.append([])
         for h in range(kv_heads):
-            # valid candidates by (score, slot) descending, then invalid ones, most recent first
-            order = sorted(range(n), key=lambda j: (bool(vrow[b, h, j]), sc[b, h, j] if vrow[b, h, j] else 0, j),
-                           reverse=True)
-            chosen = sorted(order[:take] + list(range(n, seq)))
-            kept[b].append(chosen)
-            vals = [sc[b, h, j] for j in order if vrow[b, h, j]]
-            margins[b].append(abs(vals[take - 1] - vals[take]) if len(vals) > take else np.inf)
+            hs = 0 if cfg.selection == "shared" else h
+            key = [(cls[b, hs, j], bool(vrow[b, hs, j]) or cls[b, hs, j] == 3,
+                    sc[b, hs, j] if vrow[b, hs, j] and cls[b, hs, j] < 3 else 0, j) for j in range(seq)]
+            order = sorted(range(seq), key=lambda j: key[j], reverse=True)
+            kept[b].append(sorted(order[:cfg.kv_budget]))
+            a, z = key[order[cfg.kv_budget - 1]], key[order[cfg.kv_budget]]
+            margins[b].append(abs(a[2] - z[2]) if a[:2] == z[:2] and a[1] else np.inf)
     return kept, margins

@@ -1,10 +1,12 @@
 """Impossible settings and wrong inputs raise ValueError naming the field or argument."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
-from compressors import CompressorConfig, accumulate_attention, build_compressor, gather_kv
+from compressors import CompressorConfig, SelectContext, accumulate_attention, build_compressor, gather_kv
 
 
 @pytest.mark.parametrize("fields, name", [
@@ -21,10 +23,31 @@ from compressors import CompressorConfig, accumulate_attention, build_compressor
     (dict(method="h2o", kv_budget=64, h2o_recent=64), "compressor.h2o_recent"),
     (dict(method="streamingllm", kv_budget=10, window=8, sinks=4), "compressor.sinks"),
     (dict(method="streamingllm", sinks=-1), "compressor.sinks"),
+    # protected tokens + window must leave the method a slot to choose (streamingllm's sinks alone: <=)
+    (dict(kv_budget=12, window=8, sinks=4), "compressor.sinks=4 protected + compressor.window=8 leave no slot"),
+    (dict(kv_budget=12, window=8, protect_values=4), "compressor.protect_values=4 protected + compressor.window=8"),
+    (dict(kv_budget=12, window=8, sinks=1, protect_prompt="last:2", protect_values=1),
+     "compressor.sinks=1 + compressor.protect_prompt=last:2 + compressor.protect_values=1 protected + "
+     "compressor.window=8 leave no slot to choose in compressor.kv_budget=12"),
+    (dict(method="streamingllm", kv_budget=12, window=8, sinks=3, protect_values=1), "compressor.protect_values=1"),
+    (dict(protect_prompt="first:3"), "compressor.protect_prompt='first:3': expected off, all or last:<n>"),
+    (dict(protect_prompt="last:0"), "compressor.protect_prompt='last:0'"),
+    (dict(protect_values=-1), "compressor.protect_values=-1 must be >= 0"),
+    (dict(method="h2o", kv_budget=12, window=2, h2o_recent=8, protect_values=4),
+     "compressor.protect_values=4 protected + compressor.h2o_recent=8 leave no slot"),
+    (dict(method="random", h2o_recent=32), "compressor.h2o_recent=32 is read by method h2o only"),
 ])
 def test_config_errors_name_the_field(fields, name):
-    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+    with pytest.raises(ValueError, match=re.escape(name)):
         build_compressor(CompressorConfig(**fields))
+
+
+def test_protection_limits_and_defaults():
+    # streamingllm's sinks alone may fill the budget with the window (its score is recency); another method's may not
+    assert build_compressor(CompressorConfig(method="streamingllm", kv_budget=12, window=8, sinks=4))
+    assert build_compressor(CompressorConfig(kv_budget=12, window=8, sinks=3, protect_prompt="all"))  # all: run time
+    assert build_compressor(CompressorConfig(method="random", kv_budget=12, window=8))     # h2o_recent left at 64
+    assert not CompressorConfig(method="rkv").protects and CompressorConfig(method="streamingllm").protects
 
 
 def test_h2o_and_sinks_fields_only_checked_for_their_method():
@@ -59,7 +82,7 @@ def test_h2o_requires_attention_mass():
     with pytest.raises(ValueError, match="attn_mass"):
         c.select(torch.randn(1, 1, 6, 4), None, None)
     with pytest.raises(ValueError, match="attn_mass"):
-        c.select(torch.randn(1, 1, 6, 4), None, None, torch.zeros(1, 1, 5))
+        c.select(torch.randn(1, 1, 6, 4), None, None, SelectContext(attn_mass=torch.zeros(1, 1, 5)))
 
 
 def test_accumulate_and_gather_errors():

@@ -6,7 +6,7 @@ import math
 import torch
 
 from compressor_reference import keep as reference_keep
-from compressors import CompressorConfig, accumulate_attention, build_compressor, gather_kv
+from compressors import CompressorConfig, SelectContext, accumulate_attention, build_compressor, gather_kv
 
 
 def kept(idx: torch.Tensor) -> list:
@@ -39,9 +39,10 @@ def test_h2o_accumulates_mass_and_keeps_heavy_hitters_plus_recent():
     c = build_compressor(CompressorConfig(method="h2o", kv_budget=6, window=2, h2o_recent=3))
     attn_mass = torch.tensor([[[0.5, 0.1, 0.9, 0.2, 0.7, 0.05, 0.3, 0.0, 0.0, 0.0]]])
     # top 3 of 0..6: 0.9 (2), 0.7 (4), 0.5 (0)
-    assert kept(c.select(torch.randn(1, 1, 10, 4), None, None, attn_mass)) == [[[0, 2, 4, 7, 8, 9]]]
+    ctx = SelectContext(attn_mass=attn_mass)
+    assert kept(c.select(torch.randn(1, 1, 10, 4), None, None, ctx)) == [[[0, 2, 4, 7, 8, 9]]]
     # the mass travels with the kept slots
-    carried = gather_kv(attn_mass, c.select(torch.randn(1, 1, 10, 4), None, None, attn_mass))
+    carried = gather_kv(attn_mass, c.select(torch.randn(1, 1, 10, 4), None, None, ctx))
     assert torch.equal(carried, torch.tensor([[[0.5, 0.9, 0.7, 0.0, 0.0, 0.0]]]))
 
 
@@ -148,6 +149,7 @@ def test_shared_selection_averages_head_scores():
     # slot 0 (.9 + .0)/2 = .45, slot 1 (.1 + .7)/2 = .4, slot 2 (.2 + .3)/2 = .25, slot 3 .1 -> keep 0, 1.
     c = build_compressor(CompressorConfig(method="h2o", kv_budget=4, window=1, h2o_recent=2, selection="shared"))
     mass = torch.tensor([[[0.9, 0.1, 0.2, 0.1, 0, 0], [0.0, 0.7, 0.3, 0.1, 0, 0]]])
-    assert kept(c.select(torch.randn(1, 2, 6, 4), None, None, mass)) == [[[0, 1, 4, 5], [0, 1, 4, 5]]]
+    ctx = SelectContext(attn_mass=mass)
+    assert kept(c.select(torch.randn(1, 2, 6, 4), None, None, ctx)) == [[[0, 1, 4, 5], [0, 1, 4, 5]]]
     per_head = build_compressor(CompressorConfig(method="h2o", kv_budget=4, window=1, h2o_recent=2))
-    assert kept(per_head.select(torch.randn(1, 2, 6, 4), None, None, mass)) == [[[0, 2, 4, 5], [1, 2, 4, 5]]]
+    assert kept(per_head.select(torch.randn(1, 2, 6, 4), None, None, ctx)) == [[[0, 2, 4, 5], [1, 2, 4, 5]]]

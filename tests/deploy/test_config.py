@@ -464,6 +464,45 @@ def test_weight_sync_fingerprint_setting_is_checked_and_its_probe_fits_the_small
     assert sglang.learner.weight_sync_fingerprint == "warn"
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["protect_values=40"], "actors.engine.compressor.protect_values=40 protected + actors.engine.compressor.window=8 "
+                            "leave no slot to choose in actors.engine.compressor.kv_budget=48"),
+    (["sinks=4", "protect_prompt=last:36"], "actors.engine.compressor.sinks=4 + actors.engine.compressor."
+                                            "protect_prompt=last:36 protected + actors.engine.compressor.window=8"),
+    (["method=random", "h2o_recent=16"], "actors.engine.compressor.h2o_recent=16 is read by method h2o only"),
+])
+def test_protection_beyond_the_budget_and_h2o_fields_on_random_are_refused(overrides, message):
+    """One ConfigError line naming the dotted fields (the CLI's exit-2 path)."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config("tiny", [f"actors.engine.compressor.{o}" for o in overrides], check_files=False)
+
+
+@pytest.mark.parametrize("override, field", [("method=random", "method=random"),
+                                             ("protect_prompt=all", "protect_prompt=all"),
+                                             ("protect_values=2", "protect_values=2")])
+def test_random_and_protection_are_refused_on_sglang_naming_the_field(override, field):
+    """The SGLang backend's select gets no seeds, events, positions or prompt lengths yet."""
+    assert load_config("tiny", [f"actors.engine.compressor.{override}"], check_files=False)
+    with pytest.raises(ConfigError, match=re.escape(f"actors.engine.compressor.{field}: the SGLang engine")):
+        load_config("tiny", ["actors.engine.backend=sglang", f"actors.engine.compressor.{override}"],
+                    check_files=False)
+
+
+def test_a_run_config_saved_before_protection_resumes_without_sinks(tmp_path):
+    """A config.yaml written when sinks were StreamingLLM's alone (no protect_values, sinks: 4 under rkv) resumes
+    with sinks null, 0 for rkv; streamingllm's own sinks stay."""
+    from deploy.record import resume_config
+
+    for method, sinks in (("rkv", 0), ("streamingllm", 4)):
+        saved = OmegaConf.to_container(OmegaConf.structured(load_config(
+            "tiny", [f"actors.engine.compressor.method={method}"], check_files=False)))
+        saved["actors"]["engine"]["compressor"]["sinks"] = 4
+        for name in ("protect_values", "protect_prompt"):
+            del saved["actors"]["engine"]["compressor"][name]
+        (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(saved)))
+        assert resume_config(tmp_path).actors.engine.compressor.sink_tokens == sinks
+
+
 def test_weight_checksums_are_refused_on_sglang():
     """learner.weight_sync_verify reads the torch engine's parameters: refused with sglang, naming both fields."""
     assert load_config("tiny", ["learner.weight_sync_verify=true"], check_files=False).learner.weight_sync_verify

@@ -5,7 +5,8 @@ the outputs recorded by the learner step of the code before issue 20 (`LearnerWo
 24f6eac, in-process, one rank; re-recorded at 5644f15, the main this refactor landed on: the same outputs but
 the timings; at issue 22's finish the three budget-log `reason` strings were edited by hand to the controller's
 new wording: its decisions on these steps, hold / raise / raise, are unchanged; the `logp_old_fused` key, 0 on every
-step since kl_coef 0.05 keeps the separate recompute, was added by hand with `learner.fuse_logp_old`);
+step since kl_coef 0.05 keeps the separate recompute, was added by hand with `learner.fuse_logp_old`, and so was
+`kv_protected_fraction`, 0 on every step (R-KV protects nothing), with compressor protection);
 `python -m tests.learner.step_fixture` regenerates the groups and re-records the outputs with the current step protocol
 (only on purpose: the test compares the current code with the recording).
 

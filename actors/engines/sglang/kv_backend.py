@@ -37,7 +37,8 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from compressors import CompressorConfig, build_compressor, gather_kv
+from actors.engines.sglang.contract import unsupported_compressor_settings
+from compressors import CompressorConfig, SelectContext, build_compressor, gather_kv
 
 KV_STATS_ENV = "SPARSE_RL_KV_STATS"
 
@@ -55,6 +56,9 @@ class SparseKVAttnBackend(AttentionBackend):
         if cfg.method in ("h2o", "full"):
             raise ValueError(f"compressor.method={cfg.method!r} is not supported by the SGLang sparse backend "
                              "(h2o needs per-slot attention mass; full should use SGLang's own backend)")
+        if unsupported_compressor_settings(cfg):
+            raise ValueError(f"compressor.{', compressor.'.join(unsupported_compressor_settings(cfg))}: not supported "
+                             "by the SGLang sparse backend yet (contract.unsupported_compressor_settings)")
         self.cfg = cfg
         self.compressor = build_compressor(cfg)
         self.device = runner.device
@@ -200,7 +204,7 @@ class SparseKVAttnBackend(AttentionBackend):
         if self.cfg.selection == "shared" and layer.layer_id > 0:
             keep = self.keep_shared[key]                 # selection "shared": layer 0's choice for every layer
         else:
-            keep = self.compressor.select(ks, queries, valid)                       # [g, Hkv, B]
+            keep = self.compressor.select(ks, queries, valid, SelectContext(values=vs, layer=layer.layer_id))
             self.keep_shared[key] = keep
         budget, hkv = self.cfg.kv_budget, ks.shape[1]
         target = self.req_to_token[reqs, :budget].long()[:, None, :].expand(-1, hkv, budget)

@@ -57,9 +57,15 @@ import torch
 from sglang.srt.layers.attention.triton_backend import ForwardMetadata, TritonAttnBackend
 
 from actors.engines.kv_memory import EVENT_BYTES_CAP, compression_event_bytes, event_calls, event_chunk_rows
-from actors.engines.sglang.contract import JOINS_ENV, KV_STATS_ENV, RECORDS_ENV, rid_budget
+from actors.engines.sglang.contract import (
+    JOINS_ENV,
+    KV_STATS_ENV,
+    RECORDS_ENV,
+    rid_budget,
+    unsupported_compressor_settings,
+)
 from actors.engines.sglang.records import EvictionRecorder, int16_bits
-from compressors import CompressorConfig, build_compressor, gather_kv
+from compressors import CompressorConfig, SelectContext, build_compressor, gather_kv
 
 SELF_CHECK_ENV = "SPARSE_RL_KV_SELF_CHECK"
 """When "1": every decode step runs the graph-replay metadata path instead of the eager one, on a batch padded
@@ -162,6 +168,9 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         if cfg.method in ("h2o", "full"):
             raise ValueError(f"compressor.method={cfg.method!r} is not supported by the SGLang sparse backend "
                              "(h2o needs per-slot attention mass; full should use SGLang's own backend)")
+        if unsupported_compressor_settings(cfg):
+            raise ValueError(f"compressor.{', compressor.'.join(unsupported_compressor_settings(cfg))}: not supported "
+                             "by the SGLang sparse backend yet (contract.unsupported_compressor_settings)")
         check_runner(runner)
         super().__init__(runner)
         self.enable_lean_attention = False      # its eager gate reads the dense seq_lens_sum
@@ -423,7 +432,7 @@ class SparseTritonAttnBackend(TritonAttnBackend):
             ks, vs = k_buf[slots].transpose(1, 2), v_buf[slots].transpose(1, 2)   # [g, Hkv, n, D]
             if keep is None or self.cfg.selection != "shared":
                 queries = self.qwin[li][rows_t[:, None], qpos].transpose(1, 2)     # [g, Hq, w, D]
-                keep = compressor.select(ks, queries, valid)                       # [g, Hkv, budget]
+                keep = compressor.select(ks, queries, valid, SelectContext(values=vs, layer=li))  # [g, Hkv, budget]
             if record:
                 origin = self.recorder.origins(li, record[0], pos_t, record[1].bool(), record[2])
                 self.recorder.record(li, record[0], origin, valid, keep, record[3])

@@ -74,14 +74,16 @@ PROMPT = [100, 3, 44, 21, 19, 18, 60, 61, 62, 63, 64, 65, 66, 67]
 
 
 @pytest.mark.parametrize("method,selection", [("rkv", "per_head"), ("h2o", "per_head"), ("snapkv", "per_head"),
-                                              ("rkv", "shared")])
+                                              ("rkv", "shared"), ("random", "per_head")])
 def test_log_probs_across_turns_equal_a_forward_that_hides_the_evicted_keys(method, selection):
     """4 turns, budget 12 < the episode: every generated token's logp_sparse equals a teacher-forced forward over
     the whole episode under its eviction record (fp64, to 1e-5), the dense forward differs (eviction mattered), a
     turn's prefill compresses the older cache (some keys evicted at a turn's first sampled id), and no prefilled
     id (observation, its template tokens, the last sampled id) is evicted before the turn's interval-th token."""
     model = tiny_model("llama", layers=3, dtype=torch.float64)
-    cfg = CompressorConfig(method=method, kv_budget=12, window=4, interval=5, h2o_recent=4, selection=selection)
+    cfg = CompressorConfig(method=method, kv_budget=12, window=4, interval=5, selection=selection,
+                           h2o_recent=4 if method == "h2o" else 64,     # random: the episode's token positions
+                           protect_prompt="last:2" if method == "random" else "off")
     engine = TorchEngine(model, tiny_tokenizer(), cfg, record_evictions=True)
     P, response, turns = play(engine, PROMPT, OBS[:3], SamplingParams(temperature=1.0, max_new_tokens=13, seed=5))
     record = turns[-1][2].eviction_steps

@@ -120,15 +120,37 @@ AttentionInterface.register("evicted_mask_reference", _masked_reference_attentio
 @pytest.mark.parametrize("family,method,selection", [("llama", "rkv", "per_head"), ("qwen2", "rkv", "per_head"),
                                                      ("llama", "snapkv", "per_head"), ("llama", "h2o", "per_head"),
                                                      ("qwen2", "streamingllm", "per_head"),
-                                                     ("llama", "rkv", "shared")])
+                                                     ("llama", "rkv", "shared"), ("qwen2", "random", "per_head")])
 def test_eviction_is_exact_per_layer_and_head(family, method, selection):
     model = tiny_model(family, layers=3)
-    cfg = CompressorConfig(method=method, kv_budget=12, window=4, interval=5, h2o_recent=4, sinks=2,
-                           selection=selection)
+    cfg = CompressorConfig(method=method, kv_budget=12, window=4, interval=5, selection=selection,
+                           h2o_recent=4 if method == "h2o" else 64, sinks=2 if method == "streamingllm" else None)
     engine = TorchEngine(model, tiny_tokenizer(), cfg, record_evictions=True)
     prompts = PROMPTS + [list(range(20, 36))]                             # the 16-token prompt exceeds the budget
     samples = flat(engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=45, n=2, seed=7)))
     assert_exact_eviction(model, samples, engine.last_eviction_record, cfg.kv_budget + cfg.interval, selection)
+
+
+@pytest.mark.parametrize("method,selection", [("rkv", "per_head"), ("random", "shared")])
+def test_protected_eviction_is_exact_and_reports_the_protected_share(method, selection):
+    """sinks 1 + the whole prompt + 2 value norms protected, budget 12, window 4: the 12- and 16-token prompts do
+    not fit beside the window (8 slots), so at every event all 8 non-window slots hold protected tokens (the sink,
+    the prompt tokens and the value-norm picks the method ranks highest) and kv_protected_fraction is 8 / 12;
+    eviction stays exact per layer and head; random with nothing protected reports 0."""
+    model = tiny_model("llama", layers=3)
+    cfg = CompressorConfig(method=method, kv_budget=12, window=4, interval=5, selection=selection, sinks=1,
+                           protect_prompt="all", protect_values=2)
+    engine = TorchEngine(model, tiny_tokenizer(), cfg, record_evictions=True)
+    prompts = PROMPTS + [list(range(20, 36))]
+    samples = flat(engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=45, n=2, seed=7)))
+    assert_exact_eviction(model, samples, engine.last_eviction_record, cfg.kv_budget + cfg.interval, selection)
+    for s in samples:
+        if len(s.prompt_ids) >= 12:
+            assert s.kv_protected_fraction == pytest.approx(8 / 12)
+        assert 0 < s.kv_protected_fraction <= 8 / 12 + 1e-6
+    plain = TorchEngine(model, tiny_tokenizer(), CompressorConfig(method="random", kv_budget=12, window=4, interval=5))
+    assert all(s.kv_protected_fraction == 0 for s in flat(plain.generate(
+        PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=20, n=1, seed=7))))
 
 
 def eviction_masks(samples, rec):
