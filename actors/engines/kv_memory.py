@@ -201,8 +201,9 @@ def record_bytes_per_request(layers: int, kv_heads: int, largest_budget: int, to
     `mem_fraction_static`: the origin map, int32 [layers, kv_heads, largest_budget] (original token index of each
     packed position), and the step record, int16 [layers, kv_heads, width + 1] with width = `tokens` (the longest
     request's prompt + response tokens) rounded up to RECORD_WIDTH_STEP, + 1 dump column. The buffers hold one slot
-    per request live at once (one generate call's: prompts x samples); they grow, never shrink. All arguments are
-    counts >= 1; raises ValueError otherwise."""
+    per request live at once (one generate call's: prompts x samples); they grow within a call and are given back
+    when its last request leaves, so the bound is the largest call's (its most live requests, its longest request).
+    All arguments are counts >= 1; raises ValueError otherwise."""
     if min(layers, kv_heads, largest_budget, tokens) < 1:
         raise ValueError(f"layers={layers}, kv_heads={kv_heads}, largest_budget={largest_budget}, tokens={tokens}: "
                          "expected counts >= 1")
