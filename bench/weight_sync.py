@@ -140,6 +140,31 @@ def fingerprint_rounds(sender: WeightSender, model_dir: str, reps: int, every: i
             "probe": f"{len(ids)}x{len(ids[0])}"}
 
 
+def report(rows: list, f: dict, nbytes: int, tensors: int, reps: int, model_name: str, model_reps: int,
+           every: int) -> None:
+    """Print the table and, as the very last line, the JSON object (module docstring)."""
+    print(f"weight sync, {nbytes / 2**20:.0f} MiB fp32, {tensors} tensors, gloo, 1 sender -> 2 receivers, "
+          f"median of {reps}")
+    print(f"{'bucket MiB':>10} {'ours GB/s':>10} {'flat GB/s':>10} {'ratio':>7}")
+    for bucket_mb, ours, flat, ratio in rows:
+        print(f"{bucket_mb:>10g} {ours:>10.3f} {flat:>10.3f} {ratio:>7.3f}")
+    print(f"fingerprint at {model_name} ({f['bytes'] / 2**20:.0f} MiB fp32, probe {f['probe']}), median of "
+          f"{model_reps}: sync {f['sync_s']:.3f} s, learner probe {f['learner_probe_s']:.3f} s, actor probe "
+          f"{f['actor_probe_s']:.3f} s: fingerprinted_vs_sync {f['fingerprinted_vs_sync']:.3f}; every "
+          f"{every}: fingerprint_vs_sync {f['fingerprint_vs_sync']:.3f} (target {TARGET}: every "
+          f"{f['fingerprint_every_for_target']} meets it)")
+    default = next(r for r in rows if r[0] == LearnerConfig.weight_sync_bucket_mb)
+    print(json.dumps({"bench": "weight_sync", "bytes": nbytes, "receivers": 2, "bucket_mb": default[0],
+                      "ours_gb_per_s": round(default[1], 4), "flat_broadcast_gb_per_s": round(default[2], 4),
+                      "ours_vs_flat_broadcast": round(default[3], 4),
+                      "by_bucket_mb": {str(b): round(r, 4) for b, _, _, r in rows}, "target": 0.8,
+                      "fingerprint_model": model_name, "fingerprint_bytes": f["bytes"], "fingerprint_probe": f["probe"],
+                      **{k: round(f[k], 4) for k in ("sync_s", "learner_probe_s", "actor_probe_s")},
+                      "fingerprinted_vs_sync": round(f["fingerprinted_vs_sync"], 4), "fingerprint_every": every,
+                      "fingerprint_vs_sync": round(f["fingerprint_vs_sync"], 4), "fingerprint_target": TARGET,
+                      "fingerprint_every_for_target": f["fingerprint_every_for_target"]}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="~100 MB, buckets 4/16/64 MiB, 9 rounds")
@@ -201,27 +226,7 @@ def main() -> None:
     for p in procs:
         p.join(timeout=60)
 
-    print(f"weight sync, {nbytes / 2**20:.0f} MiB fp32, {len(named)} tensors, gloo, 1 sender -> 2 receivers, "
-          f"median of {reps}")
-    print(f"{'bucket MiB':>10} {'ours GB/s':>10} {'flat GB/s':>10} {'ratio':>7}")
-    for bucket_mb, o, f, r in rows:
-        print(f"{bucket_mb:>10g} {o:>10.3f} {f:>10.3f} {r:>7.3f}")
-    f = fingerprint
-    print(f"fingerprint at {model_name} ({f['bytes'] / 2**20:.0f} MiB fp32, probe {f['probe']}), median of "
-          f"{args.model_reps}: sync {f['sync_s']:.3f} s, learner probe {f['learner_probe_s']:.3f} s, actor probe "
-          f"{f['actor_probe_s']:.3f} s: fingerprinted_vs_sync {f['fingerprinted_vs_sync']:.3f}; every "
-          f"{every}: fingerprint_vs_sync {f['fingerprint_vs_sync']:.3f} (target {TARGET}: every "
-          f"{f['fingerprint_every_for_target']} meets it)")
-    default = next(r for r in rows if r[0] == LearnerConfig.weight_sync_bucket_mb)
-    print(json.dumps({"bench": "weight_sync", "bytes": nbytes, "receivers": 2, "bucket_mb": default[0],
-                      "ours_gb_per_s": round(default[1], 4), "flat_broadcast_gb_per_s": round(default[2], 4),
-                      "ours_vs_flat_broadcast": round(default[3], 4),
-                      "by_bucket_mb": {str(b): round(r, 4) for b, _, _, r in rows}, "target": 0.8,
-                      "fingerprint_model": model_name, "fingerprint_bytes": f["bytes"], "fingerprint_probe": f["probe"],
-                      **{k: round(f[k], 4) for k in ("sync_s", "learner_probe_s", "actor_probe_s")},
-                      "fingerprinted_vs_sync": round(f["fingerprinted_vs_sync"], 4), "fingerprint_every": every,
-                      "fingerprint_vs_sync": round(f["fingerprint_vs_sync"], 4), "fingerprint_target": TARGET,
-                      "fingerprint_every_for_target": f["fingerprint_every_for_target"]}))
+    report(rows, fingerprint, nbytes, len(named), reps, model_name, args.model_reps, every)
 
 
 if __name__ == "__main__":
