@@ -84,7 +84,8 @@ def tolerance(dtype) -> float:
 
     Measured on SmolLM2-135M (CPU, the probe of its vocabulary), the largest difference between forwards of the
     same weights with another batch shape (4 sequences at once or one by one) or attention kernel (sdpa, eager):
-    float32 1.4e-5, float16 0.039, bfloat16 0.36 (mean over positions 0.074). The probe's random tokens are
+    float32 1.4e-5, float16 0.039, bfloat16 0.36 (mean over positions 0.074) on the first, 4 x 16 probe; 1.7e-5,
+    0.019, 0.20 on the 2 x 8 one (2026-12-07). The probe's random tokens are
     unlikely ones (log-probs -10 to -22), where bfloat16's coarse spacing shows (numbers of 16 to 32 lie 0.125 apart).
     float32: 1e-3, 70x the measured noise (it assumes no TF32 matmuls, torch's default; a GPU setup that turns them
     on rounds like a 10-bit dtype: use warn there). One update of the tiny-learn preset (lr 1e-2) moved the probe
