@@ -233,9 +233,12 @@ def query_ring_bytes(rows: int, layers: int, window: int, q_heads: int, head_dim
     """Device bytes of the `sparse_rl_kv` backend's per-row buffers (actors/engines/sglang/triton_backend.py, allocated
     at the engine's start for every request row of SGLang's pool, outside its KV pool and so outside
     `mem_fraction_static`): the query ring `qwin` [layers, rows, window, q_heads, head_dim] of the engine dtype
-    (`dtype_bytes` a value; the torch reference backend's ring is the same size) and three int64 [rows] vectors (each
-    row's live start, each decode lane's row, the lane ids): rows x (layers x window x q_heads x head_dim x dtype_bytes
-    + 24). rows: `sglang_request_rows`. All arguments are counts >= 1; raises ValueError otherwise."""
+    (`dtype_bytes` a value) and three int64 [rows] vectors (each row's live start, each decode lane's row, the lane
+    ids): rows x (layers x window x q_heads x head_dim x dtype_bytes + 24), for one backend per engine (SGLang 0.5.23
+    builds one; its pdmux and two-batch-overlap modes, not checked with the sparse backend, would build several).
+    The torch reference backend (`sparse_rl_kv_torch`, kv_backend.py) holds the same ring, made at its first
+    forward, and four int64 row vectors: 8 B a row more. rows: `sglang_request_rows`. All arguments are counts
+    >= 1; raises ValueError otherwise."""
     if min(rows, layers, window, q_heads, head_dim, dtype_bytes) < 1:
         raise ValueError(f"rows={rows}, layers={layers}, window={window}, q_heads={q_heads}, head_dim={head_dim}, "
                          f"dtype_bytes={dtype_bytes}: expected counts >= 1")
