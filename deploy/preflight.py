@@ -154,7 +154,7 @@ class PreflightReport:
                     f"for {self.record_requests} requests, counted in the KV memory above"]
                    if self.record_bytes else []),
                  *([f"  query ring (SGLang sparse backend, outside mem_fraction_static): {self.ring_bytes:,} B for "
-                    f"{self.ring_rows} request rows, counted in the KV memory above"] if self.ring_bytes else []),
+                    f"{self.ring_rows:,} request rows, counted in the KV memory above"] if self.ring_bytes else []),
                  f"  {'':<7} {'peak KV B / seq':>16} {'peak KV B / batch':>18} {'seqs that fit':>14}",
                  row("dense", self.dense_per_seq)]
         if self.method != "full":
