@@ -46,12 +46,14 @@ class SGLangConfig:
     field here or sparse-rl itself sets."""
     mem_fraction_static: Optional[float] = None
     """Fraction of the device's memory SGLang takes for the weights and its KV pool, 0 < f < 1 (verl's
-    rollout.gpu_memory_utilization). The sparse backend's query ring and compression buffers are outside it
-    (preflight.kv_memory_gb counts them)."""
+    rollout.gpu_memory_utilization). The sparse backend's query ring, compression buffers and eviction records are
+    outside it (the preflight takes them off the actor's memory, deploy/preflight.py)."""
     max_total_tokens: Optional[int] = None
     """Size of SGLang's KV pool in tokens, >= 1, instead of sizing it from mem_fraction_static."""
     max_running_requests: Optional[int] = None
-    """Most requests SGLang holds at once, >= 1 (verl's rollout.max_num_seqs)."""
+    """Most requests SGLang holds at once, >= 1 (verl's rollout.max_num_seqs). With a compressor it also sizes the
+    sparse backend's query ring (one row per request + 1, outside mem_fraction_static); unset, SGLang picks 2,048 to
+    4,096 rows and the preflight counts 4,097."""
     schedule_conservativeness: Optional[float] = None
     """How conservatively SGLang admits requests against its free KV, > 0: larger admits fewer and retracts
     fewer (SGLang's default 1.0). A sparse run ends on a retraction (its compression history restarts)."""

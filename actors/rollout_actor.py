@@ -38,7 +38,7 @@ from actors.tasks.reward import RewardResult, RewardScorer
 from broker import faults
 from broker import run_state as rs
 from broker.admission import Admission, Claim, ClaimExpired
-from broker.fingerprint import probe
+from broker.fingerprint import fingerprinted, probe
 from broker.schema import SampleRecord, TrajectoryGroup
 from broker.streams import GroupProducer, connect, queue_depth
 from broker.weight_sync import WeightReceiver
@@ -217,7 +217,8 @@ class RolloutWorker:
 
     def _swap(self, wait: bool = True) -> None:
         """Load the staged weights, if any, between two generate calls (never during one); then, with the weight-sync
-        fingerprint on, score its probe with the engine as it now is."""
+        fingerprint on and a version it fingerprints (learner.weight_sync_fingerprint_every), score its probe with the
+        engine as it now is."""
         if not self.generating.acquire(blocking=wait):
             return
         try:
@@ -229,7 +230,7 @@ class RolloutWorker:
                 self.load_weights(tensors, version)
                 if self.cfg.weight_sync_verify:  # per-tensor checksums of the live weights after the swap
                     self.receiver.verify(self.engine.model)
-                if self.probe is not None:
+                if self.probe is not None and fingerprinted(version, self.cfg.fingerprint_every):
                     logps = self.engine.score(self.probe)
                     with self.lock:
                         self.scored = [*self.scored[-(MAX_FINGERPRINTS - 1):], (version, logps)]

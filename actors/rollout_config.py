@@ -96,6 +96,9 @@ class RolloutConfig:
     fingerprint_tokens: int = 0
     """Tokens per sequence of the weight-sync fingerprint's probe (broker/fingerprint.py), scored after each swap
     (learner.weight_sync_fingerprint error | warn); 0 = off."""
+    fingerprint_every: int = 1
+    """learner.weight_sync_fingerprint_every of the run: the probe is scored after swapping in a version that is a
+    multiple of it (broker/fingerprint.py fingerprinted)."""
     record_evictions: bool = False
     """Attach each sample's eviction record (learner.policy_target=sparse on a compressing run: the learner
     replays it). Both engines (torch, sglang)."""

@@ -20,8 +20,15 @@ the model's expected weights), then scores the probe (`Learner.score`); an actor
 copy of the model) scores it after its swap. Rounds alternate sync and probes, one thread each, as the actors and
 the learner run:
 
-    fingerprint_vs_sync = (learner probe s + actor probe s) / sync s   (median of the per-round ratios; the
+    fingerprinted_vs_sync = (learner probe s + actor probe s) / sync s   (median of the per-round ratios; the
         learner's probe lengthens its sync, each actor's its pause at the swap; nothing else is added)
+    fingerprint_vs_sync = fingerprinted_vs_sync / k   (per sync: only every k-th version is fingerprinted,
+        learner.weight_sync_fingerprint_every = k, the main job's unless `--fingerprint-every`; target <= 0.05)
+    fingerprint_every_for_target = the smallest k that meets the target at this machine's fingerprinted_vs_sync
+
+(On a CPU a forward is bound by reading the weights, whatever the probe's few tokens, so a fingerprinted sync costs
+about two weight reads beside the sync's copies; running the learner's probe beside its send, on other threads,
+measured slower on a loaded 2-core machine than one after the other.)
 
 Prints a table and, as the very last line, one JSON object.
 """
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import statistics
@@ -39,11 +47,13 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirna
 
 import torch  # noqa: E402
 
-from broker.fingerprint import probe, probe_tokens  # noqa: E402
+from broker.fingerprint import PROBE_TOKENS, probe  # noqa: E402
 from broker.weight_sync import WeightReceiver, WeightSender, build_manifest  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
 
 MATRIX = 1024 * 1024   # 4 MiB in fp32
+TARGET = 0.05
+"""fingerprint_vs_sync aimed at (issue 51)."""
 
 
 def synthetic_weights(total_mb: int) -> list[tuple[str, torch.Tensor]]:
@@ -90,9 +100,12 @@ def receiver_main(port: int, rank: int, total_mb: int, buckets: list[float], rep
         barrier(receiver.group)
 
 
-def fingerprint_rounds(sender: WeightSender, model_dir: str, reps: int) -> dict:
-    """The main job's sync next to its fingerprint (module docstring), `reps` rounds after a warm-up one: medians
-    of the sync's, the learner probe's and the actor probe's seconds and of the per-round ratios."""
+def fingerprint_rounds(sender: WeightSender, model_dir: str, reps: int, every: int, tokens: int) -> dict:
+    """The main job's sync next to its fingerprint (module docstring), `reps` rounds after a warm-up one, each round
+    fingerprinted: medians of the sync's, the learner probe's and the actor probe's seconds and of the per-round
+    ratios (fingerprinted_vs_sync), that ratio per sync with every k = `every`-th version fingerprinted
+    (fingerprint_vs_sync) and the smallest k that meets TARGET (fingerprint_every_for_target). tokens: per probe
+    sequence (the run's, deploy.config.fingerprint_tokens)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from actors.engines.torch_engine import TorchEngine
@@ -103,7 +116,7 @@ def fingerprint_rounds(sender: WeightSender, model_dir: str, reps: int) -> dict:
     learner = Learner(model_dir, LearnerConfig(kl_coef=0.0))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     engine = TorchEngine(model, AutoTokenizer.from_pretrained(model_dir), CompressorConfig(method="full"))
-    ids = probe(engine.vocab_size, probe_tokens(None))
+    ids = probe(engine.vocab_size, tokens)
     sync, learner_s, actor_s, ratios = [], [], [], []
     for rep in range(reps + 1):                 # round 0 warms up
         t0 = time.perf_counter()
@@ -119,10 +132,37 @@ def fingerprint_rounds(sender: WeightSender, model_dir: str, reps: int) -> dict:
             learner_s.append(t2 - t1)
             actor_s.append(t3 - t2)
             ratios.append((t3 - t1) / (t1 - t0))
+    ratio = statistics.median(ratios)
     return {"sync_s": statistics.median(sync), "learner_probe_s": statistics.median(learner_s),
-            "actor_probe_s": statistics.median(actor_s), "fingerprint_vs_sync": statistics.median(ratios),
+            "actor_probe_s": statistics.median(actor_s), "fingerprinted_vs_sync": ratio, "fingerprint_every": every,
+            "fingerprint_vs_sync": ratio / every, "fingerprint_every_for_target": math.ceil(ratio / TARGET),
             "bytes": sum(t.numel() * t.element_size() for t in learner.export.manifest(sender.bucket_mb)[1]),
             "probe": f"{len(ids)}x{len(ids[0])}"}
+
+
+def report(rows: list, f: dict, nbytes: int, tensors: int, reps: int, model_name: str, model_reps: int,
+           every: int) -> None:
+    """Print the table and, as the very last line, the JSON object (module docstring)."""
+    print(f"weight sync, {nbytes / 2**20:.0f} MiB fp32, {tensors} tensors, gloo, 1 sender -> 2 receivers, "
+          f"median of {reps}")
+    print(f"{'bucket MiB':>10} {'ours GB/s':>10} {'flat GB/s':>10} {'ratio':>7}")
+    for bucket_mb, ours, flat, ratio in rows:
+        print(f"{bucket_mb:>10g} {ours:>10.3f} {flat:>10.3f} {ratio:>7.3f}")
+    print(f"fingerprint at {model_name} ({f['bytes'] / 2**20:.0f} MiB fp32, probe {f['probe']}), median of "
+          f"{model_reps}: sync {f['sync_s']:.3f} s, learner probe {f['learner_probe_s']:.3f} s, actor probe "
+          f"{f['actor_probe_s']:.3f} s: fingerprinted_vs_sync {f['fingerprinted_vs_sync']:.3f}; every "
+          f"{every}: fingerprint_vs_sync {f['fingerprint_vs_sync']:.3f} (target {TARGET}: every "
+          f"{f['fingerprint_every_for_target']} meets it)")
+    default = next(r for r in rows if r[0] == LearnerConfig.weight_sync_bucket_mb)
+    print(json.dumps({"bench": "weight_sync", "bytes": nbytes, "receivers": 2, "bucket_mb": default[0],
+                      "ours_gb_per_s": round(default[1], 4), "flat_broadcast_gb_per_s": round(default[2], 4),
+                      "ours_vs_flat_broadcast": round(default[3], 4),
+                      "by_bucket_mb": {str(b): round(r, 4) for b, _, _, r in rows}, "target": 0.8,
+                      "fingerprint_model": model_name, "fingerprint_bytes": f["bytes"], "fingerprint_probe": f["probe"],
+                      **{k: round(f[k], 4) for k in ("sync_s", "learner_probe_s", "actor_probe_s")},
+                      "fingerprinted_vs_sync": round(f["fingerprinted_vs_sync"], 4), "fingerprint_every": every,
+                      "fingerprint_vs_sync": round(f["fingerprint_vs_sync"], 4), "fingerprint_target": TARGET,
+                      "fingerprint_every_for_target": f["fingerprint_every_for_target"]}))
 
 
 def main() -> None:
@@ -132,16 +172,21 @@ def main() -> None:
     parser.add_argument("--model", default="", help="model of the fingerprint rounds: a preset model name or a Hugging "
                                                     "Face directory (default: the main job's, deploy/cli.py MAIN_JOB)")
     parser.add_argument("--model-reps", type=int, default=5, help="fingerprint rounds after a warm-up one (default 5)")
+    parser.add_argument("--fingerprint-every", type=int, default=0,
+                        help="k of learner.weight_sync_fingerprint_every (default: the main job's)")
     args = parser.parse_args()
     total_mb = 100 if args.quick else 400
     buckets = [4.0, 16.0, 64.0] if args.quick else [0.0, 1.0, 4.0, 16.0, 64.0, 256.0]
     reps = args.reps or (9 if args.quick else 9)
     torch.set_num_threads(1)
     from deploy.cli import MAIN_JOB
-    from deploy.config import load_config
+    from deploy.config import fingerprint_tokens, load_config
     from deploy.model_cache import resolve_model
 
-    model_name = args.model or load_config(MAIN_JOB, check_files=False).model
+    main_job = load_config(MAIN_JOB, check_files=False)
+    model_name = args.model or main_job.model
+    every = args.fingerprint_every or main_job.learner.weight_sync_fingerprint_every
+    tokens = fingerprint_tokens(main_job) or PROBE_TOKENS   # (the main job's probe; the full one if it has it off)
     model_dir = resolve_model(model_name)   # a preset model is built once and cached
 
     named = synthetic_weights(total_mb)
@@ -177,27 +222,11 @@ def main() -> None:
         ours_gbs = nbytes / statistics.median(ours) / 1e9
         flat_gbs = nbytes / statistics.median(base) / 1e9
         rows.append((bucket_mb, ours_gbs, flat_gbs, statistics.median(ratios)))
-    fingerprint = fingerprint_rounds(sender, model_dir, args.model_reps)
+    fingerprint = fingerprint_rounds(sender, model_dir, args.model_reps, every, tokens)
     for p in procs:
         p.join(timeout=60)
 
-    print(f"weight sync, {nbytes / 2**20:.0f} MiB fp32, {len(named)} tensors, gloo, 1 sender -> 2 receivers, "
-          f"median of {reps}")
-    print(f"{'bucket MiB':>10} {'ours GB/s':>10} {'flat GB/s':>10} {'ratio':>7}")
-    for bucket_mb, o, f, r in rows:
-        print(f"{bucket_mb:>10g} {o:>10.3f} {f:>10.3f} {r:>7.3f}")
-    f = fingerprint
-    print(f"fingerprint at {model_name} ({f['bytes'] / 2**20:.0f} MiB fp32, probe {f['probe']}), median of "
-          f"{args.model_reps}: sync {f['sync_s']:.3f} s, learner probe {f['learner_probe_s']:.3f} s, actor probe "
-          f"{f['actor_probe_s']:.3f} s, fingerprint_vs_sync {f['fingerprint_vs_sync']:.3f}")
-    default = next(r for r in rows if r[0] == LearnerConfig.weight_sync_bucket_mb)
-    print(json.dumps({"bench": "weight_sync", "bytes": nbytes, "receivers": 2, "bucket_mb": default[0],
-                      "ours_gb_per_s": round(default[1], 4), "flat_broadcast_gb_per_s": round(default[2], 4),
-                      "ours_vs_flat_broadcast": round(default[3], 4),
-                      "by_bucket_mb": {str(b): round(r, 4) for b, _, _, r in rows}, "target": 0.8,
-                      "fingerprint_model": model_name, "fingerprint_bytes": f["bytes"], "fingerprint_probe": f["probe"],
-                      **{k: round(f[k], 4) for k in ("sync_s", "learner_probe_s", "actor_probe_s")},
-                      "fingerprint_vs_sync": round(f["fingerprint_vs_sync"], 4)}))
+    report(rows, fingerprint, nbytes, len(named), reps, model_name, args.model_reps, every)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The policy fingerprint of a weight sync: a fixed probe both ends score after every sync, so that a sync that never
-reached the rollout engine (the engine reports the new version, its weights are the old ones) is seen at once.
+"""The policy fingerprint of a weight sync: a fixed probe both ends score after every sync (every k-th with
+learner.weight_sync_fingerprint_every = k: `fingerprinted`), so that a sync that never reached the rollout engine (the
+engine reports the new version, its weights are the old ones) is seen at once (within k syncs).
 
 The learner scores the probe with its own model at the version it sends (teacher-forced log-probs of every token
 given its prefix, the dense forward of its old-policy recompute); each actor scores it with its engine after it
@@ -12,18 +13,24 @@ check compares the embedding shapes). Assumption: a probe sequence is no longer 
 may use (a sparse engine compresses a prompt only when it holds more than its budget), so a sparse engine's prefill
 keeps every key and its log-probs are the dense ones; `probe` shortens the sequences to that budget and refuses
 one shorter than MIN_PROBE_TOKENS (the config check refuses such a run, naming the fields).
+
+Cost: one forward of the probe per side per fingerprinted sync. On a CPU that forward is bound by reading the
+weights, not by the probe's tokens (SmolLM2-135M fp32, one thread: 4 x 16 tokens 0.22 s, 2 x 8 0.12 s, 1 x 2 0.06 s),
+so the probe is as short as still tells two versions apart (2 x 8: one update moves it > 10x the fp32 tolerance,
+tests/deploy/test_weight_sync_fingerprint.py), and learner.weight_sync_fingerprint_every divides what is left
+(bench/weight_sync.py fingerprint_vs_sync).
 """
 from __future__ import annotations
 
 import numpy as np
 
-PROBE_SEQUENCES = 4
+PROBE_SEQUENCES = 2
 """Sequences in the probe."""
-PROBE_TOKENS = 16
+PROBE_TOKENS = 8
 """Tokens per probe sequence (log-probs: PROBE_TOKENS - 1 per sequence), before `probe` shortens them to the run's
 smallest KV budget."""
 MIN_PROBE_TOKENS = 4
-"""The shortest probe sequence `probe` makes (3 log-probs per sequence, 12 in all): below it the probe says too
+"""The shortest probe sequence `probe` makes (3 log-probs per sequence, 6 in all): below it the probe says too
 little to tell two versions apart."""
 PROBE_SEED = 7_349_201
 """Seed of the probe's draw (numpy's default generator)."""
@@ -60,13 +67,25 @@ def probe(vocab_size: int, tokens: int = PROBE_TOKENS) -> list[list[int]]:
     return [[int(t) for t in row[:tokens]] for row in draw]
 
 
+def fingerprinted(version: int, every: int) -> bool:
+    """Whether weight version `version` is fingerprinted (scored by the learner at its send and by each actor after
+    its swap) under learner.weight_sync_fingerprint_every = `every` (>= 1): the multiples of `every`, version 0
+    included. A sync that never reaches an engine is then caught within `every` syncs of its first version; a single
+    missed version between two multiples (the next sync loads the whole weights again) is not seen. Raises
+    ValueError for every < 1."""
+    if every < 1:
+        raise ValueError(f"fingerprinted(version={version}, every={every}): expected every >= 1")
+    return version % every == 0
+
+
 def tolerance(dtype) -> float:
     """Largest max |logp difference| in nats (`max_abs`) between two scorings of the same weights in `dtype` (the
     sync dtype: a torch dtype or its name, "float32" | "fp32" | "bfloat16" | "bf16" | "float16" | "fp16").
 
     Measured on SmolLM2-135M (CPU, the probe of its vocabulary), the largest difference between forwards of the
     same weights with another batch shape (4 sequences at once or one by one) or attention kernel (sdpa, eager):
-    float32 1.4e-5, float16 0.039, bfloat16 0.36 (mean over positions 0.074). The probe's random tokens are
+    float32 1.4e-5, float16 0.039, bfloat16 0.36 (mean over positions 0.074) on the first, 4 x 16 probe; 1.7e-5,
+    0.019, 0.20 on the 2 x 8 one (2026-12-07). The probe's random tokens are
     unlikely ones (log-probs -10 to -22), where bfloat16's coarse spacing shows (numbers of 16 to 32 lie 0.125 apart).
     float32: 1e-3, 70x the measured noise (it assumes no TF32 matmuls, torch's default; a GPU setup that turns them
     on rounds like a 10-bit dtype: use warn there). One update of the tiny-learn preset (lr 1e-2) moved the probe

@@ -362,7 +362,8 @@ class ActorPool:
         """Compare the weight-sync fingerprints each ready actor took since the last call (its engine's log-probs of
         the probe right after each swap) with the learner's of the same version (broker/fingerprint.py), under the
         tolerance of the sync dtype (learner.dtype). Returns {"weight_sync_fingerprint_max_abs": the largest
-        difference, nats}, or {} when nothing was compared (off, or no actor swapped a version the pool knows).
+        difference, nats}, or {} when nothing was compared (off, or no actor swapped a version the pool knows: with
+        learner.weight_sync_fingerprint_every = k, only multiples of k are scored).
         Raises RunFailed with one line naming the first actor and version over the tolerance under
         learner.weight_sync_fingerprint=error; prints that line for each under warn."""
         mode, dtype = self.cfg.learner.weight_sync_fingerprint, self.cfg.learner.dtype

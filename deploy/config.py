@@ -130,6 +130,7 @@ def rollout_config(run: RunConfig) -> RolloutConfig:
                          broker=run.broker, eval=run.eval, weight_sync_backend=lcfg.weight_sync_backend,
                          weight_sync_timeout_s=lcfg.weight_sync_timeout_s, weight_sync_verify=lcfg.weight_sync_verify,
                          fingerprint_tokens=fingerprint_tokens(run),
+                         fingerprint_every=lcfg.weight_sync_fingerprint_every,
                          record_evictions=lcfg.replays(run.actors.engine.compressor.method))
 
 

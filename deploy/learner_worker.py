@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from broker import faults
 from broker import run_state as rs
-from broker.fingerprint import probe
+from broker.fingerprint import fingerprinted, probe
 from broker.streams import connect
 from broker.weight_sync import WeightSender
 from deploy.config import RunConfig, fingerprint_tokens
@@ -152,7 +152,8 @@ class LearnerWorker:
     def send_weights(self, generation: int, world_size: int) -> dict:
         """Learner.send_weights to ranks 1..world_size-1 (actors) of sync group `generation` (rebuilt when it changes);
         ZeRO-3 over several ranks: the peers enter the same per-bucket gathers. Never during the optimizer step.
-        Returns the send's stats (WeightSender.send) and, with learner.weight_sync_fingerprint on, "fingerprint":
+        Returns the send's stats (WeightSender.send) and, with learner.weight_sync_fingerprint on and a version it
+        fingerprints (learner.weight_sync_fingerprint_every), "fingerprint":
         (the version sent, the probe's log-probs at it: per sequence float32 [tokens - 1]), which the driver keeps
         to compare with the actors'."""
         with self.phase.during("weight sync"), self.updating:
@@ -167,7 +168,8 @@ class LearnerWorker:
                 stats = self.learner.send_weights(self.sender, peers_gather=True)  # its own errors as they are
                 wait_ranks(f"send_weights at learner version {self.learner.version}", refs,
                            self.cfg.learner.collective_timeout_s)
-            if self.probe is not None:  # the same weights: the lock is still held
+            every = self.cfg.learner.weight_sync_fingerprint_every
+            if self.probe is not None and fingerprinted(self.learner.version, every):  # the lock is still held
                 stats["fingerprint"] = (self.learner.version, self._score_probe())
             return stats
 

@@ -26,9 +26,10 @@ float32 scores outside SGLang's KV pool, i.e. outside `mem_fraction_static`; its
 (actors.engines.kv_memory.compression_event_bytes, for the batch's rows at max(prompt, budget + interval) live
 tokens, split as the backend splits them under EVENT_BYTES_CAP) is taken off the actor's memory and shown on its
 own line; so are, when the run replays there (learner.policy_target=sparse), the backend's eviction records
-(actors.engines.kv_memory.record_bytes_per_request per request of one generate call, `sglang_records`). The
-backend's query ring (`qwin`, layers x window x query heads x head_dim per request row of SGLang's pool) is not
-counted.
+(actors.engines.kv_memory.record_bytes_per_request per request of one generate call, `sglang_records`), and the
+backend's query ring (`qwin`: layers x window x query heads x head_dim values of the engine dtype, + 24 B of row
+vectors, per request row of SGLang's pool, allocated at the engine's start: actors.engines.kv_memory.query_ring_bytes
+for sglang_request_rows, max_running_requests + 1 or, unset, up to 4,097 rows; `sglang_ring`).
 
 It also sizes the broker's queue: one group's wire bytes (broker.schema.group_wire_bytes: 8 bytes per response
 token, + 6 K with actors.sampling.topk_logprobs = K, 120 at K = 20) times the groups the stream can hold
@@ -46,7 +47,9 @@ from actors.engines.kv_memory import (
     event_calls,
     event_chunk_rows,
     kv_peak_bytes_per_sequence,
+    query_ring_bytes,
     record_bytes_per_request,
+    sglang_request_rows,
 )
 from broker.schema import group_wire_bytes
 from deploy.config import ConfigError, RunConfig
@@ -96,6 +99,12 @@ class PreflightReport:
     taken off `memory_bytes`; 0 otherwise."""
     record_requests: int = 0
     """Requests those records are sized for (the larger of one actor batch and one eval batch)."""
+    ring_bytes: int = 0
+    """actors.engine.backend=sglang, compressing: device bytes of the sparse backend's query ring and row vectors for
+    every request row of SGLang's pool (`sglang_ring`), outside mem_fraction_static, already taken off
+    `memory_bytes`; 0 otherwise."""
+    ring_rows: int = 0
+    """Request rows that ring is sized for (actors.engines.kv_memory.sglang_request_rows)."""
 
     @property
     def dense_per_batch(self) -> int:
@@ -118,7 +127,7 @@ class PreflightReport:
                   "model_layers": self.shape.layers, "model_kv_heads": self.shape.kv_heads,
                   "model_head_dim": self.shape.head_dim, "kv_dtype_bytes": self.shape.dtype_bytes,
                   "group_wire_bytes": self.group_bytes, "broker_queue_bytes": self.queue_bytes,
-                  "compression_event_bytes": self.event_bytes}
+                  "compression_event_bytes": self.event_bytes, "sglang_query_ring_bytes": self.ring_bytes}
         return {f"preflight_result.{k}": str(v) for k, v in values.items()}
 
     def table(self) -> str:
@@ -144,6 +153,8 @@ class PreflightReport:
                  *([f"  eviction records (SGLang sparse backend, outside mem_fraction_static): {self.record_bytes:,} B "
                     f"for {self.record_requests} requests, counted in the KV memory above"]
                    if self.record_bytes else []),
+                 *([f"  query ring (SGLang sparse backend, outside mem_fraction_static): {self.ring_bytes:,} B for "
+                    f"{self.ring_rows:,} request rows, counted in the KV memory above"] if self.ring_bytes else []),
                  f"  {'':<7} {'peak KV B / seq':>16} {'peak KV B / batch':>18} {'seqs that fit':>14}",
                  row("dense", self.dense_per_seq)]
         if self.method != "full":
@@ -262,10 +273,14 @@ def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: i
     records = sglang_records(cfg, shape, high, prompt, new, batch_rows)
     if memory is not None and records[0]:
         memory, source = memory - records[0], f"{source} - eviction records {records[0]:,} B"
+    ring = sglang_ring(cfg, shape, hf.num_attention_heads)
+    if memory is not None and ring[0]:
+        memory, source = memory - ring[0], f"{source} - query ring {ring[0]:,} B"
     report = PreflightReport(shape, a.engine.backend, c.method, prompt, new, high, c.interval,
                              batch_rows, dense, sparse, memory, source, weight_bytes)
     report.event_bytes, report.event_rows, report.event_live = event
     report.record_bytes, report.record_requests = records
+    report.ring_bytes, report.ring_rows = ring
     check_report(cfg, report, low)
     return report
 
@@ -334,6 +349,19 @@ def sglang_event(shape: ModelShape, q_heads: int, c, budget: int, prompt: int, r
     args = (budget, c.window, q_heads, shape.kv_heads, shape.head_dim, shape.dtype_bytes, c.method, record)
     per_call = -(-rows // event_calls(rows, event_chunk_rows(live, *args)))
     return compression_event_bytes(per_call, live, *args), per_call, live
+
+
+def sglang_ring(cfg: RunConfig, shape: ModelShape, q_heads: int) -> tuple[int, int]:
+    """(bytes, request rows) of the SGLang sparse backend's query ring and row vectors (actors/engines/sglang/
+    triton_backend.py, `qwin`) when the run compresses on the SGLang engine, else (0, 0): `query_ring_bytes` at the
+    compressor's window, the model's `q_heads` and the engine dtype, for `sglang_request_rows` of
+    actors.engine.sglang.max_running_requests and max_total_tokens."""
+    a = cfg.actors
+    c, sglang = a.engine.compressor, a.engine.sglang
+    if a.engine.backend != "sglang" or c.method not in EVENT_METHODS:
+        return 0, 0
+    rows = sglang_request_rows(sglang.max_running_requests, sglang.max_total_tokens)
+    return query_ring_bytes(rows, shape.layers, c.window, q_heads, shape.head_dim, shape.dtype_bytes), rows
 
 
 def sglang_records(cfg: RunConfig, shape: ModelShape, budget: int, prompt: int, new: int,

@@ -144,15 +144,19 @@ class LearnerConfig:
     weight_sync_verify: bool = False
     """Send per-tensor checksums so actors can verify their weights after the swap."""
     weight_sync_fingerprint: str = "error"
-    """error | warn | off: after every weight sync the learner scores a fixed probe (broker/fingerprint.py: 4
-    sequences of 16 token ids, shortened to the run's smallest KV budget) with the version it sends, each actor
+    """error | warn | off: after every weight sync the learner scores a fixed probe (broker/fingerprint.py: 2
+    sequences of 8 token ids, shortened to the run's smallest KV budget) with the version it sends, each actor
     scores it with its engine after swapping that version in, and the driver compares the two: a difference over
     the sync dtype's tolerance (fp32 1e-3 nats, bf16 1.0) means the engine does not hold the weights it reports
     (a sync that never reached it). error: the run ends within a step with one line naming the actor and the
     version; warn: that line, and the run goes on; off: nothing is scored. Metric weight_sync_fingerprint_max_abs
     (`weight_sync/fingerprint_max_abs`: the largest difference over the actors). Works on both engines (the
-    SGLang engine scores with its prefill's input log-probs); costs one forward of the probe per side per sync
-    (bench/weight_sync.py fingerprint_vs_sync)."""
+    SGLang engine scores with its prefill's input log-probs); costs one forward of the probe per side per
+    fingerprinted sync (bench/weight_sync.py fingerprint_vs_sync; weight_sync_fingerprint_every)."""
+    weight_sync_fingerprint_every: int = 1
+    """k >= 1: fingerprint only the weight versions that are multiples of k (broker/fingerprint.py fingerprinted),
+    dividing the fingerprint's cost by k. A sync that never reaches an engine is then caught within k steps instead
+    of one (a single missed version between two multiples is not seen: the next sync loads the whole weights)."""
 
     seed: Optional[int] = None
     """Seed of the minibatch shuffling generator. None (the default): the run's top-level `seed`, set when the run
@@ -178,6 +182,7 @@ class LearnerConfig:
             (self.weight_sync_backend in BACKENDS, "weight_sync_backend", f"expected one of {BACKENDS}"),
             (self.weight_sync_fingerprint in FINGERPRINT_MODES, "weight_sync_fingerprint",
              f"expected one of {FINGERPRINT_MODES}"),
+            (self.weight_sync_fingerprint_every >= 1, "weight_sync_fingerprint_every", "expected >= 1"),
             (self.zero_stage in (0, 1, 2, 3), "zero_stage", "expected 0, 1, 2 or 3"),
             (self.checkpoint_interval >= 1, "checkpoint_interval", "expected >= 1 (learner versions)"),
             (self.ranks >= 1, "ranks", "expected >= 1"),

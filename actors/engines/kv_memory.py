@@ -15,7 +15,8 @@ against the engine's measured buffers.
 `compression_event_bytes` bounds the transient device memory of one compression call of the SGLang sparse backend
 (actors/engines/sglang/triton_backend.py), which lives outside SGLang's KV pool; `event_chunk_rows` /
 `event_calls` split an event so that each call stays under `EVENT_BYTES_CAP` (docs/sglang.md, "Limits").
-`record_bytes_per_request` counts the same backend's eviction records (docs/sglang.md, "Eviction records").
+`record_bytes_per_request` counts the same backend's eviction records (docs/sglang.md, "Eviction records"), and
+`query_ring_bytes` its query ring, for the request rows of SGLang's pool (`sglang_request_rows`).
 """
 from __future__ import annotations
 
@@ -200,10 +201,45 @@ def record_bytes_per_request(layers: int, kv_heads: int, largest_budget: int, to
     `mem_fraction_static`: the origin map, int32 [layers, kv_heads, largest_budget] (original token index of each
     packed position), and the step record, int16 [layers, kv_heads, width + 1] with width = `tokens` (the longest
     request's prompt + response tokens) rounded up to RECORD_WIDTH_STEP, + 1 dump column. The buffers hold one slot
-    per request live at once (one generate call's: prompts x samples); they grow, never shrink. All arguments are
-    counts >= 1; raises ValueError otherwise."""
+    per request live at once (one generate call's: prompts x samples); they grow within a call and are given back
+    when its last request leaves, so the bound is the largest call's (its most live requests, its longest request).
+    All arguments are counts >= 1; raises ValueError otherwise."""
     if min(layers, kv_heads, largest_budget, tokens) < 1:
         raise ValueError(f"layers={layers}, kv_heads={kv_heads}, largest_budget={largest_budget}, tokens={tokens}: "
                          "expected counts >= 1")
     width = -(-tokens // RECORD_WIDTH_STEP) * RECORD_WIDTH_STEP
     return layers * kv_heads * (4 * largest_budget + 2 * (width + 1))
+
+
+SGLANG_MAX_AUTO_ROWS = 4096
+"""The most request rows SGLang 0.5.23 gives its pool when max_running_requests is unset (kv_cache_configurator.py
+`resolve_max_num_reqs`: an estimate from the token capacity and the context length, clamped to [2048, 4096], and at
+most half the token capacity)."""
+
+
+def sglang_request_rows(max_running_requests: int | None, max_total_tokens: int | None) -> int:
+    """Upper bound of the request rows of SGLang 0.5.23's pool (`req_to_token`'s first dimension, which the sparse
+    backend sizes its per-row buffers by): min(max_running_requests, or SGLANG_MAX_AUTO_ROWS when unset, and
+    max_total_tokens // 2 when set), + 1 padding row (row 0). Unset, SGLang's own count depends on the profiled token
+    capacity and lies in [2048, 4096]: the bound may be up to 2x that (set actors.engine.sglang.max_running_requests
+    to know it). Arguments: counts >= 1 or None."""
+    rows = SGLANG_MAX_AUTO_ROWS if max_running_requests is None else int(max_running_requests)
+    if max_total_tokens is not None:
+        rows = min(rows, int(max_total_tokens) // 2)
+    return max(rows, 1) + 1
+
+
+def query_ring_bytes(rows: int, layers: int, window: int, q_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """Device bytes of the `sparse_rl_kv` backend's per-row buffers (actors/engines/sglang/triton_backend.py, allocated
+    at the engine's start for every request row of SGLang's pool, outside its KV pool and so outside
+    `mem_fraction_static`): the query ring `qwin` [layers, rows, window, q_heads, head_dim] of the engine dtype
+    (`dtype_bytes` a value) and three int64 [rows] vectors (each row's live start, each decode lane's row, the lane
+    ids): rows x (layers x window x q_heads x head_dim x dtype_bytes + 24), for one backend per engine (SGLang 0.5.23
+    builds one; its pdmux and two-batch-overlap modes, not checked with the sparse backend, would build several).
+    The torch reference backend (`sparse_rl_kv_torch`, kv_backend.py) holds the same ring, made at its first
+    forward, and four int64 row vectors: 8 B a row more. rows: `sglang_request_rows`. All arguments are counts
+    >= 1; raises ValueError otherwise."""
+    if min(rows, layers, window, q_heads, head_dim, dtype_bytes) < 1:
+        raise ValueError(f"rows={rows}, layers={layers}, window={window}, q_heads={q_heads}, head_dim={head_dim}, "
+                         f"dtype_bytes={dtype_bytes}: expected counts >= 1")
+    return rows * (layers * window * q_heads * head_dim * dtype_bytes + 3 * 8)

@@ -17,17 +17,33 @@ def test_the_probe_is_the_same_on_every_process_and_a_shorter_one_is_its_prefix(
     there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert str(here) == there.strip()                                   # another process, another hash seed
     assert len(here) == fp.PROBE_SEQUENCES and {len(s) for s in here} == {fp.PROBE_TOKENS}
-    assert all(0 <= t < 49152 - 1 for s in here for t in s) and len({t for s in here for t in s}) > 50
-    assert fp.probe(49152, 9) == [s[:9] for s in here]
+    assert all(0 <= t < 49152 - 1 for s in here for t in s) and len({t for s in here for t in s}) > 10
+    assert fp.probe(49152, 5) == [s[:5] for s in here]
     assert fp.probe(256) != fp.probe(257) and fp.probe(256) == fp.probe(256)
     for vocab, tokens in ((1, 16), (256, fp.MIN_PROBE_TOKENS - 1), (256, fp.PROBE_TOKENS + 1)):
         with pytest.raises(ValueError, match="probe"):
             fp.probe(vocab, tokens)
 
 
+def test_the_probe_is_short_one_forward_of_a_few_tokens():
+    """Its cost is a forward of PROBE_SEQUENCES x PROBE_TOKENS tokens per side per fingerprinted sync (bench/
+    weight_sync.py): 2 x 8 (14 log-probs), which still tells two versions apart (tests/learner/
+    test_learner_fingerprint.py, tests/deploy/test_weight_sync_fingerprint.py: one update moves it > 10x the
+    tolerance)."""
+    assert (fp.PROBE_SEQUENCES, fp.PROBE_TOKENS) == (2, 8)
+
+
+def test_fingerprinted_versions_every_k_syncs():
+    assert [v for v in range(10) if fp.fingerprinted(v, 1)] == list(range(10))
+    assert [v for v in range(10) if fp.fingerprinted(v, 3)] == [0, 3, 6, 9]
+    for every in (0, -1):
+        with pytest.raises(ValueError, match="every"):
+            fp.fingerprinted(3, every)
+
+
 def test_probe_tokens_fit_the_smallest_budget_or_are_refused():
     assert fp.probe_tokens(None) == fp.PROBE_TOKENS == fp.probe_tokens(48)
-    assert fp.probe_tokens(9) == 9 and fp.probe_tokens(fp.MIN_PROBE_TOKENS) == fp.MIN_PROBE_TOKENS
+    assert fp.probe_tokens(7) == 7 and fp.probe_tokens(fp.MIN_PROBE_TOKENS) == fp.MIN_PROBE_TOKENS
     with pytest.raises(ValueError, match=r"smallest KV budget \(3 tokens\)"):
         fp.probe_tokens(3)
 

@@ -444,15 +444,22 @@ def test_sglang_settings_are_checked_naming_the_field(override, message):
 def test_weight_sync_fingerprint_setting_is_checked_and_its_probe_fits_the_smallest_budget():
     """learner.weight_sync_fingerprint: error by default, off as YAML reads it (a boolean), anything else named; the
     actors get the probe's length (min(16, the smallest budget), 0 when off); a budget the probe cannot fit is
-    refused naming both fields, unless the check is off. Allowed on SGLang (its engine scores too)."""
+    refused naming both fields, unless the check is off. Allowed on SGLang (its engine scores too).
+    learner.weight_sync_fingerprint_every: 1 by default, >= 1, passed to the actors."""
     from deploy.config import rollout_config
 
     cfg = load_config("tiny", [], check_files=False)
-    assert cfg.learner.weight_sync_fingerprint == "error" and rollout_config(cfg).fingerprint_tokens == 16
+    assert cfg.learner.weight_sync_fingerprint == "error" and rollout_config(cfg).fingerprint_tokens == 8
     off = load_config("tiny", ["learner.weight_sync_fingerprint=off"], check_files=False)
     assert off.learner.weight_sync_fingerprint == "off" and rollout_config(off).fingerprint_tokens == 0
-    tiers = ["actors.engine.compressor.kv_budget=20", "actors.engine.compressor.budget_tiers=confidence"]
-    assert rollout_config(load_config("tiny", tiers, check_files=False)).fingerprint_tokens == 10   # 20 x 0.5
+    tiers = ["actors.engine.compressor.kv_budget=12", "actors.engine.compressor.window=4",
+             "actors.engine.compressor.budget_tiers=confidence"]
+    assert rollout_config(load_config("tiny", tiers, check_files=False)).fingerprint_tokens == 6   # 12 x 0.5
+    assert cfg.learner.weight_sync_fingerprint_every == 1 and rollout_config(cfg).fingerprint_every == 1
+    every = load_config("tiny", ["learner.weight_sync_fingerprint_every=4"], check_files=False)
+    assert rollout_config(every).fingerprint_every == 4
+    with pytest.raises(ConfigError, match=r"learner.weight_sync_fingerprint_every=0: expected >= 1"):
+        load_config("tiny", ["learner.weight_sync_fingerprint_every=0"], check_files=False)
     with pytest.raises(ConfigError, match=r"learner.weight_sync_fingerprint='loud': expected one of"):
         load_config("tiny", ["learner.weight_sync_fingerprint=loud"], check_files=False)
     small = ["actors.engine.compressor.kv_budget=3", "actors.engine.compressor.window=2"]

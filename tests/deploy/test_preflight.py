@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from actors.engines.base import SamplingParams
-from actors.engines.kv_memory import ModelShape, kv_peak_bytes_per_sequence, record_bytes_per_request
+from actors.engines.kv_memory import (
+    ModelShape,
+    kv_peak_bytes_per_sequence,
+    query_ring_bytes,
+    record_bytes_per_request,
+)
 from deploy.config import load_config
 from deploy.model_cache import TINY_LLAMA, resolve_model
 from deploy.preflight import PreflightError, preflight
@@ -243,23 +248,24 @@ def test_sglang_sparse_preflight_counts_the_compression_event():
     compresses 4 prompts of 101 tokens), and a batch that fits without it but not with it fails."""
     base = ["actors.engine.backend=sglang", "eval.enabled=false", "actors.engine.compressor.kv_budget=48",
             "actors.engine.compressor.interval=16", "actors.sampling.max_new_tokens=32",
-            "preflight.max_prompt_tokens=101"]
+            "preflight.max_prompt_tokens=101", "actors.engine.sglang.max_running_requests=4"]
+    # (the query ring at 4 + 1 request rows: 20,600 B, test_sglang_preflight_counts_the_query_ring_by_hand)
     # S = 4*2*101 = 808, E = 4*53 = 212; index 8*(12 + 808 + 192 + 32 + 424) + 404 + 3,232 + 1,536 = 16,916;
     # layer 2*4*101*2*16*4 + 4*8*4*16*4 = 111,616; one similarity block 4*2*101*101 = 81,608: redundancy
     # 3,232 + 206,848 + 5*81,608 + 19,392 = 637,512 -> 16,916 + 111,616 + 637,512 = 766,044 B
     report = preflight(load_config("tiny", base + ["preflight.kv_memory_gb=1"], check_files=False),
                        model_path=resolve_model(TINY_LLAMA))
     assert (report.event_bytes, report.event_rows, report.event_live) == (766_044, 4, 101)
-    assert report.memory_bytes == (1 << 30) - 766_044
+    assert report.memory_bytes == (1 << 30) - 766_044 - 20_600
     assert report.params()["preflight_result.compression_event_bytes"] == "766044"
     assert "compression event (SGLang sparse backend, outside mem_fraction_static): 766,044 B" in report.table()
-    torch_run = preflight(load_config("tiny", base[2:] + ["preflight.kv_memory_gb=1"]),
+    torch_run = preflight(load_config("tiny", base[2:-1] + ["preflight.kv_memory_gb=1"]),
                           model_path=resolve_model(TINY_LLAMA))
     assert torch_run.event_bytes == 0 and torch_run.memory_bytes == 1 << 30
-    # 900,000 B: the sparse batch's 234,496 B fit, with the event's 766,044 B they do not
+    # 900,000 B: the sparse batch's 234,496 B fit, with the event's 766,044 B (and the ring's 20,600 B) they do not
     tight = ["preflight.kv_memory_gb=0.00083819"]                      # int(0.00083819 * 2^30) = 899,999 B
-    preflight(load_config("tiny", base[2:] + tight), model_path=resolve_model(TINY_LLAMA))
-    with pytest.raises(PreflightError, match="234,496 B > 133,955 B of KV memory .*compression event 766,044 B"):
+    preflight(load_config("tiny", base[2:-1] + tight), model_path=resolve_model(TINY_LLAMA))
+    with pytest.raises(PreflightError, match="234,496 B > 113,355 B of KV memory .*compression event 766,044 B"):
         preflight(load_config("tiny", base + tight, check_files=False), model_path=resolve_model(TINY_LLAMA))
 
 
@@ -271,7 +277,8 @@ def test_sglang_replay_preflight_counts_the_eviction_records():
     for the 4 requests of one actor batch (eval off); none without replay."""
     base = ["actors.engine.backend=sglang", "eval.enabled=false", "actors.engine.compressor.kv_budget=48",
             "actors.engine.compressor.interval=16", "actors.sampling.max_new_tokens=32",
-            "preflight.max_prompt_tokens=101", "preflight.kv_memory_gb=1"]
+            "preflight.max_prompt_tokens=101", "preflight.kv_memory_gb=1",
+            "actors.engine.sglang.max_running_requests=4"]
     model = resolve_model(TINY_LLAMA)
     plain = preflight(load_config("tiny", base, check_files=False), model_path=model)
     replay = preflight(load_config("tiny", base + ["learner.policy_target=sparse"], check_files=False),
@@ -280,8 +287,44 @@ def test_sglang_replay_preflight_counts_the_eviction_records():
     assert record_bytes_per_request(replay.shape.layers, 2, 48, 133) == per_request
     assert (plain.record_bytes, replay.record_bytes, replay.record_requests) == (0, 4 * per_request, 4)
     assert replay.event_bytes > plain.event_bytes          # the compression call's recording phase and indices
-    assert replay.memory_bytes == (1 << 30) - replay.event_bytes - 4 * per_request
+    assert replay.memory_bytes == (1 << 30) - replay.event_bytes - 4 * per_request - replay.ring_bytes
     assert f"eviction records (SGLang sparse backend, outside mem_fraction_static): {4 * per_request:,} B" \
         in replay.table()
     with pytest.raises(ValueError, match="tokens=0"):
         record_bytes_per_request(28, 2, 512, 0)
+
+
+def test_sglang_preflight_counts_the_query_ring_by_hand():
+    """The sparse backend's query ring (`qwin`, float [layers, rows, window, query heads, head_dim] of the engine dtype,
+    actors/engines/sglang/triton_backend.py) and its three int64 [rows] row vectors, for every request row of
+    SGLang's pool (max_running_requests + 1 padding row; unset, SGLang's own count: at most 4,096, and at most
+    max_total_tokens / 2), are taken off the KV memory; none on the torch engine or without a compressor.
+    tiny-llama: 2 layers x window 8 x 4 query heads x head_dim 16 x 4 B (fp32) = 4,096 B + 3 x 8 B = 4,120 B per
+    row."""
+    base = ["actors.engine.backend=sglang", "eval.enabled=false", "actors.engine.compressor.kv_budget=48",
+            "actors.engine.compressor.interval=16", "actors.sampling.max_new_tokens=32",
+            "preflight.max_prompt_tokens=101", "preflight.kv_memory_gb=1"]
+    model = resolve_model(TINY_LLAMA)
+
+    def ring(*overrides):
+        report = preflight(load_config("tiny", [*base, *overrides], check_files=False), model_path=model)
+        return report.ring_bytes, report.ring_rows, report
+
+    assert ring("actors.engine.sglang.max_running_requests=4")[:2] == (5 * 4_120, 5)      # 20,600 B
+    assert ring()[:2] == (4_097 * 4_120, 4_097)                                          # 16,879,640 B
+    assert ring("actors.engine.sglang.max_total_tokens=1000")[:2] == (501 * 4_120, 501)   # min(4,096, 500) + 1
+    assert ring("actors.engine.sglang.max_running_requests=600",
+                "actors.engine.sglang.max_total_tokens=1000")[:2] == (501 * 4_120, 501)
+    bf16 = ring("actors.engine.sglang.max_running_requests=4", "actors.engine.dtype=bf16")
+    assert bf16[:2] == (5 * (2 * 8 * 4 * 16 * 2 + 24), 5)                                  # 2 B a value: 2,072 B a row
+    rows4 = ring("actors.engine.sglang.max_running_requests=4")[2]
+    assert rows4.memory_bytes == (1 << 30) - rows4.event_bytes - 20_600
+    assert rows4.params()["preflight_result.sglang_query_ring_bytes"] == "20600"
+    assert "query ring (SGLang sparse backend, outside mem_fraction_static): 20,600 B for 5 request rows" \
+        in rows4.table()
+    torch_run = preflight(load_config("tiny", base[2:], check_files=False), model_path=model)
+    full = ring("actors.engine.compressor.method=full")
+    assert (torch_run.ring_bytes, full[0]) == (0, 0) and torch_run.memory_bytes == 1 << 30
+    assert query_ring_bytes(5, 2, 8, 4, 16, 4) == 20_600
+    with pytest.raises(ValueError, match="rows=0"):
+        query_ring_bytes(0, 2, 8, 4, 16, 4)

@@ -6,7 +6,11 @@ tiny-learn preset, is more than 10x the fp32 tolerance, so the check can see a s
 the same run with the check off finishes. `sparse-rl train` of the `tiny-learn` preset (a tiny model that learns:
 its updates move the weights; the `tiny` preset's rewards are all 0, so its steps change nearly nothing) in a
 subprocess, real Ray, Redis, DeepSpeed and MLflow; one rollout actor, so that the version is swapped in by the next
-sync round at the latest."""
+sync round at the latest.
+
+With learner.weight_sync_fingerprint_every=k only versions that are multiples of k are scored (both sides), so a
+sync that never reaches the engine is caught within k steps: with k = 2 and every sync stale from the start (the
+fault without @<when>: verl#7495's failure), version 1 goes unchecked and the run ends at version 2."""
 from __future__ import annotations
 
 import re
@@ -46,3 +50,15 @@ def test_the_same_stale_sync_with_the_check_off_goes_unseen_and_the_run_finishes
     assert done.returncode == 0, done.stdout
     assert "weight sync fingerprint" not in done.stdout and "Traceback" not in done.stdout, done.stdout
     assert re.search(r"^step 3/3", done.stdout, re.M), done.stdout
+
+
+@pytest.mark.timeout(600)
+def test_every_k_syncs_a_sync_that_never_arrives_is_caught_within_k_steps(tmp_path):
+    every = {**ENV, "SPARSE_RL_FAULTS": "actor.load_weights:actor-0=stale"}   # every version, from the start
+    done = sparse_rl("train", *BASE, f"run_dir={tmp_path}", "learner.weight_sync_fingerprint_every=2", env=every,
+                     timeout=400)
+    assert done.returncode == 1, done.stdout
+    line = one_line(done.stdout)
+    assert line.startswith("sparse-rl: run failed: weight sync fingerprint: actor-0 at weight version 2: "), line
+    steps = [int(s) for s in re.findall(r"^step (\d+)/3", done.stdout, re.M)]
+    assert steps and max(steps) <= 2, done.stdout                  # version 1 unchecked, version 2 caught

@@ -25,7 +25,8 @@ def test_learner_score_equals_the_engines_and_one_step_moves_it_past_the_toleran
     learner.engine.module.train()
     before = learner.score(probe)
     assert learner.engine.module.training                                # its mode restored
-    assert [b.shape for b in before] == [(15,)] * 4 + [(2,)] and {b.dtype for b in before} == {np.dtype(np.float32)}
+    assert [b.shape for b in before] == [(fp.PROBE_TOKENS - 1,)] * fp.PROBE_SEQUENCES + [(2,)]
+    assert {b.dtype for b in before} == {np.dtype(np.float32)}
     assert fp.max_abs(before, engine.score(probe)) < fp.tolerance("fp32") / 10
     learner.step(make_groups(), staleness=[0, 0])
     after = learner.score(probe)

@@ -44,7 +44,7 @@ def test_score_is_the_teacher_forced_log_probs_and_follows_load_weights(engine, 
     model = Qwen2ForCausalLM.from_pretrained(tiny_qwen2_dir).eval()
     probe = fp.probe(engine.vocab_size, fp.probe_tokens(BUDGET)) + [[3, 9, 27, 81, 200]]   # (>= the window)
     got = engine.score(probe)
-    assert [g.shape for g in got] == [(BUDGET - 1,)] * fp.PROBE_SEQUENCES + [(4,)]
+    assert [g.shape for g in got] == [(fp.probe_tokens(BUDGET) - 1,)] * fp.PROBE_SEQUENCES + [(4,)]
     assert {g.dtype.name for g in got} == {"float32"}
     tolerance = fp.tolerance("float32")
     assert fp.max_abs(hf_score(model, probe), got) < tolerance / 10

@@ -67,7 +67,7 @@ def test_recorder_follows_packed_suffixes_without_host_sync(tmp_path):
     prefill compression and decode compressions with random kept sets per (layer, head), left-padded as the backend
     groups rows, against a list model of each (layer, head)'s live original tokens; the device half under
     NoHostSync; the record's width grows past its first step; `take` writes each row's record (uint16, never =
-    65535) and gives the slot back."""
+    65535) and gives the slot back; the last one's leaving gives the buffers back."""
     from actors.engines.sglang.records import EvictionRecorder, int16_bits
     from actors.engines.sglang.triton_backend import NoHostSync
 
@@ -120,7 +120,7 @@ def test_recorder_follows_packed_suffixes_without_host_sync(tmp_path):
         assert got.dtype == np.uint16 and got.shape == (layers, KV_HEADS, length[r])
         assert np.array_equal(got, want[r][:, :, :length[r]]), r
         assert ((got > 0) & (got < NEVER)).any()
-    assert not rec.slot and len(rec.free) == 2
+    assert not rec.slot and not rec.free and rec.bytes == 0 and rec.width == 0   # none live: buffers given back
 
 
 def torch_engine(model_dir, cc):

@@ -16,7 +16,10 @@ device, per live request (a *record slot*):
 Slots are the live requests (a host map from SGLang's request row, taken at the row's prefill and given back when it
 leaves), so the buffers grow with the most requests live at once (one generate call's), not with SGLang's request
 pool; `width` grows in steps of RECORD_WIDTH_STEP tokens with the longest request compressed, `origin` with the
-largest budget that entered. Growing is eager (between steps) and reads nothing back.
+largest budget that entered. Growing is eager (between steps) and reads nothing back. When the last live request
+leaves (the end of a generate call) both buffers are dropped (slots and width back to 0; `origin` keeps its budget
+dimension), so their size is bounded per call, not by the longest request ever (an eval's longer responses are not
+held into training's calls); within a call they never shrink.
 
 `record` (inside the backend's compression, `_compress_group`) is device ops only: no host sync (checked under the
 backend's NoHostSync in the lane's self-check). `take` copies a leaving request's record to the host once and writes
@@ -74,16 +77,21 @@ class EvictionRecorder:
 
     def __init__(self, layers: int, kv_heads: int, budget: int, device, directory: str):
         self.layers, self.kv_heads, self.device, self.directory = layers, kv_heads, device, directory
-        self.width = 0
-        """Record columns (original token indices) held; column `width` is the dump column."""
-        self.steps = torch.full((0, layers, kv_heads, 1), NEVER16, dtype=torch.int16, device=device)
-        self.origin = torch.zeros(0, layers, kv_heads, int(budget), dtype=torch.int32, device=device)
+        self._release(int(budget))
         self.slot: dict[int, int] = {}
         """SGLang request row -> record slot, for the live requests."""
         self.rid: dict[int, str] = {}
-        self.free: list[int] = []
         self.heads = torch.arange(kv_heads, device=device)[None, :, None]
         self.packed = torch.arange(int(budget), device=device)
+
+    def _release(self, budget: int) -> None:
+        """No slot, no column: `steps` int16 [0, layers, Hkv, 1] (the dump column), `origin` int32 [0, layers, Hkv,
+        budget]; what they held goes back to the allocator (on a GPU, to torch's cache in SGLang's scheduler)."""
+        self.width = 0
+        """Record columns (original token indices) held; column `width` is the dump column."""
+        self.steps = torch.full((0, self.layers, self.kv_heads, 1), NEVER16, dtype=torch.int16, device=self.device)
+        self.origin = torch.zeros(0, self.layers, self.kv_heads, budget, dtype=torch.int32, device=self.device)
+        self.free: list[int] = []
 
     @property
     def bytes(self) -> int:
@@ -158,8 +166,9 @@ class EvictionRecorder:
     def take(self, row: int, length: int) -> None:
         """A request's row leaves: its record, uint16 [layers, Hkv, length] (`length`: tokens whose KV was computed;
         never past the record's width), to `record_path(directory, rid)` (written to a temporary name, then
-        renamed: a reader never sees a partial file), and its slot given back. One device-to-host copy (the request
-        has ended; not graph code). Rows without a slot are ignored."""
+        renamed: a reader never sees a partial file), and its slot given back; the last live request's leaving gives
+        the buffers back (`_release`: a long request's width is not kept into the next generate call). One
+        device-to-host copy (the request has ended; not graph code). Rows without a slot are ignored."""
         if row not in self.slot:
             return
         s, rid = self.slot.pop(row), self.rid.pop(row)
@@ -171,3 +180,5 @@ class EvictionRecorder:
         with open(path + ".tmp", "wb") as f:
             np.save(f, out)
         os.replace(path + ".tmp", path)
+        if not self.slot:   # no request live (a generate call ended): the buffers go, the next `enter` grows them
+            self._release(self.origin.shape[3])
