@@ -93,19 +93,31 @@ def test_a_stop_between_the_commit_and_the_console_line_keeps_the_record_whole(t
 def sigterm_is_one_line_and_the_resume_it_prints_trains_on(text: str, run_dir: Path) -> None:
     """After SIGTERM at step 2 of 50 with no interval checkpoint (Slurm's time limit, pod deletion, docker stop): the
     learner checkpointed its last step, the one line says so and how to resume, Ray's native crash handler printed
-    nothing, and the resume it prints trains on."""
+    nothing, and the resume it prints trains on; a SIGTERM to that resume once it finished exits 0 with one line."""
     lines = [line for line in text.splitlines() if line.startswith("sparse-rl: ")]
     assert len(lines) == 1, text
+    line = lines[0]
     match = re.fullmatch(rf"sparse-rl: terminated \(SIGTERM\) at step 2 of 50; last checkpoint: "
                          rf"{re.escape(str(run_dir / 'checkpoints'))}/version_2 \(.*\); resume with: (\S+) train "
-                         rf"--resume {re.escape(str(run_dir))}", lines[0])
-    assert match, lines[0]
+                         rf"--resume {re.escape(str(run_dir))}", line)
+    assert match, line
     assert "logging.cc" not in text and "*** SIGTERM received" not in text, text
-    resumed = subprocess.run([match.group(1), "train", "--resume", str(run_dir), "train.steps=3"], cwd=run_dir.parent,
-                             env=ENV, capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "resumed at weight version 2" in resumed.stdout, resumed.stdout
+    assert match.group(1) == str(Path(sys.executable).parent / "sparse-rl"), line  # (Run starts that program's code)
+    # the resume as printed; a SIGTERM once it printed `done` (summary written, MLflow FINISHED) changes nothing
+    resumed = Run("--resume", str(run_dir), "train.steps=3", cwd=run_dir.parent)
+    try:
+        resumed.until(r"^\W*done\W*$")
+        tree = resumed.processes()
+        resumed.proc.send_signal(signal.SIGTERM)
+        rc = resumed.finish(timeout=120)
+    finally:
+        resumed.kill()
+    assert rc == 0, resumed.text
+    assert "resumed at weight version 2" in resumed.text, resumed.text
+    assert "sparse-rl: SIGTERM after the run finished: ignored (its record is complete); finishing the shutdown, " \
+           "exit 0" in resumed.text, resumed.text
     assert mlflow_status(run_dir) == "FINISHED"
+    assert_all_gone(tree, redis_port(resumed.text))
 
 
 def ctrl_c_is_one_line_and_the_resume_it_prints_trains_on(text: str, run_dir: Path) -> None:
