@@ -55,12 +55,14 @@ def gone(pid: int) -> bool:
 
 
 def test_a_busy_looping_reward_times_out_and_the_scorer_stays_usable():
-    """The default timeout (10 s): each of 3 samples whose reward busy-loops scores 0 (status error) after 10 s,
-    its worker killed; the scorer then scores normal samples right, in one worker reused from sample to sample;
-    this process (the actor's, here) has the threads it had before, uses no more CPU than before, and the killed
-    workers are gone. (On the code before actors/user_code.py the first such sample never returns.)"""
+    """actors.reward.timeout_s (10 s by default; 2 s here, each timeout burns a core for its length): each of 3
+    samples whose reward busy-loops scores 0 (status error) after 2 s, its worker killed; the scorer then scores
+    normal samples right, in one worker reused from sample to sample; this process (the actor's, here) has the
+    threads it had before, uses no more CPU than before, and the killed workers are gone. (On the code before
+    actors/user_code.py the first such sample never returns.)"""
     me = psutil.Process()
-    scorer = RewardScorer(RewardConfig(function="hanging_user_code:spin_reward"))  # actors.reward.timeout_s: default
+    assert RewardConfig().timeout_s == 10.0  # the default a run gets
+    scorer = RewardScorer(RewardConfig(function="hanging_user_code:spin_reward", timeout_s=2.0))
     assert scorer("abc", [1, 2, 3], item()) == RewardResult(0.75, "wrong", "")  # 3 ids / target 4
     threads, baseline = me.num_threads(), idle_cpu_s(me)
     killed = []
@@ -72,8 +74,8 @@ def test_a_busy_looping_reward_times_out_and_the_scorer_stays_usable():
         result = scorer("spin", [1], item())
         took = time.monotonic() - start
         assert result == RewardResult(0.0, "error", "") and scorer.timeouts == n
-        assert 10.0 <= took < 13.0, took
-        assert scorer.last_error == ("reward function hanging_user_code:spin_reward timed out after 10 s on p-0 "
+        assert 2.0 <= took < 5.0, took
+        assert scorer.last_error == ("reward function hanging_user_code:spin_reward timed out after 2 s on p-0 "
                                      "(actors.reward.timeout_s; the sample scored 0, counted in reward_errors)")
         killed += workers - {p.pid for p in me.children(recursive=True)}
         assert len(killed) == n and gone(killed[-1]) and scorer.code.pid is None
