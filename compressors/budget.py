@@ -1,13 +1,15 @@
 """KV budget over a run (docs/SPEC.md §5.1): schedules by weight version and difficulty tiers, and along a
 trajectory (budget_schedule length; Sparrow, arXiv 2606.08446 §3.2).
 
-Pure functions of the config and plain numbers (no torch, no I/O), shared by the rollout actors (which apply
-the budget per batch) and the learner (which logs it and, with `budget_control: mismatch`, moves it:
-learner/budget_control.py).
+Pure functions of the config and plain numbers or numpy arrays of them (no torch, no I/O), shared by the rollout
+actors (which apply the budget per batch; the SGLang backend per request row, `length_budgets`) and the learner
+(which logs it and, with `budget_control: mismatch`, moves it: learner/budget_control.py).
 """
 from __future__ import annotations
 
 import math
+
+import numpy as np
 
 TIER_NAMES = ("hard", "medium", "easy")
 """Tier names in the order of `CompressorConfig.tier_scales`; a prompt never sampled before is `new`."""
@@ -49,10 +51,25 @@ def length_budget(cfg, start: int, generated: int) -> int:
     """Budget, tokens, of a sequence that has generated `generated` tokens under budget_schedule length (Sparrow
     §3.2: a budget that grows with the trajectory so the mismatch tail does not): min(kv_budget_final,
     start + budget_growth x generated), rounded half up; `start` (the batch's budget, normally kv_budget) itself
-    for any other schedule. The torch engine compacts to this budget at every compression."""
+    for any other schedule. The torch engine compacts to this budget at every compression (one value of
+    `length_budgets`, so both engines compute it the same way)."""
     if cfg.budget_schedule != "length":
         return start
-    return min(max(cfg.kv_budget_final, start), _round(start + cfg.budget_growth * generated))
+    return int(length_budgets(cfg, np.array([start]), np.array([generated]))[0])
+
+
+def length_budgets(cfg, start: np.ndarray, generated: np.ndarray) -> np.ndarray:
+    """`length_budget` of many sequences at once: start int [n] (each sequence's start budget, tokens), generated
+    int [n] (tokens each has generated) -> int64 [n] budgets, tokens: min(max(kv_budget_final, start), start +
+    budget_growth x generated rounded half up) under budget_schedule length, `start` (as int64) otherwise. The
+    SGLang backend reads it from its host mirror's start budgets and step counts
+    (actors/engines/sglang/triton_backend.py `_budget_now`); `length_budget` is one value of it, so the two engines
+    round the same way (float64, half up, as `_round`)."""
+    start = np.asarray(start, dtype=np.int64)
+    if cfg.budget_schedule != "length":
+        return start.copy()
+    grown = np.floor(start + cfg.budget_growth * np.asarray(generated, dtype=np.int64) + 0.5).astype(np.int64)
+    return np.minimum(np.maximum(cfg.kv_budget_final, start), grown)
 
 
 def tier_of(cfg, confidence: float | None) -> str:

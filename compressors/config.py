@@ -89,7 +89,7 @@ class CompressorConfig:
     """constant | linear | cosine: the budget goes from kv_budget (weight version 0) to kv_budget_final (at
     version budget_schedule_steps, then stays): progressive shrinking (docs/SPEC.md §5.1). Actors apply the value
     of their weight version at every batch (compressors.budget.scheduled_budget).
-    length (Sparrow §3.2's sparsity scheduling, torch engine): the budget grows along the trajectory, from
+    length (Sparrow §3.2's sparsity scheduling, both engines): the budget grows along the trajectory, from
     kv_budget at the first generated token by budget_growth tokens per generated token up to kv_budget_final;
     each compression keeps the budget of the sequence's current response length (compressors.budget.length_budget)."""
     kv_budget_final: int = 0

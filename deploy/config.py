@@ -406,9 +406,6 @@ def check_sglang(run: RunConfig) -> None:
     check(not unsupported, f"actors.engine.compressor.{', actors.engine.compressor.'.join(unsupported)}: the SGLang "
           "engine's backend cannot run this yet (no per-sample seeds, events, positions or prompt lengths reach its "
           "select; h2o: no attention mass): use actors.engine.backend=torch")
-    check(compressor.budget_schedule != "length",
-          "actors.engine.compressor.budget_schedule='length' grows the budget within a trajectory: the torch engine "
-          "only (actors.engine.backend=torch); the SGLang engine's budget is fixed per request")
     if compressor.method != "full":
         from actors.engines.sglang.engine import check_sparse_kwargs  # late: only a sparse SGLang run needs it
         try:

@@ -363,12 +363,22 @@ def test_budget_metric_defaults_to_the_acceptance_rate_when_top_k_is_on():
         load_config("tiny", ["actors.sampling.topk_logprobs=-1"])
 
 
-def test_length_schedule_needs_the_torch_engine():
+def test_length_schedule_runs_on_both_engines():
+    """budget_schedule length: accepted on the torch engine and on SGLang (its backend follows each request's budget
+    from its host step count, docs/sglang.md "The length schedule"); on SGLang the refusals that still apply stay,
+    e.g. a method its backend cannot run, and the length schedule's own (with tiers) on both engines."""
     length = ["actors.engine.compressor.budget_schedule=length", "actors.engine.compressor.budget_growth=0.5",
               "actors.engine.compressor.kv_budget_final=96", "actors.engine.compressor.kv_budget=48"]
     assert load_config("tiny", length).actors.engine.compressor.budget_schedule == "length"
-    with pytest.raises(ConfigError, match="budget_schedule='length'.*actors.engine.backend=torch"):
-        load_config("tiny", length + ["actors.engine.backend=sglang"], check_files=False)
+    sglang = load_config("tiny", length + ["actors.engine.backend=sglang", "eval.modes=[sparse]"], check_files=False)
+    assert (sglang.actors.engine.backend, sglang.actors.engine.compressor.budget_schedule) == ("sglang", "length")
+    with pytest.raises(ConfigError, match=re.escape("actors.engine.compressor.method=random: the SGLang engine")):
+        load_config("tiny", length + ["actors.engine.backend=sglang", "eval.modes=[sparse]",
+                                      "actors.engine.compressor.method=random"], check_files=False)
+    for backend in ("torch", "sglang"):
+        with pytest.raises(ConfigError, match="budget_schedule='length' cannot be combined with"):
+            load_config("tiny", length + [f"actors.engine.backend={backend}", "eval.modes=[sparse]",
+                                          "actors.engine.compressor.budget_tiers=confidence"], check_files=False)
 
 
 @pytest.mark.parametrize("rows, reason", [('{"question": "1+1", "answer": "#### 2"}\n{"question": "x" "answer"}\n',

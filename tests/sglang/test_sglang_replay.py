@@ -3,7 +3,8 @@
 the wire format (broker/schema.py) into the learner's collate, and the replayed forward with the same weights gives
 each token's logp_sparse to 1e-4 while the dense recompute differs by more than 1e-2; one layer's record shifted by
 one step breaks it (the control). Sampled at temperature 1 (n = 2), one prompt longer than the budget (compressed at
-prefill, step 0)."""
+prefill, step 0); R-KV, SnapKV shared, and R-KV under the length schedule (budget_schedule length: 12 growing 0.5 a
+token to 26, docs/sglang.md "The length schedule")."""
 import copy
 import os
 
@@ -33,7 +34,9 @@ PARAMS = SamplingParams(temperature=1.0, max_new_tokens=40, n=2, ignore_eos=True
 @pytest.fixture(scope="module", params=[
     CompressorConfig(method="rkv", kv_budget=16, window=4, interval=8),
     CompressorConfig(method="snapkv", kv_budget=16, window=4, interval=8, selection="shared"),
-], ids=["rkv-per_head", "snapkv-shared"])
+    CompressorConfig(method="rkv", kv_budget=12, window=4, interval=8, budget_schedule="length", budget_growth=0.5,
+                     kv_budget_final=26),
+], ids=["rkv-per_head", "snapkv-shared", "rkv-length"])
 def rollouts(request, tiny_qwen2_dir):
     """(the model, the groups off the wire) of one recording `sparse_rl_kv` engine's sampled rollouts, every decode
     step through the self-check."""

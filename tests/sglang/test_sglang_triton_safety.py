@@ -175,15 +175,18 @@ def test_scheduler_side_graph_check_refuses_sglangs_gpu_default():
     backend.check_graph_settings(ours, False)
 
 
-def test_sparse_engine_refuses_budget_schedule_length():
-    """budget_schedule=length grows the budget along a trajectory (torch engine only); the SGLang engine would
-    read kv_budget as a constant: refused at start, naming the setting (deploy/config.py refuses it in a config)."""
+def test_torch_reference_backend_refuses_budget_schedule_length():
+    """budget_schedule=length grows the budget along a trajectory: `sparse_rl_kv` follows it from each row's host
+    step count (tests/sglang/test_sglang_length_schedule.py); the torch reference backend compresses every request to
+    kv_budget, so it refuses it at start, naming the setting and the backend to use."""
     import dataclasses
 
+    from actors.engines.sglang.engine import TORCH_SPARSE_BACKEND
+
     grow = dataclasses.replace(SPARSE, budget_schedule="length", kv_budget_final=32, budget_growth=0.5)
-    grow.validate()                                                   # a valid setting, for the torch engine
-    with pytest.raises(ValueError, match="compressor.budget_schedule='length'"):
-        SGLangEngine("/nonexistent-model", compressor_cfg=grow)
+    grow.validate()
+    with pytest.raises(ValueError, match="compressor.budget_schedule='length'.*use sparse_rl_kv"):
+        SGLangEngine("/nonexistent-model", compressor_cfg=grow, sparse_backend=TORCH_SPARSE_BACKEND)
 
 
 def test_torch_reference_backend_refuses_aligned_phase():

@@ -62,6 +62,7 @@ from actors.engines.sglang.contract import (  # noqa: F401  (re-exported: the en
     rid_budget,
 )
 from compressors import CompressorConfig
+from compressors.budget import length_budget
 
 
 def sglang_request(params: SamplingParams, budgets: list[int], run_budget: int | None) -> dict:
@@ -213,8 +214,9 @@ class SGLangEngine:
     engine_kwargs: passed to `sglang.Engine` (device, dtype, mem_fraction_static, ...); in sparse mode
         `sparse_engine_kwargs()` is added, and a setting that contradicts it is refused (`check_sparse_settings`).
     Raises ValueError on an invalid compressor config, a sparse-mode setting it cannot honour (naming the
-        setting; nothing is started), record_evictions with the `sparse_rl_kv_torch` backend, or with
-        `SGLANG_RETURN_ORIGINAL_LOGPROB` set; whatever `sglang.Engine` raises if the model cannot be loaded.
+        setting; nothing is started), record_evictions, compressor.phase aligned or budget_schedule length with the
+        `sparse_rl_kv_torch` backend, or with `SGLANG_RETURN_ORIGINAL_LOGPROB` set; whatever `sglang.Engine` raises
+        if the model cannot be loaded.
     Must be created under `if __name__ == "__main__":` (SGLang spawns its scheduler subprocess).
     """
 
@@ -234,12 +236,13 @@ class SGLangEngine:
         self.weight_version = weight_version
         kwargs = dict(engine_kwargs)
         if self.sparse:
-            if self.compressor_cfg.budget_schedule == "length":
-                raise ValueError("compressor.budget_schedule='length' grows the budget within a trajectory: the torch "
-                                 "engine only; the SGLang engine's budget is fixed per request")
             if sparse_backend not in (SPARSE_BACKEND, TORCH_SPARSE_BACKEND):
                 raise ValueError(f"sparse_backend={sparse_backend!r}: "
                                  f"expected {SPARSE_BACKEND} | {TORCH_SPARSE_BACKEND}")
+            if sparse_backend == TORCH_SPARSE_BACKEND and self.compressor_cfg.budget_schedule == "length":
+                raise ValueError(f"compressor.budget_schedule='length' grows the budget within a trajectory: the "
+                                 f"{TORCH_SPARSE_BACKEND} reference backend compresses every request to "
+                                 f"compressor.kv_budget; use {SPARSE_BACKEND}")
             if sparse_backend == TORCH_SPARSE_BACKEND and self.compressor_cfg.phase != "request":
                 raise ValueError(f"compressor.phase={self.compressor_cfg.phase!r}: "
                                  f"the {TORCH_SPARSE_BACKEND} reference "
@@ -318,7 +321,9 @@ class SGLangEngine:
         controller, difficulty tiers: docs/SPEC.md §5.1). A budget other than the run's rides in the request id
         (`sglang_request`); the `sparse_rl_kv` backend reads it at the request's prefill and compresses the
         request to it (all requests still decode in one batch). Only in sparse mode with `sparse_rl_kv`; a dense
-        engine ignores them.
+        engine ignores them. With `compressor_cfg.budget_schedule` length each is the request's start budget: a
+        compression after t generated tokens keeps compressors.budget.length_budget(cfg, start, t) tokens (the
+        backend reads t from its host mirror), as `TorchEngine.generate` does.
 
         Each of the n samples is its own SGLang request (prompt-major); with `params.seed` sample j gets
         `sampling_seed = seed + j`, which SGLang honours only when the engine runs with
@@ -472,11 +477,13 @@ class SGLangEngine:
 
     def _kv_tokens(self, prompt_len: int, response_len: int, budget: int, joined_at: int = 0) -> tuple[int, int]:
         """(tokens in this sequence's KV when it ended, peak tokens it held) under the compression schedule of
-        the sparse backend: the prompt compressed at prefill if longer than kv_budget; at decode step s (s = 1
-        for the forward of the first sampled token), after the step's attention, compressed to kv_budget if it
-        holds more and s % interval == 0 (compressor.phase request), or (joined_at + s) % interval == 0 (aligned:
-        `joined_at` = the engine decode steps run before the request's first, recorded by the backend at its
-        prefill, so joined_at + s is the engine step the backend tests). Exact under both phases."""
+        the sparse backend: the prompt compressed at prefill to `budget` (the start budget) if longer; at decode
+        step s (s = 1 for the forward of the first sampled token), after the step's attention, compressed to
+        length_budget(compressor_cfg, budget, s) (compressors/budget.py: `budget` itself unless budget_schedule is
+        length, where it grows with s; the backend's `_budget_now`) if it holds more and s % interval == 0
+        (compressor.phase request), or (joined_at + s) % interval == 0 (aligned: `joined_at` = the engine decode
+        steps run before the request's first, recorded by the backend at its prefill, so joined_at + s is the
+        engine step the backend tests). Exact under both phases and every schedule."""
         held = prompt_len
         if not self.sparse:
             return held + response_len - 1, held + response_len - 1
@@ -486,8 +493,8 @@ class SGLangEngine:
         for step in range(1, response_len):
             held += 1
             peak = max(peak, held)
-            if (joined_at + step) % interval == 0 and held > budget:
-                held = budget
+            if (joined_at + step) % interval == 0:
+                held = min(held, length_budget(self.compressor_cfg, budget, step))
         return held, peak
 
     def _stats_file(self) -> tuple[str | None, bool]:

@@ -10,16 +10,18 @@ device, per live request (a *record slot*):
   token index of each packed position start + j, j < B (positions from start + B on hold the tokens appended since,
   at their own index; a row never compressed, start 0, holds every token at its own index). The suffix holds at most
   budget + interval tokens after a compression (docs/sglang.md, Schedule), of which only the B packed ones need the
-  map, so `origin` is sized by the largest budget, not by budget + interval;
+  map, so `origin` is sized by the largest budget, not by budget + interval. Under budget_schedule length a row's
+  budget grows between its compressions (compressors/budget.py `length_budgets`), so the number of mapped positions
+  is the B of the row's *last* compression, which the backend keeps on the host and passes to `host_index`;
 - `steps` int16 [slots, layers, Hkv, width + 1]: original token index -> generated tokens when evicted, as uint16
   bits (-1 = 65535 = never); column `width` is a dump column that the writes of kept keys and padding go to.
 Slots are the live requests (a host map from SGLang's request row, taken at the row's prefill and given back when it
 leaves), so the buffers grow with the most requests live at once (one generate call's), not with SGLang's request
 pool; `width` grows in steps of RECORD_WIDTH_STEP tokens with the longest request compressed, `origin` with the
-largest budget that entered. Growing is eager (between steps) and reads nothing back. When the last live request
-leaves (the end of a generate call) both buffers are dropped (slots and width back to 0; `origin` keeps its budget
-dimension), so their size is bounded per call, not by the longest request ever (an eval's longer responses are not
-held into training's calls); within a call they never shrink.
+largest budget that entered or was compressed to (`fit`). Growing is eager (between steps) and reads nothing
+back. When the last live request leaves (the end of a generate call) both buffers are dropped (slots and width back
+to 0; `origin` keeps its budget dimension), so their size is bounded per call, not by the longest request ever
+(an eval's longer responses are not held into training's calls); within a call they never shrink.
 
 `record` (inside the backend's compression, `_compress_group`) is device ops only: no host sync (checked under the
 backend's NoHostSync in the lane's self-check). `take` copies a leaving request's record to the host once and writes
@@ -123,10 +125,14 @@ class EvictionRecorder:
         """The record slots of request rows (host int64 [g])."""
         return np.asarray([self.slot[int(r)] for r in rows], dtype=np.int64)
 
-    def fit(self, length: int) -> None:
-        """Grow the record to hold original token indices < `length` (a host int or numpy integer; eager, before a
-        compression)."""
-        length = int(length)
+    def fit(self, length: int, budget: int = 0) -> None:
+        """Grow the record to hold original token indices < `length` and `origin` to map `budget` packed positions
+        (host ints or numpy integers; a budget at most the current one changes nothing: budget_schedule length grows
+        a row's budget past the one it entered with). Eager, before a compression; reads nothing back."""
+        length, budget = int(length), int(budget)
+        if budget > self.origin.shape[3]:
+            self.origin = grown(self.origin, (*self.origin.shape[:3], budget), 0)
+            self.packed = torch.arange(budget, device=self.device)
         if length <= self.width:
             return
         width = -(-length // RECORD_WIDTH_STEP) * RECORD_WIDTH_STEP
@@ -135,12 +141,14 @@ class EvictionRecorder:
         self.width = width
 
     @staticmethod
-    def host_index(pos: np.ndarray, start: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
+    def host_index(pos: np.ndarray, start: np.ndarray, packed) -> tuple[np.ndarray, np.ndarray]:
         """For one compression group (host, the backend's mirror): left-padded live positions pos int64 [g, n], the
-        rows' starts int64 [g], their budget -> (mapped bool [g, n]: the position is one of the B packed by the
-        row's last compression; rel int64 [g, n]: its index in `origin`, 0 elsewhere)."""
+        rows' starts int64 [g], the positions each row's last compression packed, `packed` int64 [g] or one int for
+        all (its budget B then: the budget of *that* compression, smaller than the one now due under budget_schedule
+        length) -> (mapped bool [g, n]: the position is one of the B packed by the row's last compression; rel int64
+        [g, n]: its index in `origin`, 0 elsewhere)."""
         rel = pos - start[:, None]
-        mapped = (start[:, None] > 0) & (rel >= 0) & (rel < budget)
+        mapped = (start[:, None] > 0) & (rel >= 0) & (rel < np.asarray(packed).reshape(-1, 1))
         return mapped, np.where(mapped, rel, 0)
 
     def origins(self, li: int, slots: torch.Tensor, pos: torch.Tensor, mapped: torch.Tensor,

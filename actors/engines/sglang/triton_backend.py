@@ -41,6 +41,13 @@ Per-request budgets: `SGLangEngine.generate(..., kv_budgets=)` puts a budget tha
 the request's id (`actors.engines.sglang.engine.budget_rid`); the backend reads it from `ForwardBatch.rids` at the
 request's prefill only. No custom logit processor is attached, so nothing of ours runs per decode step.
 
+Length schedule (`compressor.budget_schedule: length`, Sparrow, arXiv 2606.08446 §3.2): the budget read at the
+prefill is the row's start budget; a compression of a row whose host step count is s keeps
+`compressors.budget.length_budgets(cfg, start budget, s)` tokens (`_budget_now`, the torch engine's
+`SlotPlan.budget_at`), from the host mirror, as the due check already reads it: no device budget, no sync. Rows due
+in one event are grouped by that budget, one `_compress_group` call per distinct budget (per chunk:
+`compress_pending`, stats `compression_groups` / `compression_calls`).
+
 Limits (checked at start, ValueError naming the setting, see `check_server_args`): page size 1, no radix
 cache, no chunked prefill, tp/pp/dp/dcp 1, no overlap scheduling, model-dtype KV (no fp8), the plain
 `[slots, heads, dim]` MHA pool, no sliding window, no speculative decoding, no metadata glue graph.
@@ -66,6 +73,7 @@ from actors.engines.sglang.contract import (
 )
 from actors.engines.sglang.records import EvictionRecorder, int16_bits
 from compressors import CompressorConfig, SelectContext, build_compressor, gather_kv
+from compressors.budget import length_budgets
 
 SELF_CHECK_ENV = "SPARSE_RL_KV_SELF_CHECK"
 """When "1": every decode step runs the graph-replay metadata path instead of the eager one, on a batch padded
@@ -195,13 +203,19 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         self.alive = np.zeros(rows, dtype=bool)
         self.seq_len, self.start = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
         self.steps, self.budget = np.zeros(rows, dtype=np.int64), np.full(rows, cfg.kv_budget, dtype=np.int64)
+        """Host mirror per request row: decode steps since its prefill (s), and its start budget (tokens, read from
+        the request id at the prefill); a compression keeps `_budget_now`."""
+        self.kept = np.zeros(rows, dtype=np.int64)
+        """Host mirror per request row: the positions its last compression packed (that compression's budget; 0
+        before the first), which the eviction record's map needs when the budget grows
+        (`EvictionRecorder.host_index`)."""
         self.pending: set[int] = set()
         self.extend_ring = None
         self.stats = {"peak_used_slots": 0, "freed_slots": 0, "compressions": 0, "pool_slots": self.allocator.size,
                       "compression_events": 0, "last_extend_decode_step": 0, "used_at_last_extend": 0,
                       "max_live_by_budget": {}, "self_checks": 0, "decode_steps": 0,
                       "graph_replays": 0, "graph_captures": 0, "padded_lanes_checked": 0, "stale_lanes_checked": 0,
-                      "compression_calls": 0, "event_bytes_bound": 0}
+                      "compression_calls": 0, "compression_groups": 0, "event_bytes_bound": 0}
         self.stats_path = os.environ.get(KV_STATS_ENV)
         self.joins_path = os.environ.get(JOINS_ENV) if cfg.phase == "aligned" else None
         self.self_check = os.environ.get(SELF_CHECK_ENV) == "1"
@@ -286,6 +300,11 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         self._write_stats()
 
     def _advance_decode(self, fb) -> None:
+        """A decode forward: the host mirror's lengths and step counts of the live rows + 1 (checked against SGLang's
+        host `seq_lens_sum`: RuntimeError when they drifted), `max_live_by_budget` (keyed by the start budget), and
+        the rows due after this step's attention into `pending`: phase request: s % interval == 0 (s = the row's
+        steps), aligned: g % interval == 0 (g = `decode_steps`), and the row holds more than `_budget_now`. Host
+        numpy only (no device value read)."""
         rows = np.flatnonzero(self.alive)
         real_bs = real_lanes(fb)
         self.seq_len[rows] += 1
@@ -303,8 +322,17 @@ class SparseTritonAttnBackend(TritonAttnBackend):
             seen[key] = max(seen.get(key, 0), int(live[self.budget[rows] == b].max()))
         self.stats["decode_steps"] += 1
         step = self.stats["decode_steps"] if self.cfg.phase == "aligned" else self.steps[rows]
-        due = rows[(step % self.cfg.interval == 0) & (live > self.budget[rows])]
+        due = rows[(step % self.cfg.interval == 0) & (live > self._budget_now(rows))]
         self.pending.update(due.tolist())
+
+    def _budget_now(self, rows: np.ndarray) -> np.ndarray:
+        """The budget, tokens, a compression of request rows `rows` (int64 [g]) keeps now: int64 [g],
+        `compressors.budget.length_budgets` of their start budgets at their host step counts, so with
+        budget_schedule length it grows with each row's response (Sparrow, arXiv 2606.08446 §3.2; the torch engine's
+        `SlotPlan.budget_at`, actors/engines/batch_cache.py), and is the start budget under any other schedule. Read
+        between steps, while a due row's count is still the s of the step it became due in (0 at the prefill: the
+        start budget). Host numpy from the mirror: no device budget, no sync."""
+        return length_budgets(self.cfg, self.budget[rows], self.steps[rows])
 
     def _enter_extend(self, fb) -> None:
         if fb.extend_prefix_lens_cpu is not None and any(fb.extend_prefix_lens_cpu):
@@ -316,7 +344,7 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         rids = fb.rids if fb.rids is not None else [None] * len(rows)
         budgets = [rid_budget(rid, self.cfg.kv_budget) for rid in rids[:len(rows)]]
         self.alive[rows], self.seq_len[rows], self.start[rows], self.steps[rows] = True, lens, 0, 0
-        self.budget[rows] = budgets
+        self.budget[rows], self.kept[rows] = budgets, 0
         self.start_dev[torch.from_numpy(rows).to(self.device)] = 0
         if self.recorder is not None:
             self.recorder.enter(rows.tolist(), list(rids[:len(rows)]), budgets)
@@ -341,20 +369,30 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         return self._compressors[budget]
 
     def compress_pending(self) -> None:
-        """Compress every pending row to its budget (all layers; one batched call per layer and distinct
-        budget, rows left-padded to the longest), then free their evicted slots with one allocator call."""
+        """Compress every pending row to its budget now (`_budget_now`; all layers), then free their evicted slots
+        with one allocator call: one event (`compression_events`). Rows are grouped by that budget, and each group
+        runs as its `_event_chunks` calls of `_compress_group` (per layer one batched select, rows left-padded to
+        the longest). Calls per event = the sum, over the distinct budgets of its due rows, of each budget's chunks:
+        one per distinct budget when no group is split. Under budget_schedule length a row's budget is
+        length_budget(start budget, s), so rows due together with one start budget but different step counts s
+        (phase request: s a different multiple of interval, a row that joined later; phase aligned: any s) are
+        separate groups until both budgets reach kv_budget_final. Counted in the stats: `compression_groups`
+        (distinct budgets, summed over events) and `compression_calls` (calls)."""
         if not self.pending:
             return
         rows = np.array(sorted(self.pending), dtype=np.int64)
         self.pending.clear()
-        rows = rows[np.argsort(self.budget[rows], kind="stable")]          # grouped by budget, host (mirror)
-        budgets, first = np.unique(self.budget[rows], return_index=True)
+        now = self._budget_now(rows)
+        order = np.argsort(now, kind="stable")                               # grouped by budget, host (mirror)
+        rows, now = rows[order], now[order]
+        budgets, first = np.unique(now, return_index=True)
         freed = torch.cat([self._compress_group(chunk, b) for b, group in zip(budgets, np.split(rows, first[1:]))
                            for chunk in self._event_chunks(group, b)])
         self.allocator.free(freed)
         self.stats["freed_slots"] += freed.numel()
         self.stats["compressions"] += len(rows)
         self.stats["compression_events"] += 1
+        self.stats["compression_groups"] += len(budgets)
 
     def _event_chunks(self, group: np.ndarray, budget) -> list[np.ndarray]:
         """`group` (request rows due at one budget) split into consecutive chunks of at most
@@ -394,9 +432,10 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         """Compress rows (all holding more than `budget` live tokens) to `budget`; returns the freed slots. The
         index arrays are built on the host from the mirror (numpy: left-padded live positions, the evicted
         positions [start, length - budget) of every row; with a recorder, the rows' record slots, which positions
-        its map holds and their step counts) and reach the device in one pinned non-blocking copy (`_to_device`);
-        no per-row loop, nothing read back from the device (`_compress_device`, under NoHostSync in the
-        self-check)."""
+        its map holds (the positions each row's last compression packed, `self.kept`, which under budget_schedule
+        length can be less than `budget`) and their step counts) and reach the device in one pinned non-blocking copy
+        (`_to_device`); no per-row loop, nothing read back from the device (`_compress_device`, under NoHostSync in
+        the self-check)."""
         w = self.cfg.window
         length, start = self.seq_len[rows], self.start[rows]
         new_start = length - budget
@@ -407,12 +446,12 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         host = [rows, np.maximum(pos, 0), live, new_start[:, None] + np.arange(budget)[None, :],
                 (length[:, None] - w + np.arange(w)[None, :]) % w, evict_row, evict_col, new_start]
         if self.recorder is not None:                    # the steps recorded: each row's own, before this step's
-            self.recorder.fit(length.max())                                   # host numpy: the mirror
-            host += [self.recorder.slots_of(rows), *EvictionRecorder.host_index(pos, start, budget),
+            self.recorder.fit(length.max(), budget)                           # host numpy: the mirror
+            host += [self.recorder.slots_of(rows), *EvictionRecorder.host_index(pos, start, self.kept[rows]),
                      int16_bits(self.steps[rows])]
         with NoHostSync() if self.self_check else contextlib.nullcontext():
             freed = self._compress_device(budget, *self._to_device(*host))
-        self.start[rows] = new_start
+        self.start[rows], self.kept[rows] = new_start, budget
         return freed
 
     def _compress_device(self, budget, rows_t, pos_t, valid, target_pos, qpos, evict_row, evict_col, new_start_t,
