@@ -22,7 +22,7 @@ import pytest
 
 from broker.run_state import read_learner_version
 from learner.checkpoint import read_client_state
-from tests.deploy.test_faults import ENV, ONE_ACTOR, Run, assert_all_gone, mlflow_status, redis_port
+from tests.deploy.test_faults import ENV, ONE_ACTOR, Run, assert_all_gone, mlflow_status, one_line, redis_port
 
 pytestmark = pytest.mark.system
 
@@ -94,9 +94,7 @@ def sigterm_is_one_line_and_the_resume_it_prints_trains_on(text: str, run_dir: P
     """After SIGTERM at step 2 of 50 with no interval checkpoint (Slurm's time limit, pod deletion, docker stop): the
     learner checkpointed its last step, the one line says so and how to resume, Ray's native crash handler printed
     nothing, and the resume it prints trains on; a SIGTERM to that resume once it finished exits 0 with one line."""
-    lines = [line for line in text.splitlines() if line.startswith("sparse-rl: ")]
-    assert len(lines) == 1, text
-    line = lines[0]
+    line = one_line(text)
     match = re.fullmatch(rf"sparse-rl: terminated \(SIGTERM\) at step 2 of 50; last checkpoint: "
                          rf"{re.escape(str(run_dir / 'checkpoints'))}/version_2 \(.*\); resume with: (\S+) train "
                          rf"--resume {re.escape(str(run_dir))}", line)
