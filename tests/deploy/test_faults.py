@@ -259,55 +259,59 @@ def learner_processes(run: Run) -> list:
     return run.workers("LearnerWorker")
 
 
-@pytest.mark.timeout(1200)
-def test_a_learner_lost_outside_a_step_ends_the_run_at_once(tmp_path):
+DIED = "run failed: learner rank 0 died while"
+LEARNER_LOST = {  # name: (faults, extra overrides, the line after "sparse-rl: ")
+    "actors loading": ("actor.start:*=sleep:300", [], f"{DIED} the actors were loading: "),  # they load 5 minutes
+    "constructor": ("learner.init:0=exit", [], f"{DIED} starting: "),
+    "weight sync": ("learner.send_weights:0@1=exit", ["learner.checkpoint_interval=1"],
+                    f"{DIED} it sent the weights: "),
+    "save_final": ("learner.save_final:0=exit", ["learner.checkpoint_interval=1"],
+                   f"{DIED} it saved the final weights: "),
+    "step raises": ("learner.step:0@0=fail", [], "run failed: learner step 1 failed: learner rank 0 raised "
+                                                 "broker.faults.FaultInjectedError: "),
+}
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", LEARNER_LOST)
+def test_a_learner_lost_outside_a_step_ends_the_run_at_once(tmp_path, name):
     """The learner dies in its constructor, while the actors load their model, during a weight sync, or while it
     saves the final weights, or its first step raises: each run ends within 30 s of the death with exit 1 and one
     line naming the rank and the phase, with the command to go on (start again without a checkpoint, resume with
-    one, one step more when the final save died), MLflow FAILED, no process left."""
-    base = ["--config", "tiny", "train.steps=2", "eval.enabled=false", "train.wait_report_s=1", ONE_ACTOR]
-    died = "run failed: learner rank 0 died while"
-    cases = {  # name: (faults, extra overrides, the line after "sparse-rl: ")
-        "actors loading": ("actor.start:*=sleep:300", [], f"{died} the actors were loading: "),  # they load 5 minutes
-        "constructor": ("learner.init:0=exit", [], f"{died} starting: "),
-        "weight sync": ("learner.send_weights:0@1=exit", ["learner.checkpoint_interval=1"],
-                        f"{died} it sent the weights: "),
-        "save_final": ("learner.save_final:0=exit", ["learner.checkpoint_interval=1"],
-                       f"{died} it saved the final weights: "),
-        "step raises": ("learner.step:0@0=fail", [], "run failed: learner step 1 failed: learner rank 0 raised "
-                                                     "broker.faults.FaultInjectedError: "),
-    }
-    for name, (fault, extra, expected) in cases.items():
-        runs = tmp_path / name.replace(" ", "_")
-        env = {**ENV, "SPARSE_RL_FAULTS": fault}  # the fault seam, broker/faults.py
-        run = Run(*base, f"run_dir={runs}", *extra, env=env)
-        try:
-            if name == "actors loading":
-                run.until(r"^waiting for the rollout actors for \d+ s: 1 rollout actor\(s\) starting")
-                (learner,) = learner_processes(run)
-                learner.kill()
-            else:
-                run.until(r"^redis: ")
-            tree, died = run.processes(), time.monotonic()
-            rc = run.finish(timeout=300)
-            took = time.monotonic() - died
-        finally:
-            run.kill()
-        assert rc == 1, (name, run.text)
-        line = one_line(run.text)
-        assert line.startswith(f"sparse-rl: {expected}"), (name, line)
-        (run_dir,) = runs.iterdir()
-        if extra:  # a checkpoint of version 1 (weight sync) or 2 (the last step): the resume command is runnable
-            steps = " train.steps=3" if name == "save_final" else ""
-            assert line.endswith(f"; resume with: {Path(sys.executable).parent}/sparse-rl train --resume "
-                                 f"{run_dir}{steps}"), line
-        else:
-            assert f"; start again with: {Path(sys.executable).parent}/sparse-rl train --config tiny" in line, line
-        assert mlflow_status(run_dir) == "FAILED", name
-        assert_all_gone(tree, redis_port(run.text))
+    one, one step more when the final save died), MLflow FAILED, no process left. (One case per test, so that
+    pytest's two workers share the five runs.)"""
+    fault, extra, expected = LEARNER_LOST[name]
+    runs = tmp_path / name.replace(" ", "_")
+    env = {**ENV, "SPARSE_RL_FAULTS": fault}  # the fault seam, broker/faults.py
+    run = Run("--config", "tiny", "train.steps=2", "eval.enabled=false", "train.wait_report_s=1", ONE_ACTOR,
+              f"run_dir={runs}", *extra, env=env)
+    try:
         if name == "actors loading":
-            assert took < 30, (name, took)
-        # (a printed resume command is run to its end in tests/deploy/test_stop_record.py)
+            run.until(r"^waiting for the rollout actors for \d+ s: 1 rollout actor\(s\) starting")
+            (learner,) = learner_processes(run)
+            learner.kill()
+        else:
+            run.until(r"^redis: ")
+        tree, died = run.processes(), time.monotonic()
+        rc = run.finish(timeout=300)
+        took = time.monotonic() - died
+    finally:
+        run.kill()
+    assert rc == 1, (name, run.text)
+    line = one_line(run.text)
+    assert line.startswith(f"sparse-rl: {expected}"), (name, line)
+    (run_dir,) = runs.iterdir()
+    if extra:  # a checkpoint of version 1 (weight sync) or 2 (the last step): the resume command is runnable
+        steps = " train.steps=3" if name == "save_final" else ""
+        assert line.endswith(f"; resume with: {Path(sys.executable).parent}/sparse-rl train --resume "
+                             f"{run_dir}{steps}"), line
+    else:
+        assert f"; start again with: {Path(sys.executable).parent}/sparse-rl train --config tiny" in line, line
+    assert mlflow_status(run_dir) == "FAILED", name
+    assert_all_gone(tree, redis_port(run.text))
+    if name == "actors loading":
+        assert took < 30, (name, took)
+    # (a printed resume command is run to its end in tests/deploy/test_stop_record.py)
 
 
 @pytest.mark.timeout(900)
