@@ -113,6 +113,8 @@ def test_envs_live_in_the_worker_and_the_episode_gets_the_sum_or_the_last_reward
 @pytest.mark.parametrize("no_limit", [False, True])
 def test_an_env_that_raises_or_returns_the_wrong_thing_ends_its_episode_with_reward_0(pool, no_limit):
     pool = EnvPool(EnvConfig(factory=SCRIPTED, step_timeout_s=0)) if no_limit else pool
+    pool.reset("warm-up", prompt())          # the worker starts at the pool's first call (UserCode.pid: None before)
+    pool.close("warm-up")
     errors, worker = pool.counts["errors"], pool.code.pid
     expected = {"raise": "step raised RuntimeError: the tool crashed",
                 "nan": "step returned reward nan: expected a finite number",
