@@ -15,6 +15,14 @@ softmax probabilities it accumulates (the sdpa kernel does not return them) plus
 that per-step cost x 128 is added to its event. `rkv shared` scores once (layer 0) for all layers, so its
 scoring is divided by the layer count while every layer still gathers.
 
+Per method also: `tokens_per_s`, the layer's decode rate with its events amortised (interval tokens over the
+interval's decode time + one event), and `event_peak_bytes`, the CPU allocator's peak during one event (torch.profiler
+memory events: the event's transient tensors, the kept K/V included). `random` (Random Attention, arXiv 2609.03430
+§3) and `streamingllm` read no queries and no attention mass: the JSON gives their event time, rate and peak as
+ratios to R-KV's and SnapKV's (`vs_rkv`, `vs_snapkv`), and the bytes the SGLang backend's query ring takes per
+request row at the Qwen2.5-1.5B shape, which a compressor that reads no queries does not allocate
+(`sglang_ring_bytes_per_row`, actors.engines.kv_memory.query_ring_bytes; docs/sglang.md).
+
 Prints a table per shape and, as the very last line, one JSON object.
 """
 from __future__ import annotations
@@ -35,6 +43,7 @@ from transformers import LlamaConfig, Qwen2Config  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding  # noqa: E402
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding  # noqa: E402
 
+from actors.engines.kv_memory import query_ring_bytes  # noqa: E402
 from compressors import CompressorConfig, SelectContext, accumulate_attention, build_compressor, gather_kv  # noqa: E402
 
 SHAPES = {
@@ -45,7 +54,9 @@ SHAPES = {
                      dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                           intermediate_size=1536, num_hidden_layers=30)),
 }
-METHODS = ("rkv", "snapkv", "h2o", "streamingllm")
+METHODS = ("rkv", "snapkv", "h2o", "streamingllm", "random")
+NO_SCORE = ("streamingllm", "random")   # the methods that read neither queries nor attention mass
+QWEN_1_5B = dict(layers=28, window=8, q_heads=12, head_dim=128, dtype_bytes=2)  # bf16; the SGLang ring's shape
 
 
 class PreallocatedKV:
@@ -73,6 +84,22 @@ def best_seconds(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return min(times)
+
+
+def allocator_peak_bytes(fn) -> int:
+    """Peak of the bytes torch's CPU allocator holds beyond what it held before, while fn() runs (torch.profiler's
+    memory events; numpy-backed tensors are not seen)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    now = peak = 0
+    for e in events:
+        now += e.nbytes()
+        peak = max(peak, now)
+    return peak
 
 
 def bench_shape(name: str, batch: int, kv_budget: int, interval: int, window: int, steps: int, repeats: int):
@@ -107,6 +134,8 @@ def bench_shape(name: str, batch: int, kv_budget: int, interval: int, window: in
     queries = torch.randn(batch, q_heads, window, head_dim)
     valid = torch.ones(batch, kv_heads, seq, dtype=torch.bool)
     attn_mass = torch.rand(batch, kv_heads, seq)
+    ctx = SelectContext(attn_mass=attn_mass, positions=torch.arange(seq).expand(batch, seq),
+                        seed=torch.arange(batch), event=torch.full((batch,), seq))
     rows = {}
     for method in METHODS:
         compressor = build_compressor(CompressorConfig(method=method, kv_budget=kv_budget, window=window,
@@ -114,7 +143,7 @@ def bench_shape(name: str, batch: int, kv_budget: int, interval: int, window: in
 
         def event(compressor=compressor):  # bound: timed in this iteration
             with torch.inference_mode():
-                keep_idx = compressor.select(keys, queries, valid, SelectContext(attn_mass=attn_mass))
+                keep_idx = compressor.select(keys, queries, valid, ctx)
                 out = [gather_kv(t, keep_idx) for t in (keys, values, valid)]
                 if compressor.needs_attention_mass:
                     out.append(gather_kv(attn_mass, keep_idx))
@@ -137,7 +166,9 @@ def bench_shape(name: str, batch: int, kv_budget: int, interval: int, window: in
             per_step_s = best_seconds(lambda: [h2o_step() for _ in range(16)], repeats) / 16
             extra = {"per_step_ms": per_step_s * 1e3}
             event_s += per_step_s * interval
-        rows[method] = {"event_ms": event_s * 1e3, "ratio": event_s / decode_interval_s, **extra}
+        rows[method] = {"event_ms": event_s * 1e3, "ratio": event_s / decode_interval_s,
+                        "tokens_per_s": interval / (decode_interval_s + event_s),
+                        "event_peak_bytes": allocator_peak_bytes(event), **extra}
 
     # Shared selection: layer 0 scores once for every layer; each layer still gathers its K, V and validity.
     shared = build_compressor(CompressorConfig(method="rkv", kv_budget=kv_budget, window=window, selection="shared"))
@@ -147,9 +178,27 @@ def bench_shape(name: str, batch: int, kv_budget: int, interval: int, window: in
         gather_s = best_seconds(lambda: [gather_kv(t, idx) for t in (keys, values, valid)], repeats)
     shared_s = score_s / config.num_hidden_layers + gather_s
     rows["rkv shared"] = {"event_ms": shared_s * 1e3, "ratio": shared_s / decode_interval_s,
+                          "tokens_per_s": interval / (decode_interval_s + shared_s),
                           "score_ms": score_s * 1e3, "gather_ms": gather_s * 1e3}
     return {"decode_step_ms": step_s * 1e3, "decode_interval_ms": decode_interval_s * 1e3,
             "layers": config.num_hidden_layers, "methods": rows}
+
+
+def no_score_ratios(methods: dict) -> dict:
+    """For each method in NO_SCORE: its event time, decode rate and event peak bytes over R-KV's and SnapKV's."""
+    keys = ("event_ms", "tokens_per_s", "event_peak_bytes")
+    return {m: {f"vs_{ref}": {k: round(methods[m][k] / methods[ref][k], 4) for k in keys}
+                for ref in ("rkv", "snapkv")} for m in NO_SCORE}
+
+
+def ring_saved_per_row() -> dict:
+    """Bytes per request row of the SGLang backend's per-row buffers at the Qwen2.5-1.5B shape (bf16, window 8), with
+    the query ring (rkv, snapkv) and without it (streamingllm, random), and their difference."""
+    s = QWEN_1_5B
+    with_ring = query_ring_bytes(1, s["layers"], s["window"], s["q_heads"], s["head_dim"], s["dtype_bytes"])
+    without = query_ring_bytes(1, s["layers"], 0, s["q_heads"], s["head_dim"], s["dtype_bytes"])
+    return {"with_queries": with_ring, "no_queries": without, "saved": with_ring - without,
+            "saved_at_4097_rows": 4097 * (with_ring - without)}
 
 
 def main():
@@ -172,9 +221,10 @@ def main():
         print(f"\n{name}: batch {args.batch}, kv_budget {args.kv_budget}, interval {args.interval}, "
               f"{args.threads} thread(s); decode step {r['decode_step_ms']:.2f} ms "
               f"({steps} steps measured), {args.interval} steps {r['decode_interval_ms']:.1f} ms")
-        print(f"  {'method':<14}{'event ms':>10}{'ratio':>10}")
+        print(f"  {'method':<14}{'event ms':>10}{'ratio':>10}{'tokens/s':>10}{'event peak MB':>15}")
         for method, row in r["methods"].items():
-            print(f"  {method:<14}{row['event_ms']:>10.2f}{row['ratio']:>10.4f}")
+            peak = f"{row['event_peak_bytes'] / 2**20:>15.2f}" if "event_peak_bytes" in row else f"{'':>15}"
+            print(f"  {method:<14}{row['event_ms']:>10.2f}{row['ratio']:>10.4f}{row['tokens_per_s']:>10.1f}{peak}")
 
     summary = {
         "compress_overhead_ratio": results["qwen2.5-7b"]["methods"]["rkv"]["ratio"],
@@ -182,8 +232,13 @@ def main():
         "threads": args.threads, "quick": args.quick, "decode_steps_measured": steps,
         "shapes": {name: {"decode_step_ms": round(r["decode_step_ms"], 3),
                           **{f"{m}_ratio": round(row["ratio"], 5) for m, row in r["methods"].items()},
-                          **{f"{m}_event_ms": round(row["event_ms"], 3) for m, row in r["methods"].items()}}
+                          **{f"{m}_event_ms": round(row["event_ms"], 3) for m, row in r["methods"].items()},
+                          **{f"{m}_tokens_per_s": round(row["tokens_per_s"], 1) for m, row in r["methods"].items()},
+                          **{f"{m}_event_peak_bytes": row["event_peak_bytes"]
+                             for m, row in r["methods"].items() if "event_peak_bytes" in row},
+                          "no_score": no_score_ratios(r["methods"])}
                    for name, r in results.items()},
+        "sglang_ring_bytes_per_row": ring_saved_per_row(),
     }
     print(json.dumps(summary))
 

@@ -79,6 +79,14 @@ ARMS.update({  # eviction replay (issue 34, docs/results.md 6.12): the policy th
     "sparse_replay": [*ARMS["sparse_rl"], "learner.policy_target=sparse"],
     "sparse_replay_distill": [*ARMS["sparse_rl"], "learner.policy_target=sparse", "learner.distill_coef=1.0"],
 })
+PROTECT = ["actors.engine.compressor.protect_prompt=all", "actors.engine.compressor.sinks=4"]
+ARMS.update({  # does the score matter under replay? (docs/results.md section 10); by --arms only
+    "random_replay": [*ARMS["sparse_replay"], "actors.engine.compressor.method=random"],
+    "streamingllm_replay": [*ARMS["sparse_replay"], "actors.engine.compressor.method=streamingllm"],
+    "random_naive": [*ARMS["naive_sparse"], "actors.engine.compressor.method=random"],
+    "rkv_protect_replay": [*ARMS["sparse_replay"], *PROTECT],
+    "random_protect_replay": [*ARMS["sparse_replay"], "actors.engine.compressor.method=random", *PROTECT],
+})
 SPARSE_ARMS = tuple(a for a in ARMS if a != "dense")
 EVAL_BEFORE = {"dense", "sparse_rl"}
 """Arms whose runs also score their model before training (the others share those models' starting point)."""
@@ -482,17 +490,66 @@ def replay_verdicts(arms: dict[str, dict[int, dict]], dense: dict[int, dict], de
             r["r3"] = {"holds": bool(own is not None and ref is not None and own >= 0.95 * ref),
                        "eval_dense_reward": own, "dense_eval_dense_reward": ref,
                        "per_seed": {s: runs[s].get("eval/dense/reward") for s in seeds}}
-        worst = [runs[s].get("replay_logp_max_abs_max") for s in seeds]
-        gaps = [runs[s].get("replay_dense_gap_max_max") for s in seeds]
-        every_step = all(runs[s].get("replay_logp_max_abs_steps") == steps for s in seeds)
-        r["r4"] = {"holds": bool(every_step and all(w is not None and w <= 1e-4 for w in worst)
-                                 and all(g is not None and g > 1e-2 for g in gaps)),
-                   "replay_logp_max_abs": dict(zip(seeds, worst)), "replay_dense_gap_max": dict(zip(seeds, gaps)),
-                   "measured_on_every_step": bool(every_step)}
+        r["r4"] = replay_exact(runs, steps)
         decided = all(k in r for k in ("r1", "r2", "r3", "r4"))
         r["switch"] = bool(decided and r["r1"]["holds"] and r["r3"]["holds"] and r["r4"]["holds"]
                            and not r["r2"]["refuted_against_naive"]) if decided else None
         out[arm] = r
+    return out
+
+
+def replay_exact(runs: dict[int, dict], steps: int) -> dict:
+    """R4 of docs/results.md 6.12 over one arm's runs {seed: run_stats}: `replay_logp_max_abs` <= 1e-4 on every step
+    of every run and each run's largest `replay_dense_gap_max` > 1e-2."""
+    seeds = sorted(runs)
+    worst = [runs[s].get("replay_logp_max_abs_max") for s in seeds]
+    gaps = [runs[s].get("replay_dense_gap_max_max") for s in seeds]
+    every_step = all(runs[s].get("replay_logp_max_abs_steps") == steps for s in seeds)
+    return {"holds": bool(every_step and all(w is not None and w <= 1e-4 for w in worst)
+                          and all(g is not None and g > 1e-2 for g in gaps)),
+            "replay_logp_max_abs": dict(zip(seeds, worst)), "replay_dense_gap_max": dict(zip(seeds, gaps)),
+            "measured_on_every_step": bool(every_step)}
+
+
+SCORER_PAIRS = {"random_replay": "sparse_replay", "streamingllm_replay": "sparse_replay",
+                "random_protect_replay": "rkv_protect_replay"}
+"""docs/results.md section 10: each no-score arm and the R-KV arm with the same protection it is compared with."""
+
+
+def scorer_verdicts(arms: dict[str, dict[int, dict]], steps: int) -> dict:
+    """The rules of docs/results.md section 10 at one budget (arms: {arm: {seed: run_stats}}; means over the seeds
+    both arms ran). `matches_rkv` per no-score arm: held-out under its own cache >= the R-KV arm's - SPREAD and final
+    training reward >= the R-KV arm's - 0.05; `exact` (R4 of 6.12) for every replay arm that ran; `rescue`: replay
+    rescues random iff random_replay's held-out under its own cache > random_naive's + SPREAD and higher in >= 2 of
+    the seeds. A rule whose runs are missing is left out."""
+    out: dict = {}
+    for arm, ref in SCORER_PAIRS.items():
+        runs, base = arms.get(arm, {}), arms.get(ref, {})
+        seeds = sorted(set(runs) & set(base))
+        if not seeds:
+            continue
+        own, rkv = (mean(r[s].get("eval/sparse/reward") for s in seeds) for r in (runs, base))
+        final, rkv_final = (mean(r[s]["final_reward"] for s in seeds) for r in (runs, base))
+        out[arm] = {"matches_rkv": {
+            "holds": bool(own >= rkv - SPREAD and final >= rkv_final - 0.05), "against": ref,
+            "eval_sparse_reward": own, "rkv_eval_sparse_reward": rkv, "final_reward": final,
+            "rkv_final_reward": rkv_final, "per_seed": {s: {"eval_sparse": runs[s].get("eval/sparse/reward"),
+                                                            "rkv_eval_sparse": base[s].get("eval/sparse/reward"),
+                                                            "final": runs[s]["final_reward"],
+                                                            "rkv_final": base[s]["final_reward"]} for s in seeds}}}
+    for arm in ("random_replay", "streamingllm_replay", "rkv_protect_replay", "random_protect_replay"):
+        if arms.get(arm):
+            out.setdefault(arm, {})["exact"] = replay_exact(arms[arm], steps)
+    replay, naive = arms.get("random_replay", {}), arms.get("random_naive", {})
+    seeds = sorted(set(replay) & set(naive))
+    if seeds:
+        per_seed = {s: {"replay": replay[s].get("eval/sparse/reward"), "naive": naive[s].get("eval/sparse/reward")}
+                    for s in seeds}
+        own, other = mean(v["replay"] for v in per_seed.values()), mean(v["naive"] for v in per_seed.values())
+        higher = sum(v["replay"] > v["naive"] for v in per_seed.values())
+        out["rescue"] = {"holds": bool(own > other + SPREAD and higher >= 2), "random_replay_eval_sparse_reward": own,
+                         "random_naive_eval_sparse_reward": other, "seeds_higher": int(higher), "spread": SPREAD,
+                         "per_seed": per_seed}
     return out
 
 
@@ -579,6 +636,9 @@ def report(args) -> dict:
         replay = replay_verdicts(arms, dense, dense_sparse, args.steps)
         if replay:
             block["replay"] = replay
+        scorer = scorer_verdicts(arms, args.steps)
+        if scorer:
+            block["scorer"] = scorer
         if cfg.actors.env.factory:   # a multi-turn config: section 9's rules
             block["episodes"] = episode_verdicts(arms, dense, dense_sparse, args.steps)
         result[f"budget_{b}"] = block
@@ -663,6 +723,7 @@ def verdicts_text(result: dict, budgets) -> str:
                            "sparse_rl": "Sparse-RL", "dense_model": "dense-trained"}))
             lines.append(f"- budget {b}, {name.upper()}: **{verdict}**: {why}")
         lines += replay_verdicts_text(block.get("replay", {}), b)
+        lines += [f"- budget {b}, {name}: {json.dumps(v)}" for name, v in block.get("scorer", {}).items()]
         lines += episode_verdicts_text(block.get("episodes", {}), b)
     return "\n".join(lines) + "\n"
 

@@ -171,6 +171,12 @@ class CompressorConfig:
                          "prompt tokens; the first n are compressor.sinks)")
 
     @property
+    def reads_queries(self) -> bool:
+        """True when `select` reads the window's queries (rkv, snapkv): an engine keeps the last `window` queries
+        of each layer only then (the SGLang backend's query ring, docs/sglang.md)."""
+        return self.method in ("rkv", "snapkv")
+
+    @property
     def protects(self) -> bool:
         """True when some token besides the window is protected (sinks, protect_prompt, protect_values)."""
         return self.sink_tokens > 0 or self.protect_prompt != "off" or self.protect_values > 0

@@ -354,14 +354,16 @@ def sglang_event(shape: ModelShape, q_heads: int, c, budget: int, prompt: int, r
 def sglang_ring(cfg: RunConfig, shape: ModelShape, q_heads: int) -> tuple[int, int]:
     """(bytes, request rows) of the SGLang sparse backend's query ring and row vectors (actors/engines/sglang/
     triton_backend.py, `qwin`) when the run compresses on the SGLang engine, else (0, 0): `query_ring_bytes` at the
-    compressor's window, the model's `q_heads` and the engine dtype, for `sglang_request_rows` of
-    actors.engine.sglang.max_running_requests and max_total_tokens."""
+    compressor's window (0 when it reads no queries: streamingllm, `CompressorConfig.reads_queries`), the model's
+    `q_heads` and the engine dtype, for `sglang_request_rows` of actors.engine.sglang.max_running_requests and
+    max_total_tokens."""
     a = cfg.actors
     c, sglang = a.engine.compressor, a.engine.sglang
     if a.engine.backend != "sglang" or c.method not in EVENT_METHODS:
         return 0, 0
     rows = sglang_request_rows(sglang.max_running_requests, sglang.max_total_tokens)
-    return query_ring_bytes(rows, shape.layers, c.window, q_heads, shape.head_dim, shape.dtype_bytes), rows
+    window = c.window if c.reads_queries else 0
+    return query_ring_bytes(rows, shape.layers, window, q_heads, shape.head_dim, shape.dtype_bytes), rows
 
 
 def sglang_records(cfg: RunConfig, shape: ModelShape, budget: int, prompt: int, new: int,

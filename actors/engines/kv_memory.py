@@ -131,15 +131,15 @@ def compression_event_bytes(rows: int, live: int, budget: int, window: int, q_he
     - index tensors, the whole call: int64 [g] x 3, [g, n] x 2 (packed), [g, B], [g, w], [E] x 2 (packed copy),
       bool [g, n], int64 slots [g, n], target [g, B];
     - plus the largest of the phases:
-      building the slots, 12 g n (int32 gather + its int64 copy); after the layers, 24 E (freed slots + the
-      indices that point them at slot 0); in a layer: K and V gathered, 2 g n Hkv D e, and the queries,
-      g w Hq D e, plus the largest of: the kept K (or V) gathered, g Hkv B D (e + 4) (a float32 copy on the
-      CPU for 16-bit dtypes); the window importance (rkv, snapkv), 8 g Hq w D (float32 queries, reshaped) +
-      8 g Hkv n D (float32 keys + matmul's copy) + 4 g Hq w n (logits) + 12 g Hkv w n (max over the group,
-      scaled, masked, softmax); R-KV's redundancy, 4 g Hkv n (the importance) + 4 x 4 g Hkv n D (normalised
-      keys, their flip, matmul's two operand copies) + 5 x the similarity block in float32 + bool (two blocks
-      when there is more than one) + 24 S (first similar key and value per row, and their concatenation);
-      the selection, 36 S (masked scores, flip, sort values + indices, and as much scratch for a device sort);
+      building the slots, 12 g n (int32 gather + its int64 copy); after the layers, 24 E (freed slots + the indices
+      that point them at slot 0); in a layer: K and V gathered, 2 g n Hkv D e, and the queries, g w Hq D e (rkv,
+      snapkv: the methods that read them), plus the largest of: the kept K (or V) gathered, g Hkv B D (e + 4) (a
+      float32 copy on the CPU for 16-bit dtypes); the window importance (rkv, snapkv), 8 g Hq w D (float32 queries,
+      reshaped) + 8 g Hkv n D (float32 keys + matmul's copy) + 4 g Hq w n (logits) + 12 g Hkv w n (max over the group,
+      scaled, masked, softmax); R-KV's redundancy, 4 g Hkv n (the importance) + 4 x 4 g Hkv n D (normalised keys, their
+      flip, matmul's two operand copies) + 5 x the similarity block in float32 + bool (two blocks when there is more
+      than one) + 24 S (first similar key and value per row, and their concatenation); the selection, 36 S (masked
+      scores, flip, sort values + indices, and as much scratch for a device sort);
     - with `record`: index tensors int64 [g] x 2, [g, n] x 2 more, and a recording phase in each layer after the
       selection, 32 S + 12 g Hkv B (each live key's original index, int32 read and int64 kept, the kept and evicted
       masks, the record's column per key, the index write's linear indices and values; the kept keys' indices,
@@ -152,8 +152,9 @@ def compression_event_bytes(rows: int, live: int, budget: int, window: int, q_he
     if method not in EVENT_METHODS:
         raise ValueError(f"method={method!r}: expected rkv | snapkv | streamingllm")
     S, E = g * hkv * n, g * (n - B)
+    reads = method in ("rkv", "snapkv")              # the window's queries gathered (CompressorConfig.reads_queries)
     index = 8 * (3 * g + 2 * g * n + g * B + g * w + 2 * E) + g * n + 8 * g * n + 8 * g * B
-    layer = 2 * g * n * hkv * D * e + g * w * hq * D * e
+    layer = 2 * g * n * hkv * D * e + reads * g * w * hq * D * e
     scores = [g * hkv * B * D * (e + 4), 36 * S]
     if method in ("rkv", "snapkv"):
         scores.append(8 * g * hq * w * D + 8 * g * hkv * n * D + 4 * g * hq * w * n + 12 * g * hkv * w * n)
@@ -233,13 +234,15 @@ def query_ring_bytes(rows: int, layers: int, window: int, q_heads: int, head_dim
     """Device bytes of the `sparse_rl_kv` backend's per-row buffers (actors/engines/sglang/triton_backend.py, allocated
     at the engine's start for every request row of SGLang's pool, outside its KV pool and so outside
     `mem_fraction_static`): the query ring `qwin` [layers, rows, window, q_heads, head_dim] of the engine dtype
-    (`dtype_bytes` a value) and three int64 [rows] vectors (each row's live start, each decode lane's row, the lane
-    ids): rows x (layers x window x q_heads x head_dim x dtype_bytes + 24), for one backend per engine (SGLang 0.5.23
-    builds one; its pdmux and two-batch-overlap modes, not checked with the sparse backend, would build several).
+    (`dtype_bytes` a value; `window` 0: no ring, as the backend keeps none for a compressor that reads no queries,
+    `CompressorConfig.reads_queries`) and three int64 [rows] vectors (each row's live start, each decode lane's row,
+    the lane ids): rows x (layers x window x q_heads x head_dim x dtype_bytes + 24), for one backend per engine (SGLang
+    0.5.23 builds one; its pdmux and two-batch-overlap modes, not checked with the sparse backend, would build
+    several).
     The torch reference backend (`sparse_rl_kv_torch`, kv_backend.py) holds the same ring, made at its first
-    forward, and four int64 row vectors: 8 B a row more. rows: `sglang_request_rows`. All arguments are counts
-    >= 1; raises ValueError otherwise."""
-    if min(rows, layers, window, q_heads, head_dim, dtype_bytes) < 1:
+    forward whatever the method, and four int64 row vectors: 8 B a row more. rows: `sglang_request_rows`. All
+    arguments are counts >= 1 (window >= 0); raises ValueError otherwise."""
+    if min(rows, layers, window + 1, q_heads, head_dim, dtype_bytes) < 1:
         raise ValueError(f"rows={rows}, layers={layers}, window={window}, q_heads={q_heads}, head_dim={head_dim}, "
-                         f"dtype_bytes={dtype_bytes}: expected counts >= 1")
+                         f"dtype_bytes={dtype_bytes}: expected counts >= 1 (window >= 0)")
     return rows * (layers * window * q_heads * head_dim * dtype_bytes + 3 * 8)

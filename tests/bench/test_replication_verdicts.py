@@ -252,3 +252,52 @@ def test_episode_rules_s1_to_s5_and_the_switch_by_hand():
     text = "\n".join(replication.episode_verdicts_text(w, 64))
     assert "S1: **fails**" in text and "S3: **below**" in text and "S5: **holds**" in text
     assert replication.episode_verdicts({"sparse_rl": srl}, dense, dense_sparse, 8) == {}
+
+
+def test_scorer_rules_by_hand():
+    """docs/results.md section 10 at budget 48. R-KV replay (sparse_replay): finals 0.95, held-out under its cache
+    0.96. random_replay: finals 0.92 (>= 0.95 - 0.05), held-out 0.93 (>= 0.96 - 0.046): matches; streamingllm_replay:
+    held-out 0.90 (< 0.914): does not; random_naive held-out 0.85, 0.95, 0.84: random_replay is higher in seeds 0 and
+    2 and 0.93 - 0.88 = 0.05 > 0.046: replay rescues random. Seed 2 of random_replay has no replay check on one step:
+    not exact."""
+    rkv = {s: replay_run(0.95, eval_sparse=0.96) for s in range(3)}
+    random = {0: replay_run(0.92, eval_sparse=0.93), 1: replay_run(0.92, eval_sparse=0.93),
+              2: replay_run(0.92, eval_sparse=0.93, steps=19)}
+    arms = {"sparse_replay": rkv, "random_replay": random,
+            "streamingllm_replay": {s: replay_run(0.95, eval_sparse=0.90) for s in range(3)},
+            "random_naive": {0: run(0.9, eval_sparse=0.85), 1: run(0.9, eval_sparse=0.95),
+                             2: run(0.9, eval_sparse=0.84)}}
+    v = replication.scorer_verdicts(arms, steps=20)
+    assert v["random_replay"]["matches_rkv"]["holds"]
+    assert v["random_replay"]["matches_rkv"]["against"] == "sparse_replay"
+    assert not v["streamingllm_replay"]["matches_rkv"]["holds"]
+    assert not v["random_replay"]["exact"]["holds"] and v["streamingllm_replay"]["exact"]["holds"]
+    assert v["rescue"]["holds"] and v["rescue"]["seeds_higher"] == 2
+    assert v["rescue"]["random_naive_eval_sparse_reward"] == pytest.approx(0.88)
+    worse = replication.scorer_verdicts({**arms, "random_replay": {s: replay_run(0.89, eval_sparse=0.93)
+                                                                    for s in range(3)}}, steps=20)
+    assert not worse["random_replay"]["matches_rkv"]["holds"]              # 0.89 < 0.95 - 0.05
+    alone = replication.scorer_verdicts({"random_replay": random}, steps=20)
+    assert set(alone) == {"random_replay"} and set(alone["random_replay"]) == {"exact"}   # nothing to compare with
+
+
+def test_scorer_arms_differ_from_their_baselines_in_the_compressor_only(tmp_path):
+    """section 10's arms: random / StreamingLLM under replay differ from sparse_replay (R-KV) in the method only;
+    random_naive from naive_sparse likewise; the protected pair both protect the prompt and 4 sinks."""
+    from deploy.config import load_config
+
+    args = replication.parse_args(["--out", str(tmp_path)])
+    cfg = {arm: load_config(args.config, [*args.overrides, *replication.ARMS[arm]], check_files=False)
+           for arm in ("sparse_replay", "random_replay", "streamingllm_replay", "naive_sparse", "random_naive",
+                       "rkv_protect_replay", "random_protect_replay")}
+    comp = {arm: c.actors.engine.compressor for arm, c in cfg.items()}
+    assert (comp["sparse_replay"].method, comp["random_replay"].method, comp["streamingllm_replay"].method,
+            comp["random_naive"].method) == ("rkv", "random", "streamingllm", "random")
+    for arm, base in (("random_replay", "sparse_replay"), ("streamingllm_replay", "sparse_replay"),
+                      ("random_naive", "naive_sparse"), ("random_protect_replay", "rkv_protect_replay")):
+        assert cfg[arm].learner == cfg[base].learner, arm
+    assert cfg["random_replay"].learner.policy_target == "sparse"
+    assert cfg["random_naive"].learner.policy_target == "dense"
+    assert {(comp[a].protect_prompt, comp[a].sink_tokens) for a in ("rkv_protect_replay", "random_protect_replay")} \
+        == {("all", 4)}
+    assert (comp["random_replay"].protect_prompt, comp["random_replay"].sink_tokens) == ("off", 0)

@@ -300,7 +300,7 @@ def test_sglang_preflight_counts_the_query_ring_by_hand():
     SGLang's pool (max_running_requests + 1 padding row; unset, SGLang's own count: at most 4,096, and at most
     max_total_tokens / 2), are taken off the KV memory; none on the torch engine or without a compressor.
     tiny-llama: 2 layers x window 8 x 4 query heads x head_dim 16 x 4 B (fp32) = 4,096 B + 3 x 8 B = 4,120 B per
-    row."""
+    row; StreamingLLM reads no queries: no ring, 24 B per row."""
     base = ["actors.engine.backend=sglang", "eval.enabled=false", "actors.engine.compressor.kv_budget=48",
             "actors.engine.compressor.interval=16", "actors.sampling.max_new_tokens=32",
             "preflight.max_prompt_tokens=101", "preflight.kv_memory_gb=1"]
@@ -325,6 +325,9 @@ def test_sglang_preflight_counts_the_query_ring_by_hand():
     torch_run = preflight(load_config("tiny", base[2:], check_files=False), model_path=model)
     full = ring("actors.engine.compressor.method=full")
     assert (torch_run.ring_bytes, full[0]) == (0, 0) and torch_run.memory_bytes == 1 << 30
+    streaming = ring("actors.engine.sglang.max_running_requests=4", "actors.engine.compressor.method=streamingllm")
+    assert streaming[:2] == (5 * 24, 5)                    # no ring (it reads no queries): the row vectors only
     assert query_ring_bytes(5, 2, 8, 4, 16, 4) == 20_600
+    assert query_ring_bytes(5, 2, 0, 4, 16, 4) == 120
     with pytest.raises(ValueError, match="rows=0"):
         query_ring_bytes(0, 2, 8, 4, 16, 4)

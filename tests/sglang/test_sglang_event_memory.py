@@ -43,7 +43,8 @@ class Allocator:
 
 def bare_backend(cfg, lens, kv_heads, q_heads, head_dim, dtype, layers=2, seed=0):
     """A SparseTritonAttnBackend without SGLang: request rows 1..len(lens) holding lens[i] tokens in consecutive
-    slots of random K/V buffers [slots, kv_heads, head_dim] x layers, random query rings, every row due."""
+    slots of random K/V buffers [slots, kv_heads, head_dim] x layers, random query rings (none where the method
+    reads no queries), every row due."""
     gen = torch.Generator().manual_seed(seed)
     b = SparseTritonAttnBackend.__new__(SparseTritonAttnBackend)
     rows, slots = len(lens) + 1, int(sum(lens)) + 1
@@ -52,7 +53,8 @@ def bare_backend(cfg, lens, kv_heads, q_heads, head_dim, dtype, layers=2, seed=0
                        for _ in "kv"])
     b.num_head, b.head_dim, b.kv_dtype_bytes = q_heads, head_dim, torch.empty(0, dtype=dtype).element_size()
     b.req_to_token = torch.zeros(rows, max(lens) + 1, dtype=torch.int32)
-    b.qwin = torch.randn(layers, rows, cfg.window, q_heads, head_dim, generator=gen).to(dtype)
+    b.qwin = torch.randn(layers, rows, cfg.window, q_heads, head_dim, generator=gen).to(dtype) \
+        if cfg.reads_queries else None                   # as the backend: no ring for streamingllm
     b.start_dev = torch.zeros(rows, dtype=torch.int64)
     b.seq_len, b.start = np.zeros(rows, np.int64), np.zeros(rows, np.int64)
     b.budget = np.full(rows, cfg.kv_budget, np.int64)

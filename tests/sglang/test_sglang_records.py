@@ -154,6 +154,7 @@ def test_records_equal_torch_engine(recording, tiny_qwen2_dir):
     got = [g[0] for g in eng.generate(PROMPTS, PARAMS)]
     stats = eng.kv_pool_stats()
     assert stats["self_checks"] == stats["decode_steps"] > 0 and stats["record_bytes"] > 0
+    assert (stats["query_ring_bytes"] > 0) == cc.reads_queries      # StreamingLLM's backend keeps no query ring
     want = [g[0] for g in torch_engine(tiny_qwen2_dir, cc).generate(PROMPTS, PARAMS)]
     seen = assert_records_equal(with_records(got), want)
     assert seen["evicted"] > 0 and seen["at_decode"] > 0, seen

@@ -189,8 +189,9 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         k0 = self.kv_pool.get_key_buffer(self.start_layer)
         self.head_dim, self.kv_dtype_bytes = k0.shape[-1], k0.element_size()
         self.qwin = torch.zeros(self.num_layers, rows, cfg.window, self.num_head, self.head_dim,
-                                dtype=runner.model_config.dtype, device=self.device)
-        """Query ring [layers, rows, window, q_heads, head_dim]: position p of row r at slot p % window."""
+                                dtype=runner.model_config.dtype, device=self.device) if cfg.reads_queries else None
+        """Query ring [layers, rows, window, q_heads, head_dim]: position p of row r at slot p % window; None
+        (no memory, no writes) when the compressor reads no queries (streamingllm, random)."""
         self.start_dev = torch.zeros(rows, dtype=torch.int64, device=self.device)
         """Device copy of each row's live start (positions before it hold no KV)."""
         self.lane_rows = torch.zeros(rows, dtype=torch.int64, device=self.device)
@@ -215,7 +216,8 @@ class SparseTritonAttnBackend(TritonAttnBackend):
                       "compression_events": 0, "last_extend_decode_step": 0, "used_at_last_extend": 0,
                       "max_live_by_budget": {}, "self_checks": 0, "decode_steps": 0,
                       "graph_replays": 0, "graph_captures": 0, "padded_lanes_checked": 0, "stale_lanes_checked": 0,
-                      "compression_calls": 0, "compression_groups": 0, "event_bytes_bound": 0}
+                      "compression_calls": 0, "compression_groups": 0, "event_bytes_bound": 0,
+                      "query_ring_bytes": 0 if self.qwin is None else self.qwin.nbytes}
         self.stats_path = os.environ.get(KV_STATS_ENV)
         self.joins_path = os.environ.get(JOINS_ENV) if cfg.phase == "aligned" else None
         self.self_check = os.environ.get(SELF_CHECK_ENV) == "1"
@@ -354,6 +356,8 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         if self.joins_path and fb.rids is not None:    # each request's phase, for SGLangEngine's KV counts
             with open(self.joins_path, "a") as f:
                 f.write("".join(f"{rid} {self.stats['decode_steps']}\n" for rid in rids[:len(rows)]))
+        if self.qwin is None:
+            return
         # ring positions of the last `window` prompt queries of each request (token index, row, ring slot)
         w, offsets = self.cfg.window, np.concatenate([[0], np.cumsum(lens)])
         tok = np.concatenate([np.arange(max(0, n - w), n) + o for n, o in zip(lens, offsets[:-1])])
@@ -470,7 +474,7 @@ class SparseTritonAttnBackend(TritonAttnBackend):
             v_buf = self.kv_pool.get_value_buffer(li + self.start_layer)
             ks, vs = k_buf[slots].transpose(1, 2), v_buf[slots].transpose(1, 2)   # [g, Hkv, n, D]
             if keep is None or self.cfg.selection != "shared":
-                queries = self.qwin[li][rows_t[:, None], qpos].transpose(1, 2)     # [g, Hq, w, D]
+                queries = None if self.qwin is None else self.qwin[li][rows_t[:, None], qpos].transpose(1, 2)
                 keep = compressor.select(ks, queries, valid, SelectContext(values=vs, layer=li))  # [g, Hkv, budget]
             if record:
                 origin = self.recorder.origins(li, record[0], pos_t, record[1].bool(), record[2])
@@ -625,13 +629,7 @@ class SparseTritonAttnBackend(TritonAttnBackend):
             problems.append(f"negative live lengths {lane_lens.tolist()} (padded lanes from {raw})")
         elif bool((graph.kv_indices[nnz:int(graph.kv_indptr[-1])] != 0).any()):
             problems.append("a padded lane reads a slot other than the padding slot 0")
-        ring = self.qwin[0].clone()
-        w, real_rows = self.cfg.window, self.lane_rows[:raw]
-        q = torch.full((bs, *ring.shape[2:]), float("nan"), dtype=ring.dtype, device=self.device)
-        q[:raw] = ring[real_rows, view.positions[:raw] % w]           # real lanes rewrite what is there
-        self._write_ring(ring, view.positions, q)
-        live_rows = torch.from_numpy(np.flatnonzero(self.alive)).to(self.device)
-        if bool(ring[live_rows].isnan().any()):
+        if self.qwin is not None and self._padded_lane_writes_a_live_ring(bs, raw, view.positions):
             problems.append("a padded lane wrote into a live row's query ring")
         if problems:
             raise RuntimeError("sparse_rl_kv self-check failed: " + "; ".join(problems))
@@ -643,13 +641,24 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         self._write_stats()
         self.forward_metadata = self._build_cuda_graph_forward_metadata(raw, ForwardMode.DECODE, None)
 
+    def _padded_lane_writes_a_live_ring(self, bs: int, raw: int, positions) -> bool:
+        """The self-check's ring probe: lanes [raw, bs) (padding) write NaN queries through `_write_ring` into a
+        copy of layer 0's ring, the real lanes rewrite what is there; True when a live row's ring then holds NaN."""
+        ring = self.qwin[0].clone()
+        q = torch.full((bs, *ring.shape[2:]), float("nan"), dtype=ring.dtype, device=self.device)
+        q[:raw] = ring[self.lane_rows[:raw], positions[:raw] % self.cfg.window]
+        self._write_ring(ring, positions, q)
+        live_rows = torch.from_numpy(np.flatnonzero(self.alive)).to(self.device)
+        return bool(ring[live_rows].isnan().any())
+
     # ------------------------------------------------------------------ attention
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         """The parent's decode (KV write + Triton kernel over the live suffix), then this step's query into
         the ring (device ops only, in the graph)."""
         o = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
-        ring = self.qwin[layer.layer_id - self.start_layer]
-        self._write_ring(ring, forward_batch.positions, q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim))
+        if self.qwin is not None:
+            ring = self.qwin[layer.layer_id - self.start_layer]
+            self._write_ring(ring, forward_batch.positions, q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim))
         return o
 
     def _write_ring(self, ring, positions, q) -> None:
@@ -661,9 +670,10 @@ class SparseTritonAttnBackend(TritonAttnBackend):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         """The parent's extend (batched prefill), then the prompts' last `window` queries into the ring."""
         o = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
-        tok, row, slot = self.extend_ring
-        ring = self.qwin[layer.layer_id - self.start_layer]
-        ring[row, slot] = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)[tok].to(ring.dtype)
+        if self.qwin is not None:
+            tok, row, slot = self.extend_ring
+            ring = self.qwin[layer.layer_id - self.start_layer]
+            ring[row, slot] = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)[tok].to(ring.dtype)
         return o
 
 
