@@ -184,15 +184,26 @@ class LearnerWorker:
         return self.learner.score(token_ids)
 
     def save_final(self, path: str) -> str:
-        """The trained weights as a Hugging Face directory (with the tokenizer), for `sparse-rl eval`."""
+        """The trained weights as a Hugging Face directory (with the tokenizer), for `sparse-rl eval`; with
+        learner.lora the adapter alone in peft's format (Learner.save_adapter: adapter_config.json naming the base,
+        adapter_model.safetensors), with the tokenizer."""
         self.fault["save_final"]()
         self.phase("saving the final weights")
-        self.learner.engine.module.save_pretrained(path, state_dict=self.full_weights())
+        if self.learner.peft is not None:
+            self.learner.save_adapter(path, self.full_weights())   # full_weights: the adapter's (its manifest)
+        else:
+            self.learner.engine.module.save_pretrained(path, state_dict=self.full_weights())
         AutoTokenizer.from_pretrained(self.cfg.model).save_pretrained(path)
         return path
 
+    def parameter_counts(self) -> dict:
+        """Learner.parameter_counts (trainable, total) and learner.lora's rank (0: full fine-tuning), for the
+        console's start line."""
+        return {**self.learner.parameter_counts(), "lora_rank": self.cfg.learner.lora.rank}
+
     def full_weights(self) -> dict:
-        """Every parameter's full value (CPU, by name), gathered over the ranks."""
+        """Every parameter's full value (CPU, by name), gathered over the ranks: the weight sync's manifest (with
+        learner.lora, the adapter's tensors only)."""
         with self.updating:
             return self._on_all_ranks("gather_weights", 1, True)
 

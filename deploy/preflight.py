@@ -53,6 +53,7 @@ from actors.engines.kv_memory import (
 )
 from broker.schema import group_wire_bytes
 from deploy.config import ConfigError, RunConfig
+from learner.config import LearnerConfig
 
 GIB = 1 << 30
 
@@ -282,7 +283,20 @@ def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: i
     report.record_bytes, report.record_requests = records
     report.ring_bytes, report.ring_rows = ring
     check_report(cfg, report, low)
+    report.warnings += lora_warnings(cfg)
     return report
+
+
+def lora_warnings(cfg: RunConfig) -> list[str]:
+    """With learner.lora on and learner.lr left at full fine-tuning's default (LearnerConfig's, 1e-6): the warning
+    that LoRA's best learning rate is ~10x full fine-tuning's ("LoRA Without Regret", Schulman et al., Thinking
+    Machines 2025, "Optimal learning rates"), so that the adapter barely moves; [] otherwise."""
+    default = LearnerConfig.__dataclass_fields__["lr"].default
+    if not cfg.learner.lora.enabled or cfg.learner.lr != default:
+        return []
+    return [f"learner.lora.rank={cfg.learner.lora.rank} with learner.lr={cfg.learner.lr:g}, full fine-tuning's "
+            "default: LoRA's best learning rate is about 10x full fine-tuning's; set learner.lr (e.g. "
+            f"{10 * default:g})"]
 
 
 def check_report(cfg: RunConfig, report: PreflightReport, low: int) -> None:
