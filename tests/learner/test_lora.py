@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+from peft import PeftModel
 
 from actors.engines.base import SamplingParams
 from actors.engines.torch_engine import TorchEngine
@@ -164,3 +165,20 @@ def test_adapter_only_sync_gives_the_torch_engine_the_learners_policy():
     ours, theirs = engine.score(sequences), control.score(sequences)
     assert fp.max_abs(ours, theirs) > 1e-3, "the control engine without the adapter should differ"
     assert fp.max_abs(ours, learner.score(sequences)) <= 1e-4
+
+
+def test_the_final_adapter_is_saved_in_pefts_format(tmp_path):
+    """Learner.save_adapter (the run's `final` directory): adapter_config.json + adapter_model.safetensors, which
+    peft loads onto the base model to the learner's own logits."""
+    learner = Learner(tiny_llama(), LearnerConfig(lr=1e-2, kl_coef=0.0, lora=LORA))
+    learner.step(make_groups(), staleness=[0, 0])
+    learner.save_adapter(tmp_path, learner.gather_buckets(16.0, keep=True))
+    assert {p.name for p in tmp_path.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path).eval()
+    ids = torch.tensor([[1, 5, 9, 33, 2, 7]])
+    learner.engine.module.eval()
+    with torch.no_grad():
+        ours, theirs = learner.engine.module(ids).logits, loaded(ids).logits
+        base = tiny_llama()(ids).logits
+    assert torch.equal(ours, theirs)
+    assert not torch.allclose(ours, base, atol=1e-4), "the adapter did not move: the check would see nothing"
