@@ -59,6 +59,8 @@ def build_engine(engine_cfg, model_path: str, compressor: CompressorConfig, torc
     (the torch engine holds the learner's adapter; the config check refuses it with SGLang)."""
     torch.set_num_threads(torch_threads)
     if engine_cfg.backend == "sglang":
+        if lora is not None and lora.enabled:
+            raise ValueError("a LoRA adapter (learner.lora) runs on actors.engine.backend=torch only")
         from actors.engines.sglang.engine import SGLangEngine  # optional: SGLang is installed on GPU machines only
         return SGLangEngine(model_path, compressor, dtype={"fp32": "float32", "bf16": "bfloat16"}[engine_cfg.dtype],
                             record_evictions=record_evictions, **engine_cfg.sglang.kwargs())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -112,3 +113,42 @@ def base_identity(model) -> dict[str, str]:
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
         h.update(p.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
     return {"base_model": str(getattr(model.config, "_name_or_path", "")), "base_hash": h.hexdigest()}
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+"""The file that makes a directory a saved peft adapter (a LoRA run's `final`)."""
+
+
+def is_adapter_dir(path) -> bool:
+    """Whether `path` is a directory holding a saved peft adapter (ADAPTER_CONFIG), e.g. a LoRA run's `final`."""
+    return (Path(path).expanduser() / ADAPTER_CONFIG).is_file()
+
+
+@dataclass
+class SavedAdapter:
+    """A LoRA adapter saved in peft's format (Learner.save_adapter), ready for a torch engine: `base`, the base
+    model's path or name (peft's base_model_name_or_path); `config`, its LoraConfig (dropout 0: evaluation);
+    `tensors`, (name as adapter_parameters gives it, tensor) pairs for TorchEngine.load_weights."""
+    base: str
+    config: LoraConfig
+    tensors: list
+
+
+def load_saved_adapter(path) -> SavedAdapter:
+    """The adapter in directory `path` (peft's adapter_config.json + adapter_model.safetensors), its tensors renamed
+    from peft's saved keys (`base_model.model.<module>.lora_A.weight`) to the live names
+    (`<module>.lora_A.default.weight`). Raises ValueError for an adapter that is not LoRA."""
+    import peft  # late: see the module docstring
+    from peft.utils import load_peft_weights
+
+    saved = peft.PeftConfig.from_pretrained(str(Path(path).expanduser()))
+    if saved.peft_type != peft.PeftType.LORA:
+        raise ValueError(f"{path}: a {saved.peft_type} adapter; expected LoRA")
+    config = LoraConfig(rank=saved.r, alpha=float(saved.lora_alpha), target_modules=sorted(saved.target_modules))
+    tensors = []
+    for key, t in load_peft_weights(str(Path(path).expanduser()), device="cpu").items():
+        name = key.removeprefix("base_model.model.")
+        for part in ("lora_A", "lora_B"):
+            name = name.replace(f".{part}.weight", f".{part}.{ADAPTER_NAME}.weight")
+        tensors.append((name, t))
+    return SavedAdapter(saved.base_model_name_or_path, config, tensors)

@@ -12,7 +12,7 @@ from peft import PeftModel
 from actors.engines.base import SamplingParams
 from actors.engines.torch_engine import TorchEngine
 from broker import fingerprint as fp
-from broker.lora import LoraConfig, adapter_parameters
+from broker.lora import LoraConfig, adapter_parameters, load_saved_adapter
 from broker.schema import SampleRecord, TrajectoryGroup, decode_group, encode_group
 from broker.weight_sync import WeightReceiver, WeightSender
 from compressors import CompressorConfig
@@ -169,7 +169,8 @@ def test_adapter_only_sync_gives_the_torch_engine_the_learners_policy():
 
 def test_the_final_adapter_is_saved_in_pefts_format(tmp_path):
     """Learner.save_adapter (the run's `final` directory): adapter_config.json + adapter_model.safetensors, which
-    peft loads onto the base model to the learner's own logits."""
+    peft loads onto the base model to the learner's own logits, and which a torch engine loads (broker.lora.
+    load_saved_adapter, as `sparse-rl eval` does) to the learner's log-probs."""
     learner = Learner(tiny_llama(), LearnerConfig(lr=1e-2, kl_coef=0.0, lora=LORA))
     learner.step(make_groups(), staleness=[0, 0])
     learner.save_adapter(tmp_path, learner.gather_buckets(16.0, keep=True))
@@ -182,3 +183,8 @@ def test_the_final_adapter_is_saved_in_pefts_format(tmp_path):
         base = tiny_llama()(ids).logits
     assert torch.equal(ours, theirs)
     assert not torch.allclose(ours, base, atol=1e-4), "the adapter did not move: the check would see nothing"
+    saved = load_saved_adapter(tmp_path)              # what `sparse-rl eval --model runs/<id>/final` loads
+    assert saved.config.settings() == LORA.settings()
+    engine = TorchEngine(tiny_llama(), tiny_tokenizer(), CompressorConfig(method="full"), lora=saved.config)
+    engine.load_weights(saved.tensors, version=1)
+    assert fp.max_abs(engine.score(ids.tolist()), learner.score(ids.tolist())) <= 1e-4
