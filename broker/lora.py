@@ -39,6 +39,10 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: list(LLAMA_LINEAR))
     """Names of the linear modules that get an adapter (the last part of the module's name, as peft matches them);
     each must name a linear module of the model (checked at start, listing the model's)."""
+    save_merged: bool = False
+    """The run's final directory (the adapter in peft's format) also holds `merged/`: the base with the adapter merged
+    into its weights (peft's merge_and_unload, as TRL's; verl's `lora.merge`), a plain Hugging Face model
+    directory for tools that take no adapter."""
 
     @property
     def enabled(self) -> bool:
@@ -152,3 +156,16 @@ def load_saved_adapter(path) -> SavedAdapter:
             name = name.replace(f".{part}.weight", f".{part}.{ADAPTER_NAME}.weight")
         tensors.append((name, t))
     return SavedAdapter(saved.base_model_name_or_path, config, tensors)
+
+
+def save_merged(adapter_dir, out_dir) -> None:
+    """The base model of the adapter saved in `adapter_dir` (its base_model_name_or_path, loaded in fp32) with the
+    adapter merged into its weights (W + alpha / rank x B A: peft's `merge_and_unload`), saved to `out_dir` as a plain
+    Hugging Face model directory (no tokenizer). Raises what transformers raises when the base cannot be loaded."""
+    import peft  # late: see the module docstring
+    from transformers import AutoModelForCausalLM
+
+    adapter_dir = str(Path(adapter_dir).expanduser())
+    base = peft.PeftConfig.from_pretrained(adapter_dir).base_model_name_or_path
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft.PeftModel.from_pretrained(model, adapter_dir).merge_and_unload().save_pretrained(str(out_dir))

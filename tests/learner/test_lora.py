@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 from peft import PeftModel
+from transformers import AutoModelForCausalLM
 
 from actors.engines.base import SamplingParams
 from actors.engines.torch_engine import TorchEngine
 from broker import fingerprint as fp
-from broker.lora import LoraConfig, adapter_parameters, load_saved_adapter
+from broker.lora import LoraConfig, adapter_parameters, load_saved_adapter, save_merged
 from broker.schema import SampleRecord, TrajectoryGroup, decode_group, encode_group
 from broker.weight_sync import WeightReceiver, WeightSender
 from compressors import CompressorConfig
@@ -167,24 +168,30 @@ def test_adapter_only_sync_gives_the_torch_engine_the_learners_policy():
     assert fp.max_abs(ours, learner.score(sequences)) <= 1e-4
 
 
-def test_the_final_adapter_is_saved_in_pefts_format(tmp_path):
+def test_the_final_adapter_is_saved_in_pefts_format_and_merged_on_request(tmp_path):
     """Learner.save_adapter (the run's `final` directory): adapter_config.json + adapter_model.safetensors, which
-    peft loads onto the base model to the learner's own logits, and which a torch engine loads (broker.lora.
-    load_saved_adapter, as `sparse-rl eval` does) to the learner's log-probs."""
-    learner = Learner(tiny_llama(), LearnerConfig(lr=1e-2, kl_coef=0.0, lora=LORA))
+    peft loads onto the base model to the learner's own logits, which a torch engine loads (broker.lora.
+    load_saved_adapter, as `sparse-rl eval` does) to the learner's log-probs, and which broker.lora.save_merged
+    (learner.lora.save_merged) merges into a plain Hugging Face directory of the same function."""
+    tiny_llama().save_pretrained(tmp_path / "base")
+    learner = Learner(str(tmp_path / "base"), LearnerConfig(lr=1e-2, kl_coef=0.0, lora=LORA))
     learner.step(make_groups(), staleness=[0, 0])
-    learner.save_adapter(tmp_path, learner.gather_buckets(16.0, keep=True))
-    assert {p.name for p in tmp_path.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
-    loaded = PeftModel.from_pretrained(tiny_llama(), tmp_path).eval()
+    final = tmp_path / "final"
+    learner.save_adapter(final, learner.gather_buckets(16.0, keep=True))
+    assert {p.name for p in final.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
     ids = torch.tensor([[1, 5, 9, 33, 2, 7]])
     learner.engine.module.eval()
     with torch.no_grad():
-        ours, theirs = learner.engine.module(ids).logits, loaded(ids).logits
-        base = tiny_llama()(ids).logits
-    assert torch.equal(ours, theirs)
-    assert not torch.allclose(ours, base, atol=1e-4), "the adapter did not move: the check would see nothing"
-    saved = load_saved_adapter(tmp_path)              # what `sparse-rl eval --model runs/<id>/final` loads
-    assert saved.config.settings() == LORA.settings()
+        ours = learner.engine.module(ids).logits
+        assert torch.equal(PeftModel.from_pretrained(tiny_llama(), final).eval()(ids).logits, ours)
+        assert not torch.allclose(ours, tiny_llama()(ids).logits, atol=1e-4), "the adapter did not move"
+    saved = load_saved_adapter(final)
+    assert saved.base == str(tmp_path / "base") and saved.config.settings() == LORA.settings()
     engine = TorchEngine(tiny_llama(), tiny_tokenizer(), CompressorConfig(method="full"), lora=saved.config)
     engine.load_weights(saved.tensors, version=1)
     assert fp.max_abs(engine.score(ids.tolist()), learner.score(ids.tolist())) <= 1e-4
+    save_merged(final, tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert not any(".lora_" in n for n, _ in merged.named_parameters())
+    with torch.no_grad():
+        assert torch.allclose(merged(ids).logits, ours, rtol=0, atol=1e-5)
