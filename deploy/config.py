@@ -427,13 +427,15 @@ def check_sglang(run: RunConfig) -> None:
               f"backend is fixed when it starts, so it evaluates in its own mode only: set eval.modes=[{own}]")
 
 
-def check_lora_targets(run: RunConfig) -> None:
+def check_lora_targets(run: RunConfig, model_path: str | None = None) -> None:
     """learner.lora.target_modules name linear modules of the run's model (broker.lora.check_targets on the model
     built on the meta device from its config.json: no weights read), else ConfigError naming the field and listing
-    the model's linear modules. A preset or hub model not yet on disk is checked by the learner when it starts."""
+    the model's linear modules. `model_path`: the model's resolved directory (the preflight's: a preset model's
+    files), default `run.model`; one not on disk (a preset not built yet, a hub id) is checked by the learner when
+    it starts."""
     from broker.lora import check_targets
 
-    path = Path(run.model).expanduser()
+    path = Path(model_path or run.model).expanduser()
     if not (path / "config.json").is_file():
         return
     import torch  # late: transformers only when a LoRA run's config is checked

@@ -52,7 +52,7 @@ from actors.engines.kv_memory import (
     sglang_request_rows,
 )
 from broker.schema import group_wire_bytes
-from deploy.config import ConfigError, RunConfig
+from deploy.config import ConfigError, RunConfig, check_lora_targets
 from learner.config import LearnerConfig
 
 GIB = 1 << 30
@@ -245,6 +245,8 @@ def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: i
         model_path = resolve_model(cfg.model)
     a = cfg.actors
     c = a.engine.compressor
+    if cfg.learner.lora.enabled:   # a preset model's targets: its files exist from here
+        check_lora_targets(cfg, model_path)
     hf = AutoConfig.from_pretrained(model_path)
     shape = ModelShape.from_hf_config(hf, a.engine.dtype)
     prompt = prompt_tokens or longest_prompt(cfg, model_path)

@@ -89,14 +89,18 @@ def read_client_state(ckpt_dir: str | os.PathLike) -> dict:
 def check_lora(saved: dict | None, current: dict | None, ckpt_dir: str | os.PathLike) -> None:
     """Raise ValueError in one line unless the checkpoint's LoRA identity `saved` (its client state's "lora": None
     for full fine-tuning) is the learner's `current` (Learner.lora_identity): the same mode, settings (rank, alpha,
-    target modules) and base hash."""
+    target modules) and base hash (the base's path may differ)."""
     def said(identity: dict | None) -> str:
         if identity is None:
             return "full fine-tuning (learner.lora.rank=0)"
         return (f"learner.lora.rank={identity['rank']}, learner.lora.alpha={identity['alpha']:g}, "
                 f"learner.lora.target_modules={identity['target_modules']} on base {identity['base_model']} "
                 f"(weights hash {identity['base_hash']})")
-    if saved == current:
+
+    def key(identity: dict | None) -> dict | None:   # the base's path may differ (another machine): its hash not
+        return None if identity is None else {k: v for k, v in identity.items() if k != "base_model"}
+
+    if key(saved) == key(current):
         return
     if saved is not None and current is not None and saved["base_hash"] != current["base_hash"]:
         why = "another base model (model): an adapter applies to the weights it was trained on"
