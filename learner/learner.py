@@ -6,7 +6,8 @@ correction (the step's LossInputs) -> PPO epochs x minibatches x micro-batches (
 optimizer steps -> version += 1 -> metrics. An on-policy step (`fusable`: one epoch, one minibatch) skips the
 recompute: its micro-batches' training forwards give logp_old, and the correction follows its last backward
 (`_correct_fused`). learner/batching.py collates and cuts the batch, learner/distributed.py sets up the process
-group and DeepSpeed, learner/weights.py exports the weights.
+group and DeepSpeed, learner/weights.py exports the weights. With learner.lora (broker/lora.py) the same step trains
+a peft adapter alone: the reference policy is the module with its adapter disabled, and the export is the adapter's.
 """
 from __future__ import annotations
 
@@ -432,9 +433,8 @@ class Learner:
         """The full gradient of the GRPO loss over `groups` taken as one minibatch (the step's code path:
         recompute, correction, token-balanced split, micro-batches), gathered over the ranks, without an
         optimizer step: {Hugging Face name: float32 tensor of the parameter's full shape} of every trained
-        parameter (with LoRA the adapter's), the same on every
-        rank (a collective: every rank calls it). The gradients are then discarded; `version` is unchanged.
-        For tests of split invariance and for debugging."""
+        parameter (with LoRA the adapter's), the same on every rank (a collective: every rank calls it). The
+        gradients are then discarded; `version` is unchanged. For tests of split invariance and for debugging."""
         from deepspeed.utils import safe_get_full_grad  # deepspeed after DS_ACCELERATOR (init_distributed)
 
         t = self._prepare(groups, self.collate(groups))
