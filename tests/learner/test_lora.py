@@ -59,7 +59,7 @@ def test_only_the_adapter_is_trained_and_held_by_the_optimizer():
         learner.step(make_groups(), staleness=[0, 0])
     now = dict(learner.engine.module.named_parameters())
     assert all(torch.equal(now[n], p) for n, p in base.items())                      # the base never moves
-    assert all(float(p.abs().max()) > 0 for n, p in adapter.items() if "lora_B" in n)   # B left its zeros
+    assert all(float(p.detach().abs().max()) > 0 for n, p in adapter.items() if "lora_B" in n)   # B left its zeros
 
 
 @pytest.mark.parametrize("zero_stage", [1, 3])
@@ -72,8 +72,9 @@ def test_zero_stages_train_and_hold_the_adapter_only(zero_stage):
     assert set(learner.gradients(make_groups())) == names
     learner.step(make_groups(), staleness=[0, 0])
     assert set(learner.gather_buckets(16.0, keep=True)) == names
-    full = Learner(tiny_llama(), LearnerConfig(**cfg)).state_bytes()["optimizer_state"]
-    assert learner.state_bytes()["optimizer_state"] < full / 4
+    full = Learner(tiny_llama(), LearnerConfig(**cfg))
+    full.step(make_groups(), staleness=[0, 0])                          # Adam's moments exist after a step
+    assert learner.state_bytes()["optimizer_state"] < full.state_bytes()["optimizer_state"] / 4
 
 
 def test_the_kl_reference_is_the_base_model_with_the_adapter_disabled():
