@@ -82,19 +82,23 @@ def check_targets(cfg: LoraConfig, model) -> None:
                          f"{', '.join(missing)}; its linear modules: {', '.join(linear)}")
 
 
-def add_adapter(model, cfg: LoraConfig):
+def add_adapter(model, cfg: LoraConfig, seed: int = 0):
     """Put a fresh LoRA adapter (peft's default init: A Kaiming-uniform, B zeros) on `cfg.target_modules` of the
     Hugging Face causal LM `model`, in place: its target Linear modules become peft's `lora.Linear` (the base
     weight under `.base_layer`, frozen with every other base parameter), the adapter in the base layer's dtype and
-    device (no fp32 autocast: the weight sync sends one dtype). Returns the `peft.PeftModel` around `model` (for
-    `disable_adapter()` and `save_pretrained`); `model` itself keeps its attribute paths and forward.
+    device (no fp32 autocast: the weight sync sends one dtype). A is drawn with torch's CPU RNG seeded with `seed`
+    (forked: the caller's RNG state is untouched), so every learner rank, and any process given the same seed,
+    starts from the same adapter. Returns the `peft.PeftModel` around `model` (for `disable_adapter()` and
+    `save_pretrained`); `model` itself keeps its attribute paths and forward.
     Raises ValueError for a target that is not a linear module of the model (check_targets)."""
     import peft  # late: see the module docstring
 
     check_targets(cfg, model)
     config = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                              target_modules=list(cfg.target_modules), bias="none", task_type="CAUSAL_LM")
-    return peft.get_peft_model(model, config, adapter_name=ADAPTER_NAME, autocast_adapter_dtype=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return peft.get_peft_model(model, config, adapter_name=ADAPTER_NAME, autocast_adapter_dtype=False)
 
 
 def adapter_parameters(model) -> list:

@@ -79,7 +79,7 @@ class Learner:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.peft, self.base = None, None
         if cfg.lora.enabled:   # the adapter's layers into `model` itself; the base frozen (broker/lora.py)
-            self.peft = add_adapter(model, cfg.lora)
+            self.peft = add_adapter(model, cfg.lora, seed=0 if cfg.seed is None else cfg.seed)
             self.base = base_identity(model)
         self.ref_model = None
         if cfg.kl_coef > 0 and self.peft is None:
