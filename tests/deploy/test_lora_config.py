@@ -82,3 +82,15 @@ def test_the_preflight_warns_when_lr_is_left_at_full_fine_tunings_default():
         "10x full fine-tuning's; set learner.lr (e.g. 1e-05)"]
     assert lora_warnings(load_config("tiny", LORA, check_files=False)) == []            # tiny sets lr 1e-4
     assert lora_warnings(load_config("tiny", ["learner.lr=1e-6"], check_files=False)) == []   # full fine-tuning
+
+
+def test_the_preflight_checks_the_targets_of_a_preset_model():
+    """A preset model has no directory at the config check; the preflight, which resolves it, checks its targets."""
+    from deploy.preflight import preflight
+
+    cfg = load_config("tiny", LORA + ["learner.lora.target_modules=[qkv]"], check_files=False)
+    with pytest.raises(ConfigError, match=r"^learner\.lora\.target_modules=\['qkv'\]: not linear modules of the "
+                                          r"model: qkv; its linear modules: down_proj, "):
+        preflight(cfg)
+    assert preflight(load_config("tiny", LORA + ["learner.lr=1e-6"], check_files=False)).warnings[-1].startswith(
+        "learner.lora.rank=8 with learner.lr=1e-06")
