@@ -2,8 +2,8 @@
 group on loopback, real DeepSpeed on the CPU, real Redis. The one-rank reference runs the same `Learner` code
 in this process.
 
-- 2 ranks vs 1 rank on the same groups (ZeRO-2 and ZeRO-3, fp32): weights after one step within 1e-5 and the
-  step metrics (loss, rejection_rate, mismatch_kl, ...) equal;
+- 2 ranks vs 1 rank on the same groups (ZeRO-2 and ZeRO-3, fp32; ZeRO-3 with learner.lora too): weights after one
+  step within 1e-5 and the step metrics (loss, rejection_rate, mismatch_kl, ...) equal;
 - gradients do not depend on the split (verl#5625): micro-batch 1, 2 and the whole minibatch on one rank, and
   two ranks, give the same gradients (rtol 1e-5);
 - whole runs with `learner.ranks=2`: end to end with 2 actors (ZeRO-3 weight sync), a resumed run trains the
