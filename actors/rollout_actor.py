@@ -39,6 +39,7 @@ from broker import faults
 from broker import run_state as rs
 from broker.admission import Admission, Claim, ClaimExpired
 from broker.fingerprint import fingerprinted, probe
+from broker.lora import LoraConfig
 from broker.schema import SampleRecord, TrajectoryGroup
 from broker.streams import GroupProducer, connect, queue_depth
 from broker.weight_sync import WeightReceiver
@@ -50,13 +51,16 @@ MAX_FINGERPRINTS = 16
 
 
 def build_engine(engine_cfg, model_path: str, compressor: CompressorConfig, torch_threads: int,
-                 record_evictions: bool = False):
+                 record_evictions: bool = False, lora: LoraConfig | None = None):
     """The engine named by `engine_cfg.backend` (torch | sglang) on `model_path`, with `compressor` (SGLang: and
     `engine_cfg.sglang`'s settings);
     `record_evictions`: every sample carries its eviction record (both engines: the SGLang engine's `sparse_rl_kv`
-    backend records it as the torch engine does, actors/engines/sglang/records.py)."""
+    backend records it as the torch engine does, actors/engines/sglang/records.py); `lora`: the run's learner.lora
+    (the torch engine holds the learner's adapter; the config check refuses it with SGLang)."""
     torch.set_num_threads(torch_threads)
     if engine_cfg.backend == "sglang":
+        if lora is not None and lora.enabled:
+            raise ValueError("a LoRA adapter (learner.lora) runs on actors.engine.backend=torch only")
         from actors.engines.sglang.engine import SGLangEngine  # optional: SGLang is installed on GPU machines only
         return SGLangEngine(model_path, compressor, dtype={"fp32": "float32", "bf16": "bfloat16"}[engine_cfg.dtype],
                             record_evictions=record_evictions, **engine_cfg.sglang.kwargs())
@@ -64,7 +68,7 @@ def build_engine(engine_cfg, model_path: str, compressor: CompressorConfig, torc
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
     return TorchEngine(model, AutoTokenizer.from_pretrained(model_path), compressor, device=device,
-                       record_evictions=record_evictions)
+                       record_evictions=record_evictions, lora=lora)
 
 
 def end_at_exit_while_running(thread: threading.Thread) -> None:
@@ -132,7 +136,8 @@ class RolloutWorker:
         self.phase("loading")
         # a test's SPARSE_RL_FAULTS may make this actor slow to start, fail, or slow in every batch (broker/faults.py)
         self.engine = faults.wrap(build_engine, "actor.start", actor_id)(a.engine, self.cfg.model, a.engine.compressor,
-                                                                        a.torch_threads, self.cfg.record_evictions)
+                                                                        a.torch_threads, self.cfg.record_evictions,
+                                                                        self.cfg.lora)
         self.engine_generate = faults.wrap(self.engine.generate, "actor.generate", actor_id,
                                            when=lambda: self.engine.weight_version)
         self.published = faults.wrap(lambda: None, "actor.published", actor_id, when=lambda: self.engine.weight_version)
@@ -209,7 +214,7 @@ class RolloutWorker:
                                            timeout_s=self.sync_timeout)
         if self.receiver.generation != generation:
             self.receiver.join_group(generation, rank, world_size)
-        version, tensors = self.receiver.receive(self.engine.expected_weights())
+        version, tensors = self.receiver.receive(self.engine.expected_weights(), adapter=self.cfg.lora.enabled)
         with self.lock:
             self.staged = (version, tensors)
         self._swap(wait=False)  # swapped now if the loop is not generating, else at its next batch boundary

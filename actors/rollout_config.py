@@ -12,6 +12,7 @@ from actors.config import DataConfig, EngineConfig, SamplingConfig
 from actors.envs.env import EnvConfig
 from actors.tasks.reward import RewardConfig
 from broker.config import BrokerConfig
+from broker.lora import LoraConfig
 from compressors import CompressorConfig
 
 
@@ -99,6 +100,9 @@ class RolloutConfig:
     fingerprint_every: int = 1
     """learner.weight_sync_fingerprint_every of the run: the probe is scored after swapping in a version that is a
     multiple of it (broker/fingerprint.py fingerprinted)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """learner.lora of the run: with rank > 0 the engine holds the same adapter (broker/lora.py) and the weight sync
+    sends it alone (the base stays as loaded)."""
     record_evictions: bool = False
     """Attach each sample's eviction record (learner.policy_target=sparse on a compressing run: the learner
     replays it). Both engines (torch, sglang)."""

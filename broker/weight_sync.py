@@ -205,12 +205,14 @@ class WeightManifest:
     parameter travels once, under its first name); dtype: the sync dtype ("float32" | "bfloat16" | "float16");
     tied: {alias: the name sent} for tied parameters (e.g. {"lm_head.weight": "model.embed_tokens.weight"}),
     listed explicitly so no receiver infers them; buckets: lists of indices into names, each one flat buffer
-    of at most bucket_mb MiB (a larger tensor travels alone)."""
+    of at most bucket_mb MiB (a larger tensor travels alone); adapter: the tensors are a LoRA adapter's only
+    (broker/lora.py adapter_parameters: learner.lora on), which the receiver applies on top of the base it holds."""
     names: list[str]
     shapes: list[tuple[int, ...]]
     dtype: str
     tied: dict[str, str]
     buckets: list[list[int]]
+    adapter: bool = False
 
     def expected(self) -> dict[str, tuple[int, ...]]:
         """{every name the receiver gets, tied aliases included: full shape}."""
@@ -220,23 +222,25 @@ class WeightManifest:
     def to_wire(self, version: int) -> dict:
         """The JSON object broadcast before the tensors (with the weight version)."""
         return {"version": version, "dtype": self.dtype, "tied": self.tied, "buckets": self.buckets,
+                "adapter": self.adapter,
                 "tensors": [{"name": n, "shape": list(s)} for n, s in zip(self.names, self.shapes)]}
 
     @classmethod
     def from_wire(cls, wire: dict) -> "WeightManifest":
         return cls([t["name"] for t in wire["tensors"]], [tuple(t["shape"]) for t in wire["tensors"]],
-                   wire["dtype"], dict(wire["tied"]), [list(b) for b in wire["buckets"]])
+                   wire["dtype"], dict(wire["tied"]), [list(b) for b in wire["buckets"]], bool(wire.get("adapter")))
 
 
 def build_manifest(named_tensors, dtype: torch.dtype, bucket_mb: float,
-                   shape_of: Callable[[torch.Tensor], tuple[int, ...]] | None = None
+                   shape_of: Callable[[torch.Tensor], tuple[int, ...]] | None = None, adapter: bool = False
                    ) -> tuple[WeightManifest, list[torch.Tensor]]:
     """The one way a manifest is made: from (Hugging Face name, tensor) pairs such as
     `module.named_parameters(remove_duplicate=False)`, where a tensor object listed under several names is
     tied (sent once; the later names become `tied` aliases). `shape_of` gives a tensor's full shape (default
     `tensor.shape`; ZeRO-3 partitions: `ds_shape`). Buckets hold at most `bucket_mb` MiB at `dtype` (0 = one
     tensor per bucket). Deterministic: ranks holding shards of the same parameters compute the same manifest
-    and enter the same per-bucket gathers. Returns (manifest, the tensor of each manifest name, in order).
+    and enter the same per-bucket gathers. `adapter`: the tensors are a LoRA adapter's (WeightManifest.adapter).
+    Returns (manifest, the tensor of each manifest name, in order).
     Raises ValueError for no tensors or a dtype that cannot travel."""
     shape_of = shape_of or (lambda t: tuple(t.shape))
     dtype_name = str(dtype).removeprefix("torch.")
@@ -262,7 +266,7 @@ def build_manifest(named_tensors, dtype: torch.dtype, bucket_mb: float,
             size = 0
         buckets[-1].append(i)
         size += nbytes
-    return WeightManifest(names, shapes, dtype_name, tied, buckets), tensors
+    return WeightManifest(names, shapes, dtype_name, tied, buckets, adapter), tensors
 
 
 class WeightReceiver(_GroupMember):
@@ -284,7 +288,7 @@ class WeightReceiver(_GroupMember):
             raise ValueError(f"actor rank {rank} must be in 1..{world_size - 1}")
         self._build(generation, rank, world_size, self.bind_host)
 
-    def receive(self, expected: nn.Module | list[tuple[str, tuple[int, ...], torch.dtype]]
+    def receive(self, expected: nn.Module | list[tuple[str, tuple[int, ...], torch.dtype]], adapter: bool = False
                 ) -> tuple[int, list[tuple[str, torch.Tensor]]]:
         """Receive one weight version into fresh staging tensors (the live model is not touched).
 
@@ -292,6 +296,8 @@ class WeightReceiver(_GroupMember):
             expected: the actor's model (its `named_parameters(remove_duplicate=False)`) or a list of
                 (name, shape, dtype). The manifest must name exactly these tensors with these shapes and
                 dtypes; this is checked before any weight byte moves.
+            adapter: the engine expects a LoRA adapter only (learner.lora on; `expected` lists the adapter's
+                tensors); a manifest of the other kind is rejected with one line saying which side sends what.
         Returns:
             (version, [(name, tensor)]) for every expected name, in the sync dtype on this rank's device;
             tied aliases are the same tensor object as their target.
@@ -305,11 +311,7 @@ class WeightReceiver(_GroupMember):
         manifest, version = WeightManifest.from_wire(wire), wire["version"]
         dtype, shapes = DTYPES[manifest.dtype], manifest.expected()
         want = {name: (tuple(shape), dt) for name, shape, dt in expected}
-        problems = [f"{n}: missing from the manifest" for n in want if n not in shapes]
-        problems += [f"{n}: not in this model" for n in shapes if n not in want]
-        problems += [f"{n}: shape {list(shapes[n])} != model {list(s)}" for n, (s, _) in want.items()
-                     if n in shapes and shapes[n] != s]
-        problems += [f"{n}: dtype {dtype} != model {dt}" for n, (_, dt) in want.items() if n in shapes and dt != dtype]
+        problems = self._mismatch(manifest, shapes, dtype, want, adapter)
         if problems:
             self.store.set(f"reject/{self.generation}/{version}/{self.rank}", "; ".join(problems))
         rejected = self._vote(bool(problems))
@@ -318,7 +320,27 @@ class WeightReceiver(_GroupMember):
                              + "; ".join(problems))
         if rejected:
             raise ValueError(f"weight sync version {version} aborted: rank(s) {rejected} rejected the manifest")
+        return version, self._receive_buckets(manifest, wire, expected)
 
+    @staticmethod
+    def _mismatch(manifest: WeightManifest, shapes: dict, dtype: torch.dtype, want: dict, adapter: bool) -> list[str]:
+        """What differs between the manifest and the model's expected tensors (`want`: name -> (shape, dtype)); a
+        manifest of the other kind (adapter / full weights) in one line instead of every name."""
+        if manifest.adapter != adapter:
+            kinds = {True: "a LoRA adapter only", False: "the full weights"}
+            return [f"the learner sends {kinds[manifest.adapter]}, this engine expects {kinds[adapter]} "
+                    "(learner.lora.rank must reach the actors as it is on the learner)"]
+        problems = [f"{n}: missing from the manifest" for n in want if n not in shapes]
+        problems += [f"{n}: not in this model" for n in shapes if n not in want]
+        problems += [f"{n}: shape {list(shapes[n])} != model {list(s)}" for n, (s, _) in want.items()
+                     if n in shapes and shapes[n] != s]
+        problems += [f"{n}: dtype {dtype} != model {dt}" for n, (_, dt) in want.items() if n in shapes and dt != dtype]
+        return problems
+
+    def _receive_buckets(self, manifest: WeightManifest, wire: dict, expected: list) -> list[tuple[str, torch.Tensor]]:
+        """Step 4 on the receiving side: every bucket into fresh tensors, checksums checked (verify mode); returns
+        (name, tensor) for every expected name, tied aliases the same tensor object as their target."""
+        version, dtype = wire["version"], DTYPES[manifest.dtype]
         tensors, works = [None] * len(manifest.names), []
         for bucket in manifest.buckets:
             numels = [math.prod(manifest.shapes[i]) for i in bucket]
@@ -335,7 +357,7 @@ class WeightReceiver(_GroupMember):
             if bad:
                 raise ValueError(f"weight sync version {version}: checksum mismatch after transfer: {bad}")
         self.last_manifest = wire
-        return version, [(name, by_name[name]) for name, _, _ in expected]
+        return [(name, by_name[name]) for name, _, _ in expected]
 
     def verify(self, model: nn.Module) -> None:
         """Verify mode, after the swap: compare each model parameter (cast to the sync dtype) with the

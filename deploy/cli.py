@@ -107,10 +107,12 @@ def _main(argv: list[str] | None = None) -> int:
                 print(f"sparse-rl: run failed: {e}", file=sys.stderr)
                 return 1
         else:  # eval
+            from broker.lora import is_adapter_dir
             from deploy.evaluate import evaluate_model  # only for `eval`
             cfg = load_config(args.config, args.overrides, check_files=False)  # the model is --model
             cfg.model = os.path.expanduser(args.model)
-            check_model(cfg.model)
+            if not is_adapter_dir(cfg.model):   # a LoRA run's final directory: the adapter names its base
+                check_model(cfg.model)
             check_eval_data(cfg)
             check_eval_items(cfg)
             evaluate_model(cfg, cfg.model, args.mode or list(cfg.eval.modes))

@@ -130,7 +130,7 @@ def rollout_config(run: RunConfig) -> RolloutConfig:
                          broker=run.broker, eval=run.eval, weight_sync_backend=lcfg.weight_sync_backend,
                          weight_sync_timeout_s=lcfg.weight_sync_timeout_s, weight_sync_verify=lcfg.weight_sync_verify,
                          fingerprint_tokens=fingerprint_tokens(run),
-                         fingerprint_every=lcfg.weight_sync_fingerprint_every,
+                         fingerprint_every=lcfg.weight_sync_fingerprint_every, lora=lcfg.lora,
                          record_evictions=lcfg.replays(run.actors.engine.compressor.method))
 
 
@@ -357,6 +357,8 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
         check_services(run)
     check_ranges(run)
     check_fingerprint(run)
+    if check_files and run.learner.lora.enabled:
+        check_lora_targets(run)
     if run.actors.env.factory:
         check_multiturn(run)
     for mode in run.eval.modes:
@@ -412,6 +414,10 @@ def check_sglang(run: RunConfig) -> None:
             check_sparse_kwargs(run.actors.engine.sglang.kwargs())
         except ValueError as e:
             raise ConfigError(str(e).replace("engine setting ", "actors.engine.sglang.engine_kwargs.")) from None
+    check(not run.learner.lora.enabled, f"learner.lora.rank={run.learner.lora.rank} with actors.engine.backend=sglang: "
+          "the adapter-only weight sync reaches the torch engine only; applying each adapter version in SGLang (its "
+          "LoRA manager, one adapter name per version so that its radix cache never serves an old version's prefix) "
+          "is not built: use actors.engine.backend=torch, or learner.lora.rank=0")
     check(not run.learner.weight_sync_verify,
           "learner.weight_sync_verify=true checksums the torch engine's parameters after a swap; SGLang holds its "
           "weights in its scheduler process (actors.engine.backend=sglang): set learner.weight_sync_verify=false")
@@ -419,6 +425,28 @@ def check_sglang(run: RunConfig) -> None:
         own = "dense" if compressor.method == "full" else "sparse"
         check(list(run.eval.modes) == [own], f"eval.modes={list(run.eval.modes)}: the SGLang engine's attention "
               f"backend is fixed when it starts, so it evaluates in its own mode only: set eval.modes=[{own}]")
+
+
+def check_lora_targets(run: RunConfig, model_path: str | None = None) -> None:
+    """learner.lora.target_modules name linear modules of the run's model (broker.lora.check_targets on the model
+    built on the meta device from its config.json: no weights read), else ConfigError naming the field and listing
+    the model's linear modules. `model_path`: the model's resolved directory (the preflight's: a preset model's
+    files), default `run.model`; one not on disk (a preset not built yet, a hub id) is checked by the learner when
+    it starts."""
+    from broker.lora import check_targets
+
+    path = Path(model_path or run.model).expanduser()
+    if not (path / "config.json").is_file():
+        return
+    import torch  # late: transformers only when a LoRA run's config is checked
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    try:
+        check_targets(run.learner.lora, model)
+    except ValueError as e:
+        raise ConfigError(dotted_names(str(e))) from None
 
 
 def non_finite(tree, prefix: str = ""):

@@ -51,6 +51,13 @@ class Console:
         self.out.print(f"scale actors while it runs: sparse-rl scale --run {run_id} --actors N "
                        f"--run-dir {Path(run_dir).parent}")
 
+    def learner(self, counts: dict) -> None:
+        """The learner's parameters at start (LearnerWorker.parameter_counts): what it trains of how many."""
+        share = counts["trainable"] / max(counts["total"], 1)
+        what = f"LoRA rank {counts['lora_rank']}" if counts.get("lora_rank") else "full fine-tuning"
+        self.out.print(f"learner: {what}: {counts['trainable']:,} trainable parameters of {counts['total']:,} "
+                       f"({share:.2%})")
+
     def step(self, step: int, total: int, version: int, metrics: dict) -> None:
         parts = [f"[bold]step {step}/{total}[/] (version {version})"]
         for label, name, fmt in COLUMNS:

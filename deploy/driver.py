@@ -202,6 +202,7 @@ def _train(cfg: RunConfig, progress: dict, resume: str, report=None, command=("s
         stack.push(lambda kind, *_: received["SIGTERM"] and checkpoint_on_sigterm(cfg, learner))
         before = cfg.eval.enabled and cfg.eval.before and not record.resumed  # a resumed run evaluated at its start
         pool = _start_actors(cfg, run_id, learner_group, stack, console, paused=before)
+        console.learner(learner_group.get(learner.parameter_counts.remote(), "it counted its parameters"))
         if record.resumed:  # the log of trained prompts and the metrics of the checkpoint's step, as one record
             resume_logs(run_dir, tracker, record.start_version,
                         learner_group.get(learner.resume_state.remote(), "it loaded the checkpoint"))

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from broker import faults
 from broker import run_state as rs
 from broker.fingerprint import fingerprinted, probe
+from broker.lora import save_merged
 from broker.streams import connect
 from broker.weight_sync import WeightSender
 from deploy.config import RunConfig, fingerprint_tokens
@@ -184,15 +185,31 @@ class LearnerWorker:
         return self.learner.score(token_ids)
 
     def save_final(self, path: str) -> str:
-        """The trained weights as a Hugging Face directory (with the tokenizer), for `sparse-rl eval`."""
+        """The trained weights as a Hugging Face directory (with the tokenizer), for `sparse-rl eval`; with
+        learner.lora the adapter alone in peft's format (Learner.save_adapter: adapter_config.json naming the base,
+        adapter_model.safetensors), with the tokenizer, and with learner.lora.save_merged `merged/` beside it (the
+        base with the adapter merged: broker.lora.save_merged)."""
         self.fault["save_final"]()
         self.phase("saving the final weights")
-        self.learner.engine.module.save_pretrained(path, state_dict=self.full_weights())
-        AutoTokenizer.from_pretrained(self.cfg.model).save_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(self.cfg.model)
+        if self.learner.peft is not None:
+            self.learner.save_adapter(path, self.full_weights())   # full_weights: the adapter's (its manifest)
+            if self.cfg.learner.lora.save_merged:
+                save_merged(path, os.path.join(path, "merged"))
+                tokenizer.save_pretrained(os.path.join(path, "merged"))
+        else:
+            self.learner.engine.module.save_pretrained(path, state_dict=self.full_weights())
+        tokenizer.save_pretrained(path)
         return path
 
+    def parameter_counts(self) -> dict:
+        """Learner.parameter_counts (trainable, total) and learner.lora's rank (0: full fine-tuning), for the
+        console's start line."""
+        return {**self.learner.parameter_counts(), "lora_rank": self.cfg.learner.lora.rank}
+
     def full_weights(self) -> dict:
-        """Every parameter's full value (CPU, by name), gathered over the ranks."""
+        """Every parameter's full value (CPU, by name), gathered over the ranks: the weight sync's manifest (with
+        learner.lora, the adapter's tensors only)."""
         with self.updating:
             return self._on_all_ranks("gather_weights", 1, True)
 

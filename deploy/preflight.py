@@ -52,7 +52,8 @@ from actors.engines.kv_memory import (
     sglang_request_rows,
 )
 from broker.schema import group_wire_bytes
-from deploy.config import ConfigError, RunConfig
+from deploy.config import ConfigError, RunConfig, check_lora_targets
+from learner.config import LearnerConfig
 
 GIB = 1 << 30
 
@@ -244,6 +245,8 @@ def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: i
         model_path = resolve_model(cfg.model)
     a = cfg.actors
     c = a.engine.compressor
+    if cfg.learner.lora.enabled:   # a preset model's targets: its files exist from here
+        check_lora_targets(cfg, model_path)
     hf = AutoConfig.from_pretrained(model_path)
     shape = ModelShape.from_hf_config(hf, a.engine.dtype)
     prompt = prompt_tokens or longest_prompt(cfg, model_path)
@@ -282,7 +285,20 @@ def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: i
     report.record_bytes, report.record_requests = records
     report.ring_bytes, report.ring_rows = ring
     check_report(cfg, report, low)
+    report.warnings += lora_warnings(cfg)
     return report
+
+
+def lora_warnings(cfg: RunConfig) -> list[str]:
+    """With learner.lora on and learner.lr left at full fine-tuning's default (LearnerConfig's, 1e-6): the warning
+    that LoRA's best learning rate is ~10x full fine-tuning's ("LoRA Without Regret", Schulman et al., Thinking
+    Machines 2025, "Optimal learning rates"), so that the adapter barely moves; [] otherwise."""
+    default = LearnerConfig.__dataclass_fields__["lr"].default
+    if not cfg.learner.lora.enabled or cfg.learner.lr != default:
+        return []
+    return [f"learner.lora.rank={cfg.learner.lora.rank} with learner.lr={cfg.learner.lr:g}, full fine-tuning's "
+            "default: LoRA's best learning rate is about 10x full fine-tuning's; set learner.lr (e.g. "
+            f"{10 * default:g})"]
 
 
 def check_report(cfg: RunConfig, report: PreflightReport, low: int) -> None:

@@ -91,8 +91,8 @@ def open_record(cfg: RunConfig, resume: str | Path = "") -> RunRecord:
     written) and cfg.learner.resume_from (what the learner loads, "" = its checkpoint_dir if it holds one).
 
     Raises ConfigError (nothing created) when the resumed run has no checkpoint, a checkpoint's version is
-    already at or past train.steps, the config's prompt order (seed, actors.data) differs from the checkpoint's,
-    or learner.checkpoint_dir belongs to another run without one to load."""
+    already at or past train.steps, the config's prompt order (seed, actors.data) or learner.lora differs from the
+    checkpoint's, or learner.checkpoint_dir belongs to another run without one to load."""
     ckpt = cfg.learner.checkpoint_dir
     if resume:
         return _resumed(Path(resume).resolve(), cfg)
@@ -113,6 +113,7 @@ def open_record(cfg: RunConfig, resume: str | Path = "") -> RunRecord:
         if owner is not None:
             _check_unchanged(owner, cfg, f"learner.resume_from={src}")
         _check_prompt_order(cfg, src)
+        _check_lora(cfg, src)
         info = read_run_info(owner) if owner else {}
         parent = {"run_id": info.get("run_id", ""), "run_dir": str(owner or ""),
                   "mlflow_run_id": info.get("mlflow_run_id", ""), "checkpoint": str(Path(src).resolve())}
@@ -142,6 +143,7 @@ def _resumed(run_dir: Path, cfg: RunConfig) -> RunRecord:
     _check_steps(cfg, version, ckpt)
     _check_unchanged(run_dir, cfg, f"--resume {run_dir}")
     _check_prompt_order(cfg, ckpt)
+    _check_lora(cfg, ckpt)
     cfg.learner.checkpoint_dir, cfg.learner.resume_from = ckpt, ""
     return RunRecord(info["run_id"], run_dir, resumed=True, start_version=version,
                      mlflow_run_id=info.get("mlflow_run_id", ""))
@@ -165,6 +167,26 @@ def _check_prompt_order(cfg: RunConfig, ckpt: str | Path) -> None:
         if changed:
             raise ConfigError(f"resume: the prompt order differs from the checkpoint's in {ckpt}: " + "; ".join(changed)
                               + ". Resume with the checkpoint's values, or start a new run")
+
+
+def _check_lora(cfg: RunConfig, ckpt: str | Path) -> None:
+    """A resume from the checkpoint in `ckpt` needs its mode (LoRA or full fine-tuning) and LoRA settings (rank,
+    alpha, target modules: the adapter's shapes and function): ConfigError naming learner.lora and both values,
+    before anything starts. The base's weights hash is checked by the learner when it loads the checkpoint
+    (learner.checkpoint.check_lora): the driver does not read the weights."""
+    saved = read_client_state(ckpt).get("lora")
+    lora = cfg.learner.lora
+    now = lora.settings() if lora.enabled else None
+    before = None if saved is None else {k: saved[k] for k in ("rank", "alpha", "target_modules")}
+    if before == now:
+        return
+
+    def said(s):
+        return "learner.lora.rank=0 (full fine-tuning)" if s is None else ", ".join(
+            f"learner.lora.{k}={v!r}" for k, v in s.items())
+    raise ConfigError(f"resume: {said(now)}, but the checkpoint in {ckpt} was trained with {said(before)}: a "
+                      "checkpoint resumes with the mode and adapter it was trained with; use its learner.lora, or "
+                      "start a new run")
 
 
 def _check_unchanged(run_dir: Path, cfg: RunConfig, what: str) -> None:

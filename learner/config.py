@@ -3,8 +3,10 @@ checkpoints and weight sync."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
+
+from broker.lora import LoraConfig
 
 REJECTIONS = ("veto", "geometric", "none")
 FILTERS = ("none", "zero_variance")
@@ -49,6 +51,11 @@ class LearnerConfig:
     zero3_state_bytes_per_rank_ratio). Stage 3 parameters are gathered bucket by bucket for the weight sync."""
     dtype: str = "fp32"
     """Training dtype: fp32 | bf16 (fp16 does not run on CPU). Weights are broadcast in this dtype."""
+
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA instead of full fine-tuning (broker/lora.py; off by default: lora.rank 0): only the adapter is trained,
+    held by the optimizer and sent to the actors; the KL reference is the model with the adapter disabled. LoRA
+    usually wants a learning rate ~10x full fine-tuning's (the preflight warns when lr is left at 1e-6)."""
 
     # --- PPO loop ------------------------------------------------------------------------------------------
     ppo_epochs: int = 1
@@ -207,8 +214,24 @@ class LearnerConfig:
              "replayed forward)"),
         ]
         errors = [f"LearnerConfig.{name}={getattr(self, name)!r}: {rule}" for ok, name, rule in checks if not ok]
+        errors += self._lora_errors()
         if errors:
             raise ValueError("; ".join(errors))
+
+    def _lora_errors(self) -> list[str]:
+        """lora.dropout > 0 makes the trained forward random: refused where it must equal the no-grad forward (the
+        fused logp_old is the trained forward's value; eviction replay's exactness)."""
+        if self.lora.dropout <= 0:
+            return []
+        clash = [f"LearnerConfig.{name}={value}" for name, value, bad in (
+            ("policy_target", self.policy_target, self.policy_target == "sparse"),
+            ("fuse_logp_old", "true", self.fuse_logp_old)) if bad]
+        if not clash:
+            return []
+        return [f"LearnerConfig.lora.dropout={self.lora.dropout} with {' and '.join(clash)}: the trained forward must "
+                "be deterministic (the fused logp_old is its value; replay's exactness compares it with the sampler): "
+                "set learner.lora.dropout=0" + ("" if self.policy_target == "sparse" else
+                                                 " or learner.fuse_logp_old=false")]
 
     def replays(self, compressor_method: str) -> bool:
         """Whether steps replay the rollouts' evictions: policy_target sparse on a compressing run."""

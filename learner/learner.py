@@ -6,7 +6,8 @@ correction (the step's LossInputs) -> PPO epochs x minibatches x micro-batches (
 optimizer steps -> version += 1 -> metrics. An on-policy step (`fusable`: one epoch, one minibatch) skips the
 recompute: its micro-batches' training forwards give logp_old, and the correction follows its last backward
 (`_correct_fused`). learner/batching.py collates and cuts the batch, learner/distributed.py sets up the process
-group and DeepSpeed, learner/weights.py exports the weights.
+group and DeepSpeed, learner/weights.py exports the weights. With learner.lora (broker/lora.py) the same step trains
+a peft adapter alone: the reference policy is the module with its adapter disabled, and the export is the adapter's.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from broker.lora import add_adapter, base_identity
 from broker.schema import TrajectoryGroup
 from broker.weight_sync import WeightSender
 from learner.acceptance import acceptance_metrics
@@ -56,7 +58,12 @@ class Learner:
             caller records the step's first phase, the recompute, itself. Default: none.
     Attributes:
         version: int weight version; +1 per `step`. Checkpoints restore it.
-        engine: the DeepSpeed engine. ref_model: frozen copy of the initial model, or None when kl_coef == 0.
+        engine: the DeepSpeed engine. ref_model: frozen copy of the initial model, or None when kl_coef == 0 or
+            with learner.lora (the reference is then the same model with its adapter disabled).
+        peft: with learner.lora on, the `peft.PeftModel` around the engine's module (broker.lora.add_adapter: the
+            adapter's layers are in the module itself; only they are trained and held by the optimizer), else None.
+        base: with learner.lora on, the base model's identity {"base_model": its name or path, "base_hash": blake2b
+            of its weights} (broker.lora.base_identity; checkpoints carry it), else None.
     """
 
     def __init__(self, model: str | os.PathLike | nn.Module, cfg: LearnerConfig,
@@ -70,13 +77,19 @@ class Learner:
         self.dtype = TORCH_DTYPES[cfg.dtype]
         if cfg.policy_target == "sparse":  # SDPA, plus the eviction-record masks when a forward passes one
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.peft, self.base = None, None
+        if cfg.lora.enabled:   # the adapter's layers into `model` itself; the base frozen (broker/lora.py)
+            self.peft = add_adapter(model, cfg.lora, seed=0 if cfg.seed is None else cfg.seed)
+            self.base = base_identity(model)
         self.ref_model = None
-        if cfg.kl_coef > 0:
+        if cfg.kl_coef > 0 and self.peft is None:
             self.ref_model = copy.deepcopy(model).to(self.dtype).eval().requires_grad_(False)
-        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                    config=deepspeed_config(cfg))
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=deepspeed_config(cfg))
         self.device = self.engine.device
-        self.export = WeightExport(self.engine, self.dtype, cfg.zero_stage)   # the weights, out (learner/weights.py)
+        # the weights, out (learner/weights.py): with LoRA the adapter only
+        self.export = WeightExport(self.engine, self.dtype, cfg.zero_stage, adapter=self.peft is not None)
         if self.ref_model is not None:
             self.ref_model.to(self.device)
         self.version = 0
@@ -171,7 +184,7 @@ class Learner:
         advantages = grpo_advantages(batch.reward, batch.group_index, self.cfg.norm_adv_by_std).to(device)
         t = LossInputs(batch, batch.response_mask.to(device), advantages, batch.fresh.to(device),
                        logp_old=torch.zeros(shape, device=device), entropy=torch.zeros(shape, device=device))
-        if self.ref_model is not None:
+        if self.cfg.kl_coef > 0:
             t.logp_ref = torch.zeros(shape, device=device)
         if self.replays(batch):
             t.logp_dense, t.accept_exact = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
@@ -189,10 +202,7 @@ class Learner:
         with torch.no_grad():
             for rows in micro_batches(shares, self.cfg.micro_batch_size, self.rank):
                 if rows is None:  # keeps ZeRO-3's parameter gathers in step with the other ranks
-                    if replay:
-                        self._replay_forward(batch, torch.zeros(1, dtype=torch.long), grad=False)
-                    else:
-                        self.response_logprobs(self.engine, batch, torch.zeros(1, dtype=torch.long))
+                    self._padding_recompute(batch, replay, t.logp_ref is not None)
                     continue
                 if replay:   # logp_old replayed; the dense forward for the mismatch metrics
                     r = self._replay_forward(batch, rows, grad=False)
@@ -207,11 +217,31 @@ class Learner:
                     t.logp_old[rows], t.entropy[rows] = self.response_logprobs(self.engine, batch, rows,
                                                                                with_entropy=True)
                 if t.logp_ref is not None:
-                    t.logp_ref[rows], _ = self.response_logprobs(self.ref_model, batch, rows)
+                    t.logp_ref[rows] = self.reference_logprobs(batch, rows)
         for x in (t.logp_old, t.entropy, t.logp_ref, dense_topk, t.logp_dense, t.accept_exact):
             if x is not None:   # each row is non-zero on one rank: the sum is exact
                 all_reduce(x, self.world_size)
         return dense_topk
+
+    def _padding_recompute(self, batch: LearnerBatch, replay: bool, reference: bool) -> None:
+        """The recompute's forwards of a padding slot (row 0, results dropped): the same ZeRO-3 parameter gathers as
+        the other ranks' micro-batch (with LoRA the reference forward runs through the engine too)."""
+        row = torch.zeros(1, dtype=torch.long)
+        if replay:
+            self._replay_forward(batch, row, grad=False)
+        else:
+            self.response_logprobs(self.engine, batch, row)
+        if reference and self.peft is not None:
+            self.reference_logprobs(batch, row)
+
+    def reference_logprobs(self, batch: LearnerBatch, rows: torch.Tensor) -> torch.Tensor:
+        """log pi_ref of the response tokens of `rows`, float32 [len(rows), T] (0 on padding; call under no_grad):
+        the frozen copy of the initial model, or with learner.lora the engine's own module with the adapter
+        disabled (peft's `disable_adapter`: the base model, no second copy; SPEC §3's KL term)."""
+        if self.peft is None:
+            return self.response_logprobs(self.ref_model, batch, rows)[0]
+        with self.peft.disable_adapter():
+            return self.response_logprobs(self.engine, batch, rows)[0]
 
     def _correction_options(self) -> dict:
         """The keyword arguments of `sparse_correction` this learner's config sets."""
@@ -242,7 +272,7 @@ class Learner:
         cfg = self.cfg
         one_minibatch = cfg.minibatch_size == 0 or cfg.minibatch_size >= batch.size
         return (cfg.fuse_logp_old and cfg.ppo_epochs == 1 and one_minibatch and self.world_size == 1
-                and cfg.zero_stage == 0 and cfg.dtype == "fp32" and self.ref_model is None and batch.topk_ids is None)
+                and cfg.zero_stage == 0 and cfg.dtype == "fp32" and cfg.kl_coef == 0 and batch.topk_ids is None)
 
     # ------------------------------------------------------------------------------------------------------
     def _num_tokens(self, t: LossInputs, mb_rows: torch.Tensor) -> float | None:
@@ -402,9 +432,9 @@ class Learner:
     def gradients(self, groups: list[TrajectoryGroup]) -> dict[str, torch.Tensor]:
         """The full gradient of the GRPO loss over `groups` taken as one minibatch (the step's code path:
         recompute, correction, token-balanced split, micro-batches), gathered over the ranks, without an
-        optimizer step: {Hugging Face name: float32 tensor of the parameter's full shape}, the same on every
-        rank (a collective: every rank calls it). The gradients are then discarded; `version` is unchanged.
-        For tests of split invariance and for debugging."""
+        optimizer step: {Hugging Face name: float32 tensor of the parameter's full shape} of every trained
+        parameter (with LoRA the adapter's), the same on every rank (a collective: every rank calls it). The
+        gradients are then discarded; `version` is unchanged. For tests of split invariance and for debugging."""
         from deepspeed.utils import safe_get_full_grad  # deepspeed after DS_ACCELERATOR (init_distributed)
 
         t = self._prepare(groups, self.collate(groups))
@@ -422,6 +452,8 @@ class Learner:
             self.engine.allreduce_gradients()
         grads = {}
         for name, p in self.engine.module.named_parameters():
+            if not p.requires_grad:   # the frozen base under LoRA
+                continue
             g = safe_get_full_grad(p)
             grads[name] = g.detach().float().clone().reshape(getattr(p, "ds_shape", p.shape))
         self.engine.zero_grad()
@@ -431,6 +463,30 @@ class Learner:
     def state_bytes(self) -> dict[str, int]:
         """Bytes of training state this rank holds (learner.weights.state_bytes)."""
         return state_bytes(self.engine)
+
+    def parameter_counts(self) -> dict[str, int]:
+        """{"trainable": parameters the optimizer updates (with LoRA the adapter's), "total": every parameter of
+        the model}, full counts (ZeRO-3: `ds_numel`, not this rank's partition)."""
+        counts = {"trainable": 0, "total": 0}
+        for p in self.engine.module.parameters():
+            n = int(getattr(p, "ds_numel", p.numel()))
+            counts["total"] += n
+            counts["trainable"] += n if p.requires_grad else 0
+        return counts
+
+    def lora_identity(self) -> dict | None:
+        """What a checkpoint of a LoRA run must be resumed with: learner.lora's settings (LoraConfig.settings) and
+        the base's identity and hash (`base`); None for full fine-tuning."""
+        return None if self.peft is None else {**self.cfg.lora.settings(), **self.base}
+
+    def save_adapter(self, path: str | os.PathLike, adapter: dict[str, torch.Tensor]) -> None:
+        """The adapter in peft's format (`adapter_config.json` + `adapter_model.safetensors`, loadable with
+        `peft.PeftModel.from_pretrained(base, path)`) from its full tensors by Hugging Face name (`gather_buckets`
+        with keep: ZeRO-3 gathered over the ranks). Raises ValueError without learner.lora."""
+        if self.peft is None:
+            raise ValueError("save_adapter: learner.lora is off (no adapter to save)")
+        state = {f"base_model.model.{name}": t for name, t in adapter.items()}   # the PeftModel's own keys
+        self.peft.save_pretrained(str(path), state_dict=state)
 
     def score(self, token_ids: list[list[int]]) -> list[np.ndarray]:
         """Teacher-forced log-probs of the current weights (version `version`), untempered: per sequence float32

@@ -7,6 +7,7 @@ import contextlib
 
 import torch
 
+from broker.lora import adapter_parameters
 from broker.weight_sync import WeightManifest, WeightSender, build_manifest
 
 
@@ -16,10 +17,12 @@ def full_shape(p: torch.Tensor) -> tuple[int, ...]:
 
 
 class WeightExport:
-    """The weights of a DeepSpeed `engine` (ZeRO stage `zero_stage`) in the engine's `dtype`, by bucket."""
+    """The weights of a DeepSpeed `engine` (ZeRO stage `zero_stage`) in the engine's `dtype`, by bucket; with
+    `adapter` (learner.lora on) the LoRA adapter's tensors only (broker.lora.adapter_parameters), the frozen base
+    never leaving the learner."""
 
-    def __init__(self, engine, dtype: torch.dtype, zero_stage: int):
-        self.engine, self.dtype, self.zero_stage = engine, dtype, zero_stage
+    def __init__(self, engine, dtype: torch.dtype, zero_stage: int, adapter: bool = False):
+        self.engine, self.dtype, self.zero_stage, self.adapter = engine, dtype, zero_stage, adapter
 
     def gathered(self, params: list[torch.Tensor]):
         """Context manager inside which `params` hold their full values: ZeRO-3 gathers them from every rank (a
@@ -33,9 +36,11 @@ class WeightExport:
     def manifest(self, bucket_mb: float) -> tuple[WeightManifest, list[torch.Tensor]]:
         """The weight-sync manifest of the model (broker.weight_sync.build_manifest: Hugging Face names, full
         shapes, the engine's dtype, tied aliases, buckets of `bucket_mb` MiB) and the live parameter behind each
-        manifest name, in order (ZeRO-3: this rank's partition; enter `gathered` per bucket)."""
-        return build_manifest(self.engine.module.named_parameters(remove_duplicate=False), self.dtype, bucket_mb,
-                              full_shape)
+        manifest name, in order (ZeRO-3: this rank's partition; enter `gathered` per bucket). With `adapter`: the
+        adapter's tensors only, an adapter manifest (WeightManifest.adapter)."""
+        module = self.engine.module
+        named = adapter_parameters(module) if self.adapter else module.named_parameters(remove_duplicate=False)
+        return build_manifest(named, self.dtype, bucket_mb, full_shape, adapter=self.adapter)
 
     def send(self, sender: WeightSender, version: int, peers_gather: bool = False) -> dict[str, float]:
         """The weights (of weight version `version`) through `sender`, bucket by bucket (ZeRO-3: each bucket

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from actors.engines.base import EVICTION_NEVER, Sample, SamplingParams, check_params, check_score, collapsed_heads
 from actors.engines.batch_cache import BatchCache, CacheShape, KeptEpisode, Layout, SlotPlan, rebased, select_slots
+from broker.lora import LoraConfig, adapter_parameters, add_adapter
 from compressors import Compressor, CompressorConfig, SelectContext, build_compressor
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -56,11 +57,16 @@ class TorchEngine:
         column of the first query that no longer sees that key column (int64 max if never evicted). With
         per-prompt `kv_budgets` the batch runs as one sub-batch per budget: `last_eviction_records` holds one
         such record per sub-batch, plus its `prompt_indices` and `kv_budget`.
-    Raises ValueError if the model is not a supported, full-attention Llama/Qwen2.
+    lora: learner.lora of the run (broker.lora.LoraConfig); with rank > 0 the model gets the learner's adapter
+        layers (broker.lora.add_adapter, the same peft function the learner trains: its target Linear modules
+        compute W x + alpha / rank x B A x inside `_forward` and `score`), `expected_weights` lists the adapter's
+        tensors only and `load_weights` swaps adapter versions in without touching the base. None or rank 0: none.
+    Raises ValueError if the model is not a supported, full-attention Llama/Qwen2, or a LoRA target is not one of
+    its linear modules.
     """
 
     def __init__(self, model, tokenizer, compressor_cfg: CompressorConfig, device: str = "cpu",
-                 weight_version: int = 0, record_evictions: bool = False):
+                 weight_version: int = 0, record_evictions: bool = False, lora: LoraConfig | None = None):
         cfg = model.config
         if cfg.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model.config.model_type={cfg.model_type!r} is not supported; "
@@ -70,6 +76,10 @@ class TorchEngine:
             raise ValueError(f"model.config.layer_types={layer_types}: only full-attention layers are supported "
                              "(sliding-window layers would need their own eviction rule)")
         self.model = model.to(device).eval()
+        self.adapter = lora is not None and lora.enabled
+        if self.adapter:   # in place: self.model keeps its attribute paths, its target modules become peft's
+            add_adapter(self.model, lora)
+            self.model.eval()
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.compressor_cfg = compressor_cfg
@@ -105,8 +115,10 @@ class TorchEngine:
 
     def expected_weights(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """(HF name, shape, dtype) of every weight of the model, tied aliases included (what the weight receiver
-        checks a manifest against: RolloutEngine.expected_weights)."""
-        return [(name, tuple(p.shape), p.dtype) for name, p in self.model.named_parameters(remove_duplicate=False)]
+        checks a manifest against: RolloutEngine.expected_weights); with a LoRA adapter, the adapter's tensors only
+        (broker.lora.adapter_parameters: what the learner sends)."""
+        named = adapter_parameters(self.model) if self.adapter else self.model.named_parameters(remove_duplicate=False)
+        return [(name, tuple(p.shape), p.dtype) for name, p in named]
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy tensors into the model by HF parameter name, then set `weight_version = version`.

@@ -37,3 +37,14 @@ def test_a_replaying_step_line_shows_the_exactness_and_a_dense_one_does_not():
     assert "mismatch_kl 2.00e-02  replay |dlogp| 4.6e-05" in first
     assert "replay" not in second
     assert third.endswith("replay |dlogp| n/a"), third
+
+
+def test_the_start_line_gives_the_trainable_parameters():
+    """LearnerWorker.parameter_counts at start: LoRA's share of the model, or full fine-tuning's everything."""
+    console = Console()
+    console.out = RichConsole(file=io.StringIO(), width=400)
+    console.learner({"trainable": 16_384, "total": 3_238_208, "lora_rank": 8})
+    console.learner({"trainable": 3_221_824, "total": 3_221_824, "lora_rank": 0})
+    assert console.out.file.getvalue().splitlines() == [
+        "learner: LoRA rank 8: 16,384 trainable parameters of 3,238,208 (0.51%)",
+        "learner: full fine-tuning: 3,221,824 trainable parameters of 3,221,824 (100.00%)"]

@@ -49,13 +49,16 @@ def check_accounting(summary: dict, steps: int, groups_per_step: int, prompts_pe
 
 @pytest.mark.system
 @pytest.mark.timeout(900)
-def test_tiny_run_end_to_end(tmp_path, redis_server):
+@pytest.mark.parametrize("lora", [0, 8])
+def test_tiny_run_end_to_end(tmp_path, redis_server, lora):
     """The tiny preset's run with 2 actors and learner.ranks=2 under ZeRO-3: the weights reach the actors (gathered
     bucket by bucket, checksums verified by the actors, the fingerprint compared), actors end on the last version,
-    the accounting is exact, every step's metrics and the final evaluation (dense and sparse) reach MLflow."""
+    the accounting is exact, every step's metrics and the final evaluation (dense and sparse) reach MLflow. With
+    learner.lora: the adapter alone travels (far fewer bytes), and the final directory is the adapter."""
     cfg = load_config("tiny", [f"run_dir={tmp_path}", f"broker.url={redis_server.url}", "learner.ranks=2",
                                "learner.zero_stage=3", "learner.weight_sync_verify=true",
-                               "learner.weight_sync_bucket_mb=0.05", "learner.weight_sync_timeout_s=60"])
+                               "learner.weight_sync_bucket_mb=0.05", "learner.weight_sync_timeout_s=60",
+                               f"learner.lora.rank={lora}"])
     summary = train(cfg)
 
     check_accounting(summary, steps=3, groups_per_step=cfg.train.groups_per_step,
@@ -86,7 +89,10 @@ def test_tiny_run_end_to_end(tmp_path, redis_server):
     assert not any("password" in k for k in params)
     artifacts = {a.path for a in client.list_artifacts(summary["mlflow_run_id"])}
     assert {"training.png", "config.yaml"} <= artifacts
-    assert (tmp_path / summary["run_id"] / "final" / "config.json").exists()
+    final = tmp_path / summary["run_id"] / "final"
+    assert (final / ("adapter_config.json" if lora else "config.json")).exists()
+    sent = metric_history(client, summary["mlflow_run_id"], "weight_sync_bytes")[-1].value
+    assert (sent < 2**20) == bool(lora), sent   # tiny-llama: 3.2M fp32 parameters, 12.9 MB; rank 8's adapter 64 KiB
 
 
 @pytest.mark.system

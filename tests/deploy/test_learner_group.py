@@ -2,8 +2,8 @@
 group on loopback, real DeepSpeed on the CPU, real Redis. The one-rank reference runs the same `Learner` code
 in this process.
 
-- 2 ranks vs 1 rank on the same groups (ZeRO-2 and ZeRO-3, fp32): weights after one step within 1e-5 and the
-  step metrics (loss, rejection_rate, mismatch_kl, ...) equal;
+- 2 ranks vs 1 rank on the same groups (ZeRO-2 and ZeRO-3, fp32; ZeRO-3 with learner.lora too): weights after one
+  step within 1e-5 and the step metrics (loss, rejection_rate, mismatch_kl, ...) equal;
 - gradients do not depend on the split (verl#5625): micro-batch 1, 2 and the whole minibatch on one rank, and
   two ranks, give the same gradients (rtol 1e-5);
 - whole runs with `learner.ranks=2`: end to end with 2 actors (ZeRO-3 weight sync), a resumed run trains the
@@ -29,6 +29,7 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 
 from broker.config import BrokerConfig  # noqa: E402
 from broker.faults import FAULTS_ENV  # noqa: E402
+from broker.lora import LoraConfig  # noqa: E402
 from broker.run_state import key, read_learner_version, run_counts  # noqa: E402
 from broker.schema import decode_group  # noqa: E402
 from broker.streams import connect  # noqa: E402
@@ -111,18 +112,26 @@ def with_eviction_records(groups, layers: int = 2, kv_heads: int = 2, seed: int 
 
 @pytest.mark.system
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("zero_stage,policy_target", [(2, "dense"), (3, "dense"), (3, "sparse")])
-def test_two_ranks_make_the_same_update_as_one(zero_stage, policy_target, local_ray, model_dir, redis_server, tmp_path):
-    """... with eviction replay too (policy_target sparse: the replayed and the dense forwards per micro-batch)."""
+@pytest.mark.parametrize("zero_stage,policy_target,lora", [(2, "dense", 0), (3, "dense", 0), (3, "sparse", 0),
+                                                           (3, "dense", 4)])
+def test_two_ranks_make_the_same_update_as_one(zero_stage, policy_target, lora, local_ray, model_dir, redis_server,
+                                               tmp_path):
+    """... with eviction replay too (policy_target sparse: the replayed and the dense forwards per micro-batch), and
+    with learner.lora (the adapter alone trained and exported, the KL reference through the ZeRO-3 engine with the
+    adapter disabled; lr 1e-2 so that the adapter moves by more than 100x the tolerance; 7 sequences in micro-batches
+    of 3, so that one rank's recompute has a padding slot, whose reference forward keeps the gathers in step)."""
     torch.set_num_threads(1)
     groups = steps_groups() if policy_target == "dense" else with_eviction_records(steps_groups())
     common = {**COMMON, "policy_target": policy_target}
-    one = Learner(str(model_dir), LearnerConfig(zero_stage=zero_stage, **common))
+    if lora:
+        groups[1].samples = groups[1].samples[:3]      # shares of 3 and 4 sequences: micro-batches [3] and [3, 1]
+        common.update(lr=1e-2, micro_batch_size=3)
+    one = Learner(str(model_dir), LearnerConfig(zero_stage=zero_stage, lora=LoraConfig(rank=lora), **common))
     before = {n: t.clone() for n, t in one.gather_buckets(0, keep=True).items()}
     expected = one.step(groups, staleness=[0, 1])
     after_one = {n: t.clone() for n, t in one.gather_buckets(0, keep=True).items()}
 
-    group = group_of(model_dir, redis_server.url, tmp_path, 2, zero_stage=zero_stage, **common)
+    group = group_of(model_dir, redis_server.url, tmp_path, 2, zero_stage=zero_stage, **common, **{"lora.rank": lora})
     try:
         got = ray.get(group.rank0.step_groups.remote(groups, [0, 1]))
         after_two = ray.get(group.rank0.full_weights.remote())
@@ -130,13 +139,14 @@ def test_two_ranks_make_the_same_update_as_one(zero_stage, policy_target, local_
         group.shutdown()
 
     assert got["learner_ranks"] == 2 and expected["learner_ranks"] == 1
-    assert expected["rejection_rate"] == pytest.approx(1 / 8) and expected["token_mask_fraction"] > 0
+    assert expected["rejection_rate"] == pytest.approx(1 / (7 if lora else 8)) and expected["token_mask_fraction"] > 0
     replayed = ("replay_logp_max_abs", "replay_dense_gap_max", "accept_exact_mean", "replay_tis_weight_mean")
     for name in METRICS + (replayed if policy_target == "sparse" else ()):
         assert got[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-7), name
     assert set(after_two) == set(after_one)
+    assert all(".lora_" in n for n in after_one) == bool(lora)        # with LoRA the adapter alone travels
     moved = max((after_one[n] - before[n]).abs().max().item() for n in after_one)
-    assert moved > 1e-4                          # the step changed the weights: the comparison can fail
+    assert moved > (1e-3 if lora else 1e-4)      # the step changed the weights: the comparison can fail
     for name, t in after_one.items():
         torch.testing.assert_close(after_two[name], t, rtol=0, atol=1e-5, msg=name)
 

@@ -4,6 +4,7 @@ checkpoint of a tiny Llama)."""
 import pytest
 from omegaconf import OmegaConf
 
+from broker.lora import LoraConfig
 from broker.prompts import DataPosition
 from deploy.config import ConfigError, load_config
 from deploy.record import open_record
@@ -26,4 +27,23 @@ def test_a_fork_with_another_prompt_order_fails_at_record_open(tmp_path):
     with pytest.raises(ConfigError, match=r"prompt order differs .*seed=5 \(checkpoint: 0\); "
                                           r"actors\.data\.size=32 \(checkpoint: 64\)"):
         open_record(other)
+    assert not (tmp_path / "other").exists()                   # nothing was made
+
+
+def test_a_fork_in_the_other_mode_or_with_other_lora_settings_fails_at_record_open(tmp_path):
+    """learner.lora against the checkpoint's client state (deploy/record.py _check_lora): the base's hash is the
+    learner's check (tests/learner/test_checkpoint.py)."""
+    ckpt = tmp_path / "parent" / "checkpoints"
+    save_checkpoint(Learner(tiny_llama(), LearnerConfig(kl_coef=0.0, lora=LoraConfig(rank=4))), ckpt, [], {})
+    fork = [f"learner.resume_from={ckpt}", "train.steps=3"]
+    same = load_config("tiny", [f"run_dir={tmp_path / 'runs'}", "learner.lora.rank=4"] + fork)
+    assert open_record(same).start_version == 0
+    saved = (r"the checkpoint in .* was trained with learner\.lora\.rank=4, learner\.lora\.alpha=32\.0, learner\.lora"
+             r"\.target_modules=\['down_proj', 'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', 'v_proj'\]: a "
+             r"checkpoint resumes with the mode and adapter it was trained with")
+    for lora, now in ((["learner.lora.rank=0"], r"learner\.lora\.rank=0 \(full fine-tuning\)"),
+                      (["learner.lora.rank=8"], r"learner\.lora\.rank=8, learner\.lora\.alpha=32\.0, .*")):
+        other = load_config("tiny", [f"run_dir={tmp_path / 'other'}"] + lora + fork)
+        with pytest.raises(ConfigError, match=rf"^resume: {now}, but {saved}"):
+            open_record(other)
     assert not (tmp_path / "other").exists()                   # nothing was made
