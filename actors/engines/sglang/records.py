@@ -171,16 +171,34 @@ class EvictionRecorder:
         self.steps[slots[:, None, None], li, self.heads, column] = step.to(torch.int16)[:, None, None].expand(
             column.shape)
 
-    def take(self, row: int, length: int) -> None:
-        """A request's row leaves: its record, uint16 [layers, Hkv, length] (`length`: tokens whose KV was computed;
-        never past the record's width), to `record_path(directory, rid)` (written to a temporary name, then
-        renamed: a reader never sees a partial file), and its slot given back; the last live request's leaving gives
-        the buffers back (`_release`: a long request's width is not kept into the next generate call). One
-        device-to-host copy (the request has ended; not graph code). Rows without a slot are ignored."""
+    def resume(self, rows: list[int], rids: list) -> None:
+        """Episodes continuing on their kept request rows (host ints) under new SGLang request ids: the records go on
+        (a row's record covers its whole episode); rows without a slot are ignored."""
+        for row, rid in zip(rows, rids):
+            if row in self.slot:
+                self.rid[row] = rid
+
+    def snapshot(self, row: int, length: int, rid) -> None:
+        """A parked episode's record so far, uint16 [layers, Hkv, length] (`length`: the episode's tokens whose KV
+        was computed), written as request `rid`'s (`write`); the slot stays for the episode's next turn. Rows without a
+        slot are ignored. One device-to-host copy (between turns; not graph code)."""
+        if row in self.slot:
+            self.write(self.slot[row], rid, length)
+
+    def drop(self, row: int) -> None:
+        """A parked episode's row leaves (its session closed): its slot is given back without a record (its last
+        turn's was written by `snapshot`); the last live request's leaving gives the buffers back."""
         if row not in self.slot:
             return
-        s, rid = self.slot.pop(row), self.rid.pop(row)
-        self.free.append(s)
+        self.free.append(self.slot.pop(row))
+        self.rid.pop(row)
+        if not self.slot:
+            self._release(self.origin.shape[3])
+
+    def write(self, s: int, rid, length: int) -> None:
+        """Record slot `s` as uint16 [layers, Hkv, length] (never past the record's width: never) to
+        `record_path(directory, rid)`, written to a temporary name, then renamed (a reader never sees a partial file).
+        One device-to-host copy."""
         out = np.full((self.layers, self.kv_heads, length), np.uint16(65535), dtype=np.uint16)
         n = min(length, self.width)
         out[:, :, :n] = self.steps[s, :, :, :n].cpu().numpy().view(np.uint16)
@@ -188,5 +206,17 @@ class EvictionRecorder:
         with open(path + ".tmp", "wb") as f:
             np.save(f, out)
         os.replace(path + ".tmp", path)
+
+    def take(self, row: int, length: int) -> None:
+        """A request's row leaves: its record, uint16 [layers, Hkv, length] (`length`: tokens whose KV was computed;
+        never past the record's width), to `record_path(directory, rid)` (`write`), and its slot given back; the last
+        live request's leaving gives the buffers back (`_release`: a long request's width is not kept into the next
+        generate call). One device-to-host copy (the request has ended; not graph code). Rows without a slot are
+        ignored."""
+        if row not in self.slot:
+            return
+        s, rid = self.slot.pop(row), self.rid.pop(row)
+        self.free.append(s)
+        self.write(s, rid, length)
         if not self.slot:   # no request live (a generate call ended): the buffers go, the next `enter` grows them
             self._release(self.origin.shape[3])
