@@ -434,13 +434,10 @@ def non_finite(tree, prefix: str = ""):
 
 def check_multiturn(run: RunConfig) -> None:
     """What multi-turn rollouts (actors.env.factory set) cannot do yet, refused in one line naming both settings.
-    Eviction replay (learner.policy_target=sparse) is allowed: the torch engine keeps each episode's compressed
-    cache across turns and its record covers the whole episode (docs/results.md 9); SGLang is refused for sparse
-    runs."""
-    if run.actors.engine.backend == "sglang" and run.actors.engine.compressor.method != "full":
-        raise ConfigError(f"actors.engine.backend=sglang with actors.env.factory set and actors.engine.compressor."
-                          f"method={run.actors.engine.compressor.method}: sparse multi-turn runs on the torch engine "
-                          "only (SGLang: compressor full)")
+    Sparse episodes and their eviction replay (learner.policy_target=sparse) run on both engines: each keeps an
+    episode's compressed cache across its turns, the observation protected until the turn's first compression event,
+    and its record covers the whole episode (docs/results.md 9; SGLang through its streaming sessions, docs/sglang.md
+    "The compressed cache across turns on SGLang")."""
     if run.eval.enabled and run.eval.data != "train_task":
         raise ConfigError(f"eval.data={run.eval.data!r} with actors.env.factory set: a multi-turn run evaluates "
                           "episodes of its own task: set eval.data=train_task (or eval.enabled=false)")
