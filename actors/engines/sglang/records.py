@@ -35,6 +35,12 @@ runs the compression due in it (its row leaves first); the torch engine runs it 
 T-token response. Such a key is seen by every query the sample's log-probs come from (the last one is at P + T - 2,
 learner/replay.py: query q sees key k while q < P + steps), so both records replay the same.
 
+Episodes (`SGLangEngine.generate(..., episodes=)`, docs/sglang.md "The compressed cache across turns"): an episode's
+request row outlives its turns (SGLang's streaming session keeps it), so its record slot does too: the step recorded
+is the episode's tokens after its first prompt when the key was evicted (the backend passes seq_len - first prompt;
+on a first turn that is s), `snapshot` writes the record so far as each finished turn's request's, `resume` carries
+the slot to the next turn's request id, and `drop` gives it back without a file when the episode's session closes.
+
 Bytes: `actors.engines.kv_memory.record_bytes_per_request` (docs/sglang.md, Eviction records).
 """
 from __future__ import annotations

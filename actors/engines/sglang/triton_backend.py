@@ -48,6 +48,13 @@ prefill is the row's start budget; a compression of a row whose host step count 
 in one event are grouped by that budget, one `_compress_group` call per distinct budget (per chunk:
 `compress_pending`, stats `compression_groups` / `compression_calls`).
 
+Episodes (docs/sglang.md, "The compressed cache across turns on SGLang"): SGLang's streaming session keeps an
+episode's request row between its turns; `wrap_streaming_session` parks the row when its turn ends (`park`: out of the
+decode lanes, a compression due in the turn's last forward run then, the record so far written) and counts its held
+slots for SGLang's idle leak check; the next turn extends the row (`_continue_rows`): its extend reads the live prefix
+[start, prefix) (`_live_prefix_metadata`), and with compressor.protect_observation only the older cache [start, prefix)
+is a compression candidate at that prefill (`candidates_end`), the new ids kept.
+
 Limits (checked at start, ValueError naming the setting, see `check_server_args`): page size 1, no radix
 cache, no chunked prefill, tp/pp/dp/dcp 1, no overlap scheduling, model-dtype KV (no fp8), the plain
 `[slots, heads, dim]` MHA pool, no sliding window, no speculative decoding, no metadata glue graph.
