@@ -185,7 +185,7 @@ def test_replay_of_sglang_episodes_equals_logp_sparse(played, tiny_qwen2_dir):
 
 
 def test_peak_pool_slots_stay_within_the_per_episode_bound(played):
-    """The pool's measured peak (used slots, both episodes) after every turn stays within two episodes' bound,
+    """The pool's measured peak (used slots, both episodes, over all 8 turns) stays within two episodes' bound,
     kv_budget + interval + the longest prefill (the last sampled id + an answer) + 1 (the next token's slot) slots
     each, and so within the preflight's per-episode bytes (`episode_kv_peak_bytes_per_sequence`), while a dense
     episode ends several times larger; closing the sessions gives every slot back (the next request's prefill finds
@@ -200,5 +200,4 @@ def test_peak_pool_slots_stay_within_the_per_episode_bound(played):
     assert max(peaks) <= EPISODES * slots, (peaks, slots)
     assert max(peaks) * shape.bytes_per_token <= EPISODES * per_episode, (peaks, per_episode)
     assert PROMPT_LEN + total > 3 * slots                              # a dense episode: the whole episode's tokens
-    assert peaks[-1] == max(peaks[:3]), peaks                          # flat after the first turns
     assert probe["used_at_last_extend"] == 5, probe
