@@ -433,6 +433,8 @@ class SGLangEngine:
         session of that id is open already)."""
         from sglang.srt.managers.io_struct import OpenSessionReqInput
 
+        if not keys:
+            return
         tm = self.engine.tokenizer_manager
         got = self._call(_gathered([tm.open_session(OpenSessionReqInput(capacity_of_str_len=0, session_id=k,
                                                                         streaming=True), None) for k in keys]),
