@@ -14,6 +14,7 @@ bound (actors.engines.kv_memory.episode_kv_peak_bytes_per_sequence, bench/multit
 sessions gives every slot back."""
 import copy
 import os
+import types
 
 import numpy as np
 import pytest
@@ -28,9 +29,10 @@ from actors.engines.sglang.engine import KV_STATS_ENV, SGLangEngine
 from actors.engines.sglang.triton_backend import SELF_CHECK_ENV
 from actors.engines.torch_engine import TorchEngine
 from broker.schema import SampleRecord, TrajectoryGroup, decode_group, encode_group
-from compressors import CompressorConfig
+from compressors import CompressorConfig, SelectContext, build_compressor
 from learner.config import LearnerConfig
 from learner.learner import Learner
+from tests.sglang.test_sglang_event_memory import bare_backend
 from tests.sglang.test_sglang_triton import KWARGS
 
 pytestmark = pytest.mark.sglang
@@ -201,3 +203,45 @@ def test_peak_pool_slots_stay_within_the_per_episode_bound(played):
     assert max(peaks) * shape.bytes_per_token <= EPISODES * per_episode, (peaks, per_episode)
     assert PROMPT_LEN + total > 3 * slots                              # a dense episode: the whole episode's tokens
     assert probe["used_at_last_extend"] == 5, probe
+
+
+@pytest.mark.parametrize("protect", [True, False], ids=["protected", "unprotected"])
+def test_a_later_turns_prefill_compresses_the_kept_cache_only(protect):
+    """A bare backend (no SGLang engine, tests/sglang/test_sglang_event_memory.py): a parked episode row holding 14
+    tokens continues with 6 prefilled ids at positions [14, 20) (`_continue_rows`), budget 6. With
+    protect_observation the kept cache alone is compressed: the 6 keys the compressor picks among positions [0, 14)
+    (scored with the last 4 queries) are packed into [8, 14), the new ids stay in their slots at [14, 20), 8 slots are
+    freed, the row's start is 8 and it holds 12 slots (`session_held_slots`). Without it the whole row is compressed
+    to 6 (start 14). Then `park` runs a compression due in a turn's last forward at once."""
+    cfg = CompressorConfig(method="rkv", kv_budget=6, window=4, interval=8, protect_observation=protect)
+    b = bare_backend(cfg, [28], kv_heads=2, q_heads=4, head_dim=16, dtype=torch.float32)   # slots 1..28 at 0..27
+    b.pending.clear()
+    row = np.array([1])
+    b.alive[1], b.parked[1], b.seq_len[1], b.first_prompt[1] = True, True, 14, 5
+    end = 14 if protect else 20
+    ks = [b.kv_pool.get_key_buffer(li)[1:end + 1].transpose(0, 1)[None].clone() for li in range(2)]   # [1, Hkv, n, D]
+    vs = [b.kv_pool.get_value_buffer(li)[1:end + 1].transpose(0, 1)[None].clone() for li in range(2)]
+    queries = [b.qwin[li][1][torch.arange(16, 20) % 4].transpose(0, 1)[None] for li in range(2)]
+    select = build_compressor(cfg).select
+    keep = [select(ks[li], queries[li], torch.ones(1, end, dtype=torch.bool), SelectContext(values=vs[li], layer=li))
+            for li in range(2)]
+    b._continue_rows(row, np.array([14]), np.array([6]), ["turn-2"], np.array([6]))
+    assert not b.parked[1] and b.seq_len[1] == 20 and b.steps[1] == 0 and b.pending == {1}
+    b.compress_pending()
+    new_start = end - 6
+    assert b.start[1] == new_start and b.kept[1] == 6 and b.candidates_end[1] == 0 and not b.pending
+    assert b.req_to_token[1, :new_start].eq(0).all()
+    assert b.req_to_token[1, end:20].tolist() == list(range(end + 1, 21))               # the new ids stay put
+    assert sorted(torch.cat(b.allocator.freed).tolist()) == sorted(
+        set(range(1, end + 1)) - set(b.req_to_token[1, new_start:end].tolist()))
+    for li in range(2):
+        slots = b.req_to_token[1, new_start:end].long()
+        kept_k = b.kv_pool.get_key_buffer(li)[slots].transpose(0, 1)                    # [Hkv, 6, D]
+        want = torch.gather(ks[li][0], 1, keep[li][0][..., None].expand(-1, -1, 16))
+        assert torch.equal(kept_k, want), li
+    kv = types.SimpleNamespace(kv_allocated_len=20, req_pool_idx=1, cache_protected_len=0)
+    assert b.session_held_slots(kv) == 20 - new_start
+    b.seq_len[1], b.steps[1] = 28, 8                                                    # 8 decode steps later
+    b.pending.add(1)
+    b.park(1, "turn-2", finished=True)                                                  # due in the last forward
+    assert b.parked[1] and b.start[1] == 22 and not b.pending
