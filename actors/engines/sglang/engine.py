@@ -36,6 +36,7 @@ prefix cache, and every engine call has a timeout; a failed call raises `Runtime
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -401,7 +402,8 @@ class SGLangEngine:
                                                    s.kv_retained_tokens)
                 out.append([s])
         except BaseException:
-            self._release_episodes(keys)
+            with contextlib.suppress(Exception):        # the first failure is the one raised
+                self._release_episodes(keys)
             raise
         return out
 
