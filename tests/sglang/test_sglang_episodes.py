@@ -4,7 +4,8 @@ SGLang"): SGLang's streaming session keeps each episode's request row between tu
 turn's first compression event, and the episode's eviction record covers every turn.
 
 Two lookup-shaped episodes of 8 turns on the lane's tiny Qwen2 (word ids: a 14-id question, then per turn a 10-id tool
-answer with its boundary and header ids), greedy, R-KV per head at budget 16, window 4, interval 8, every decode step
+answer with its boundary and header ids), greedy, R-KV per head at budgets 16 (the run's) and 20 (carried in each
+turn's request id), window 4, interval 8, every decode step
 through the backend's self-check (NoHostSync). Turns alternate 12 tokens (a compression at step 8, mid-turn) and 9 (the
 compression due at step 8 = T - 1, in the turn's last forward, runs when the row parks). Against TorchEngine's kept
 episodes on the same calls: the same token ids, logp_sparse (2e-5), kv_retained_tokens and eviction records, entry for
@@ -44,6 +45,8 @@ TURN_TOKENS = (12, 9, 12, 9, 12, 9, 12, 9)
 runs when the row parks (the torch engine runs it in the turn's last forward)."""
 CFG = CompressorConfig(method="rkv", kv_budget=16, window=4, interval=8)
 KEYS = [f"episode-{e}" for e in range(EPISODES)]
+BUDGETS = [16, 20]
+"""Each episode's KV budget (`kv_budgets`): the run's, and one carried in the request id of every turn."""
 
 
 def lookup_episode(e: int) -> tuple[list[int], list[list[int]]]:
@@ -63,7 +66,7 @@ def play(engine, after_turn=None) -> list[list]:
     for k, tokens in enumerate(TURN_TOKENS):
         new = [prompt if k == 0 else answers[k - 1] for prompt, answers in episodes]
         out = engine.generate(new, SamplingParams(temperature=0, max_new_tokens=tokens, ignore_eos=True),
-                              episodes=KEYS)
+                              kv_budgets=BUDGETS, episodes=KEYS)
         turns.append([s for (s,) in out])
         if after_turn is not None:
             after_turn()
@@ -187,21 +190,21 @@ def test_replay_of_sglang_episodes_equals_logp_sparse(played, tiny_qwen2_dir):
 
 
 def test_peak_pool_slots_stay_within_the_per_episode_bound(played):
-    """The pool's measured peak (used slots, both episodes, over all 8 turns) stays within two episodes' bound,
+    """The pool's measured peak (used slots, both episodes, over all 8 turns) stays within the two episodes' bounds,
     kv_budget + interval + the longest prefill (the last sampled id + an answer) + 1 (the next token's slot) slots
     each, and so within the preflight's per-episode bytes (`episode_kv_peak_bytes_per_sequence`), while a dense
     episode ends several times larger; closing the sessions gives every slot back (the next request's prefill finds
     only its own 5 slots in use)."""
     got, _, peaks, probe = played
     longest = OBS_LEN + 1
-    slots = CFG.kv_budget + CFG.interval + longest + 1
+    slots = [b + CFG.interval + longest + 1 for b in BUDGETS]
     shape = ModelShape(layers=2, kv_heads=2, head_dim=16, dtype_bytes=4)
     total = sum(TURN_TOKENS) + OBS_LEN * (len(TURN_TOKENS) - 1)
-    per_episode = episode_kv_peak_bytes_per_sequence(shape, PROMPT_LEN, max(TURN_TOKENS), total, longest,
-                                                     CFG.kv_budget, CFG.interval, compress=True)
-    assert max(peaks) <= EPISODES * slots, (peaks, slots)
-    assert max(peaks) * shape.bytes_per_token <= EPISODES * per_episode, (peaks, per_episode)
-    assert PROMPT_LEN + total > 3 * slots                              # a dense episode: the whole episode's tokens
+    per_episode = [episode_kv_peak_bytes_per_sequence(shape, PROMPT_LEN, max(TURN_TOKENS), total, longest, b,
+                                                      CFG.interval, compress=True) for b in BUDGETS]
+    assert max(peaks) <= sum(slots), (peaks, slots)
+    assert max(peaks) * shape.bytes_per_token <= sum(per_episode), (peaks, per_episode)
+    assert PROMPT_LEN + total > 3 * max(slots)                         # a dense episode: the whole episode's tokens
     assert probe["used_at_last_extend"] == 5, probe
 
 
