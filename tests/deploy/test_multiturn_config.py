@@ -39,6 +39,19 @@ def test_sparse_episodes_and_their_replay_are_allowed_on_both_engines():
                     check_files=False)
 
 
+def test_sglang_episodes_must_fit_its_request_rows():
+    """Each open episode holds one SGLang request row between its turns: a batch of more episodes than
+    actors.engine.sglang.max_running_requests is refused naming both; as many passes, and so does a dense run (its
+    episodes hold no row between turns)."""
+    base = ["actors.engine.backend=sglang", "eval.enabled=false", "actors.prompts_per_batch=2",
+            "actors.sampling.samples_per_prompt=4"]
+    with pytest.raises(ConfigError, match=r"max_running_requests=7 with actors\.env\.factory set: 8 episodes"):
+        load_config("tiny-lookup", base + ["actors.engine.sglang.max_running_requests=7"], check_files=False)
+    load_config("tiny-lookup", base + ["actors.engine.sglang.max_running_requests=8"], check_files=False)
+    load_config("tiny-lookup", base + ["actors.engine.sglang.max_running_requests=7",
+                                       "actors.engine.compressor.method=full"], check_files=False)
+
+
 def test_an_environment_that_cannot_be_made_is_refused_at_the_check():
     with pytest.raises(ConfigError, match=r"^actors\.env\.factory='nope_xyz:Env'"):
         load_config("tiny-lookup", ["actors.env.factory=nope_xyz:Env"])
