@@ -831,8 +831,8 @@ def check_graph_settings(cuda_graph_config, enable_torch_compile: bool) -> None:
 
 
 _SESSION_ORIGINALS: dict = {}
-"""SGLang's own StreamingSession.try_cache_finished_req / SchedulerPoolStatsObserver.session_held_tokens, kept when
-`wrap_streaming_session` first replaces them in this (scheduler) process."""
+"""SGLang's own StreamingSession.try_cache_finished_req, kept when `wrap_streaming_session` first wraps it in this
+(scheduler) process (SchedulerPoolStatsObserver.session_held_tokens is replaced, not wrapped)."""
 
 
 def wrap_streaming_session(backend: SparseTritonAttnBackend) -> None:
