@@ -5,7 +5,7 @@ turn's first compression event, and the episode's eviction record covers every t
 
 Two lookup-shaped episodes of 8 turns on the lane's tiny Qwen2 (word ids: a 14-id question, then per turn a 10-id tool
 answer with its boundary and header ids), greedy, R-KV per head at budgets 16 (the run's) and 20 (carried in each
-turn's request id), window 4, interval 8, every decode step
+turn's request id), window 4, interval 8, compressor.protect_observation on and off, every decode step
 through the backend's self-check (NoHostSync). Turns alternate 12 tokens (a compression at step 8, mid-turn) and 9 (the
 compression due at step 8 = T - 1, in the turn's last forward, runs when the row parks). Against TorchEngine's kept
 episodes on the same calls: the same token ids, logp_sparse (2e-5), kv_retained_tokens and eviction records, entry for
@@ -44,6 +44,7 @@ TURN_TOKENS = (12, 9, 12, 9, 12, 9, 12, 9)
 """Tokens sampled per turn (8 turns): 12 -> compressed at step 8 mid-turn; 9 -> the compression due at step 8 = T - 1
 runs when the row parks (the torch engine runs it in the turn's last forward)."""
 CFG = CompressorConfig(method="rkv", kv_budget=16, window=4, interval=8)
+UNPROTECTED = CompressorConfig(method="rkv", kv_budget=16, window=4, interval=8, protect_observation=False)
 KEYS = [f"episode-{e}" for e in range(EPISODES)]
 BUDGETS = [16, 20]
 """Each episode's KV budget (`kv_budgets`): the run's, and one carried in the request id of every turn."""
@@ -73,13 +74,14 @@ def play(engine, after_turn=None) -> list[list]:
     return turns
 
 
-@pytest.fixture(scope="module")
-def played(tiny_qwen2_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=[CFG, UNPROTECTED], ids=["protect_on", "protect_off"])
+def played(request, tiny_qwen2_dir, tmp_path_factory):
     """(SGLang's turns, TorchEngine's turns, the pool's peak used slots after each turn, the probe's stats after the
-    sessions were closed)."""
+    sessions were closed, the compressor config): compressor.protect_observation on (the default) and off."""
+    cfg = request.param
     os.environ[KV_STATS_ENV] = str(tmp_path_factory.mktemp("kv") / "stats.json")
     os.environ[SELF_CHECK_ENV] = "1"
-    eng = SGLangEngine(str(tiny_qwen2_dir), compressor_cfg=CFG, timeout_s=900, record_evictions=True, **KWARGS)
+    eng = SGLangEngine(str(tiny_qwen2_dir), compressor_cfg=cfg, timeout_s=900, record_evictions=True, **KWARGS)
     try:
         peaks = []
         got = play(eng, lambda: peaks.append(eng.kv_pool_stats()["peak_used_slots"]))
@@ -92,10 +94,10 @@ def played(tiny_qwen2_dir, tmp_path_factory):
         os.environ.pop(KV_STATS_ENV, None)
         os.environ.pop(SELF_CHECK_ENV, None)
     model = Qwen2ForCausalLM.from_pretrained(tiny_qwen2_dir).eval()
-    ref = TorchEngine(model, AutoTokenizer.from_pretrained(tiny_qwen2_dir), CFG, record_evictions=True)
+    ref = TorchEngine(model, AutoTokenizer.from_pretrained(tiny_qwen2_dir), cfg, record_evictions=True)
     want = play(ref)
     ref.release_episodes(KEYS)
-    return got, want, peaks, probe
+    return got, want, peaks, probe, cfg
 
 
 def heads(record: np.ndarray) -> np.ndarray:
@@ -108,9 +110,9 @@ def test_episodes_equal_the_torch_engines_turn_by_turn(played):
     record so far equal TorchEngine's (no entry differs: the compression due in a turn's last forward runs when the
     row parks); the records hold what makes episodes differ from single turns: keys dropped at a later turn's
     prefill, keys evicted at decode steps, and no prefilled id of a turn evicted before its first compression event
-    (compressor.protect_observation)."""
-    got, want, _, _ = played
-    at_prefill = at_decode = 0
+    (compressor.protect_observation; without it, a prefilled id evicted at its own prefill)."""
+    got, want, _, _, cfg = played
+    at_prefill = at_decode = unprotected = 0
     for k, (g_turn, w_turn) in enumerate(zip(got, want)):
         for e, (g, w) in enumerate(zip(g_turn, w_turn)):
             assert g.response_ids == w.response_ids, f"turn {k} episode {e}: response ids differ"
@@ -129,11 +131,15 @@ def test_episodes_equal_the_torch_engines_turn_by_turn(played):
             first = start + prefilled                                # the turn's first sampled token's index
             if k:
                 keys = record[:, :, start:first]
-                assert (keys >= first - PROMPT_LEN + min(CFG.interval, tokens - 1)).all(), (e, k, keys.min())
+                if cfg.protect_observation:
+                    assert (keys >= first - PROMPT_LEN + min(cfg.interval, tokens - 1)).all(), (e, k, keys.min())
+                else:
+                    unprotected += int((keys == first - PROMPT_LEN).sum())
                 at_prefill += int((record[:, :, :start] == first - PROMPT_LEN).sum())
             at_decode += int(((record > first - PROMPT_LEN) & (record < first - PROMPT_LEN + tokens)).sum())
             start = first + tokens - 1
-    assert at_prefill > 0 and at_decode > 0, (at_prefill, at_decode)
+    assert at_prefill > 0 and at_decode > 0 and (unprotected > 0) != cfg.protect_observation, \
+        (at_prefill, at_decode, unprotected)
 
 
 def episode_record(e: int, turns: list) -> SampleRecord:
@@ -174,10 +180,10 @@ def test_replay_of_sglang_episodes_equals_logp_sparse(played, tiny_qwen2_dir):
     """The SGLang episodes through the wire into the learner's replay (the same weights): every sampled token of
     every turn to 1e-4 while the dense recompute differs by > 1e-2; the control, one layer's record one step late,
     is seen (> 1e-4)."""
-    got, _, _, _ = played
+    got, _, _, _, cfg = played
     samples = [episode_record(e, [turn[e] for turn in got]) for e in range(EPISODES)]
     group = decode_group(encode_group(TrajectoryGroup(run_id="r", group_id="g0", prompt_id="p0", weight_version=0,
-                                                      temperature=1.0, compressor=CFG.method, kv_budget=CFG.kv_budget,
+                                                      temperature=1.0, compressor=cfg.method, kv_budget=cfg.kv_budget,
                                                       samples=samples)))
     model = Qwen2ForCausalLM.from_pretrained(tiny_qwen2_dir).eval()
     replayed, dense = replay_gaps(model, [group])
@@ -195,13 +201,13 @@ def test_peak_pool_slots_stay_within_the_per_episode_bound(played):
     each, and so within the preflight's per-episode bytes (`episode_kv_peak_bytes_per_sequence`), while a dense
     episode ends several times larger; closing the sessions gives every slot back (the next request's prefill finds
     only its own 5 slots in use)."""
-    got, _, peaks, probe = played
+    _, _, peaks, probe, cfg = played
     longest = OBS_LEN + 1
-    slots = [b + CFG.interval + longest + 1 for b in BUDGETS]
+    slots = [b + cfg.interval + longest + 1 for b in BUDGETS]
     shape = ModelShape(layers=2, kv_heads=2, head_dim=16, dtype_bytes=4)
     total = sum(TURN_TOKENS) + OBS_LEN * (len(TURN_TOKENS) - 1)
     per_episode = [episode_kv_peak_bytes_per_sequence(shape, PROMPT_LEN, max(TURN_TOKENS), total, longest, b,
-                                                      CFG.interval, compress=True) for b in BUDGETS]
+                                                      cfg.interval, compress=True) for b in BUDGETS]
     assert max(peaks) <= sum(slots), (peaks, slots)
     assert max(peaks) * shape.bytes_per_token <= sum(per_episode), (peaks, per_episode)
     assert PROMPT_LEN + total > 3 * max(slots)                         # a dense episode: the whole episode's tokens
