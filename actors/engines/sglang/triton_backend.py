@@ -492,11 +492,11 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         (phase request: s a different multiple of interval, a row that joined later; phase aligned: any s) are
         separate groups until both budgets reach kv_budget_final. Counted in the stats: `compression_groups`
         (distinct budgets, summed over events) and `compression_calls` (calls)."""
-        due = self.pending if only is None else self.pending.intersection(only)
+        due = set(self.pending) if only is None else self.pending.intersection(only)
         if not due:
             return
         rows = np.array(sorted(due), dtype=np.int64)
-        self.pending.difference_update(rows.tolist())
+        self.pending -= due
         now = self._budget_now(rows)
         order = np.argsort(now, kind="stable")                               # grouped by budget, host (mirror)
         rows, now = rows[order], now[order]
