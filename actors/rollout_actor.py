@@ -340,7 +340,7 @@ class RolloutWorker:
             if self.envs is not None:   # multi-turn: every sample an episode of the environment (envs/episode.py)
                 batch.outputs = run_episodes(self.engine_generate, self.envs, self.template, batch.prompts, params,
                                              kv_budgets=budgets, batch_key=f"{batch.indices[0]}-",
-                                             # torch: kept caches
+                                             # kept caches: torch, sparse SGLang
                                              release=getattr(self.engine, "release_episodes", None))
             else:
                 batch.outputs = self.engine_generate([p.prompt_ids for p in batch.prompts], params, kv_budgets=budgets)

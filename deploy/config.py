@@ -462,13 +462,21 @@ def non_finite(tree, prefix: str = ""):
 
 def check_multiturn(run: RunConfig) -> None:
     """What multi-turn rollouts (actors.env.factory set) cannot do yet, refused in one line naming both settings.
-    Eviction replay (learner.policy_target=sparse) is allowed: the torch engine keeps each episode's compressed
-    cache across turns and its record covers the whole episode (docs/results.md 9); SGLang is refused for sparse
-    runs."""
-    if run.actors.engine.backend == "sglang" and run.actors.engine.compressor.method != "full":
-        raise ConfigError(f"actors.engine.backend=sglang with actors.env.factory set and actors.engine.compressor."
-                          f"method={run.actors.engine.compressor.method}: sparse multi-turn runs on the torch engine "
-                          "only (SGLang: compressor full)")
+    Sparse episodes and their eviction replay (learner.policy_target=sparse) run on both engines: each keeps an
+    episode's compressed cache across its turns, the observation protected until the turn's first compression event,
+    and its record covers the whole episode (docs/results.md 9; SGLang through its streaming sessions, docs/sglang.md
+    "The compressed cache across turns on SGLang"). There each open episode holds one of SGLang's request rows
+    between its turns, so a batch's episodes (and an evaluation batch's) must fit actors.engine.sglang.
+    max_running_requests when it is set: a first turn waiting for a row held by a parked episode would wait for the
+    call's timeout."""
+    a = run.actors
+    if a.engine.backend == "sglang" and a.engine.compressor.method != "full" and a.engine.sglang.max_running_requests:
+        episodes = max(a.prompts_per_batch * a.sampling.samples_per_prompt,
+                       run.eval.batch_size if run.eval.enabled else 0)
+        check(episodes <= a.engine.sglang.max_running_requests,
+              f"actors.engine.sglang.max_running_requests={a.engine.sglang.max_running_requests} with actors.env."
+              f"factory set: {episodes} episodes run at once (actors.prompts_per_batch x actors.sampling."
+              "samples_per_prompt, eval.batch_size) and each holds one SGLang request row between its turns: raise it")
     if run.eval.enabled and run.eval.data != "train_task":
         raise ConfigError(f"eval.data={run.eval.data!r} with actors.env.factory set: a multi-turn run evaluates "
                           "episodes of its own task: set eval.data=train_task (or eval.enabled=false)")

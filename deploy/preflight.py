@@ -15,7 +15,8 @@ A config whose sparse batch does not fit fails (PreflightError, a ConfigError: e
 and the numbers; one whose dense batch does not fit but sparse does starts (that is what compression is for);
 a budget at or above prompt + response gets a warning (nothing would ever be evicted), and so does a prompt
 longer than the smallest budget (it is compressed at prefill: the long-context regime, not the paper's).
-Multi-turn on the torch engine (the episode's cache kept across turns, actors/envs/episode.py): the sparse peak is
+Multi-turn on the torch engine and on a sparse SGLang engine (the episode's cache kept across turns,
+actors/envs/episode.py; SGLang's streaming sessions, docs/sglang.md): the sparse peak is
 kv_budget + interval + the longest turn prefill (`longest_turn_prefill`: an observation of env.max_obs_tokens in
 its template, + the last sampled id), whatever env.max_turns; the dense one the whole episode (prompt +
 env.max_total_tokens); actors.engines.kv_memory.episode_kv_peak_bytes_per_sequence.
@@ -222,9 +223,10 @@ def check_chat_template(model_path: str):
 
 
 def longest_turn_prefill(env, template) -> int:
-    """The most ids a later turn of an episode prefills into its kept cache (torch engine): the last sampled id,
-    the template's end-of-turn (a cut turn) and boundary, one observation of env.max_obs_tokens content tokens in
-    the template of its role (tool or user, the longer), the next assistant header; at most env.max_total_tokens."""
+    """The most ids a later turn of an episode prefills into its kept cache (torch engine, sparse SGLang): the last
+    sampled id, the template's end-of-turn (a cut turn) and boundary, one observation of env.max_obs_tokens content
+    tokens in the template of its role (tool or user, the longer), the next assistant header; at most
+    env.max_total_tokens."""
     overhead = max(len(template.observation_ids([{"role": role, "content": ""}], closed=False))
                    for role in ("tool", "user"))
     return min(1 + overhead + env.max_obs_tokens, env.max_total_tokens)
@@ -258,7 +260,7 @@ def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: i
         template = check_chat_template(model_path)
     dense = kv_peak_bytes_per_sequence(shape, prompt, new, high, c.interval, compress=False)
     sparse = kv_peak_bytes_per_sequence(shape, prompt, new, high, c.interval, compress=compress)
-    if a.env.factory and a.engine.backend == "torch":   # the episode's cache kept across turns (actors/envs/episode.py)
+    if a.env.factory and (a.engine.backend == "torch" or compress):    # the episode's cache kept across turns
         longest = longest_turn_prefill(a.env, template)
         dense, sparse = (episode_kv_peak_bytes_per_sequence(shape, prompt, turn_new, a.env.max_total_tokens, longest,
                                                             high, c.interval, compress=kind)

@@ -3,7 +3,8 @@ episode's next turn sampled in one engine call, the environments stepped between
 token stream kept exact (actors/envs/turns.py). tests/actors/envs/reference_episode.py runs one episode at a time
 with the same calls: the reference the tests check this loop against.
 
-With an engine that keeps episodes (`release` given: the torch engine's `release_episodes`, docs/results.md 9), each
+With an engine that keeps episodes (`release` given: the torch engine's `release_episodes`, docs/results.md 9; the
+SGLang engine's in sparse mode, through SGLang's streaming sessions, docs/sglang.md), each
 turn passes only the ids appended since the episode's last sampled token (the template boundary, the observation, the
 next assistant header): the engine prefills them into the episode's kept cache (compressed or dense) at their
 true positions and decodes the turn, so a dense episode costs one prefill of its new tokens per turn and a sparse
@@ -13,8 +14,8 @@ number of turns; the observation is protected from eviction until the turn's fir
 included), so the learner can replay it. Finished episodes are released at once, every episode when the loop ends
 or raises.
 
-Without it (the SGLang engine), each turn re-prefills the episode's history (prompt + every earlier turn, as token
-ids): dense, exact (a teacher-forced forward over the same ids); sparse multi-turn is refused there at config check.
+Without it (the dense SGLang engine, whose radix cache shares the re-sent history), each turn re-prefills the
+episode's history (prompt + every earlier turn, as token ids): exact (a teacher-forced forward over the same ids).
 """
 from __future__ import annotations
 
@@ -71,8 +72,9 @@ def run_episodes(generate, pool: EnvPool, template: ChatTemplate, items: list, p
     EpisodeSamples per item. `generate(prompts, params, kv_budgets=...)` is the engine's (RolloutEngine.generate):
     each turn calls it once per distinct (max_new_tokens, budget) with n = 1 per live episode, max_new_tokens the
     smaller of `params.max_new_tokens` and the tokens left of actors.env.max_total_tokens. `release(keys)`: the
-    engine keeps episodes (TorchEngine.release_episodes): `generate` is then called with `episodes=` keys and only
-    each episode's new ids (module docstring); None: every turn re-prefills the history. `kv_budgets`: one per
+    engine keeps episodes (TorchEngine.release_episodes, a sparse SGLangEngine's): `generate` is then called with
+    `episodes=` keys and only each episode's new ids (module docstring); None: every turn re-prefills the history.
+    `kv_budgets`: one per
     item, or None. `batch_key` prefixes the episode keys. Raises what `generate` raises; never what an
     environment does (its failures end that episode with reward 0, counted in `pool.counts`)."""
     try:

@@ -15,8 +15,6 @@ TEMPLATES = Path(__file__).resolve().parents[1] / "actors" / "envs" / "templates
 
 
 @pytest.mark.parametrize("overrides,names", [
-    (["actors.engine.backend=sglang", "eval.enabled=false"], ["actors.engine.backend=sglang", "actors.env.factory",
-                                                             "actors.engine.compressor.method=rkv"]),
     (["eval.data=gsm8k_test"], ["eval.data='gsm8k_test'", "actors.env.factory"]),
     (["actors.env.max_turns=0"], ["actors.env.max_turns=0"]),
     (["actors.env.obs_truncation=middle"], ["actors.env.obs_truncation='middle'"]),
@@ -27,14 +25,31 @@ def test_what_multi_turn_cannot_do_is_refused_in_one_line(overrides, names):
     assert all(name in str(err.value) for name in names) and "\n" not in str(err.value), str(err.value)
 
 
-def test_eviction_replay_of_episodes_is_allowed_on_the_torch_engine_only():
-    """learner.policy_target=sparse with an environment (issue 36 item 2): the torch engine records each episode's
-    evictions (its cache kept across turns); SGLang stays refused for sparse multi-turn, naming both settings."""
-    assert rollout_config(load_config("tiny-lookup", ["learner.policy_target=sparse"],
-                                      check_files=False)).record_evictions
-    with pytest.raises(ConfigError, match=r"actors\.engine\.backend=sglang"):
-        load_config("tiny-lookup", ["learner.policy_target=sparse", "actors.engine.backend=sglang",
-                                    "eval.enabled=false"], check_files=False)
+def test_sparse_episodes_and_their_replay_are_allowed_on_both_engines():
+    """learner.policy_target=sparse with an environment: both engines keep each episode's compressed cache across
+    turns and record its evictions (the SGLang engine through its streaming sessions, docs/sglang.md); SGLang's
+    sparse settings are still checked (streaming sessions off is refused, naming the field)."""
+    for backend in ("torch", "sglang"):
+        assert rollout_config(load_config("tiny-lookup", ["learner.policy_target=sparse",
+                                                          f"actors.engine.backend={backend}", "eval.enabled=false"],
+                                          check_files=False)).record_evictions, backend
+    with pytest.raises(ConfigError, match=r"actors\.engine\.sglang\.engine_kwargs\.enable_streaming_session=False"):
+        load_config("tiny-lookup", ["actors.engine.backend=sglang", "eval.enabled=false",
+                                    "actors.engine.sglang.engine_kwargs.enable_streaming_session=false"],
+                    check_files=False)
+
+
+def test_sglang_episodes_must_fit_its_request_rows():
+    """Each open episode holds one SGLang request row between its turns: a batch of more episodes than
+    actors.engine.sglang.max_running_requests is refused naming both; as many passes, and so does a dense run (its
+    episodes hold no row between turns)."""
+    base = ["actors.engine.backend=sglang", "eval.enabled=false", "actors.prompts_per_batch=2",
+            "actors.sampling.samples_per_prompt=4"]
+    with pytest.raises(ConfigError, match=r"max_running_requests=7 with actors\.env\.factory set: 8 episodes"):
+        load_config("tiny-lookup", base + ["actors.engine.sglang.max_running_requests=7"], check_files=False)
+    load_config("tiny-lookup", base + ["actors.engine.sglang.max_running_requests=8"], check_files=False)
+    load_config("tiny-lookup", base + ["actors.engine.sglang.max_running_requests=7",
+                                       "actors.engine.compressor.method=full"], check_files=False)
 
 
 def test_an_environment_that_cannot_be_made_is_refused_at_the_check():
@@ -60,11 +75,11 @@ def test_a_template_that_is_not_append_only_fails_the_preflight(tmp_path):
 
 
 def test_the_preflight_sizes_a_kept_episode_by_its_longest_observation():
-    """Torch engine, multi-turn: the sparse peak per episode is kv_budget + interval + the longest turn prefill
-    (whatever actors.env.max_total_tokens), the dense one grows with the episode."""
+    """Torch engine and sparse SGLang, multi-turn: the sparse peak per episode is kv_budget + interval + the longest
+    turn prefill (whatever actors.env.max_total_tokens), the dense one grows with the episode."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from actors.engines.kv_memory import ModelShape, episode_kv_peak_bytes_per_sequence
+    from actors.engines.kv_memory import ModelShape, episode_kv_peak_bytes_per_sequence, kv_peak_bytes_per_sequence
     from actors.envs.turns import ChatTemplate
     from deploy.preflight import longest_turn_prefill
 
@@ -82,3 +97,12 @@ def test_the_preflight_sizes_a_kept_episode_by_its_longest_observation():
                                                   16, compress=True)
     assert reports[0].sparse_per_seq == reports[1].sparse_per_seq == expected
     assert reports[1].dense_per_seq > 4 * reports[0].dense_per_seq // 2 > reports[0].sparse_per_seq
+    sglang = preflight(load_config("tiny-lookup", ["actors.engine.compressor.method=rkv", "eval.enabled=false",
+                                                   "actors.engine.compressor.kv_budget=64",
+                                                   "actors.engine.compressor.interval=16",
+                                                   "actors.engine.backend=sglang", "actors.env.max_total_tokens=4096"]),
+                       model_path=model, prompt_tokens=32)
+    later = episode_kv_peak_bytes_per_sequence(shape, 32, cfg.actors.sampling.max_new_tokens, 4096, longest, 64, 16,
+                                               compress=True)
+    one_sequence = kv_peak_bytes_per_sequence(shape, 32, 4096, 64, 16, compress=True)   # as if it re-prefilled
+    assert sglang.sparse_per_seq == later > one_sequence     # the sparse SGLang engine keeps the episode's cache too

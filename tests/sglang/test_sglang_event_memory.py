@@ -56,12 +56,11 @@ def bare_backend(cfg, lens, kv_heads, q_heads, head_dim, dtype, layers=2, seed=0
     b.qwin = torch.randn(layers, rows, cfg.window, q_heads, head_dim, generator=gen).to(dtype) \
         if cfg.reads_queries else None                   # as the backend: no ring for streamingllm
     b.start_dev = torch.zeros(rows, dtype=torch.int64)
-    b.seq_len, b.start = np.zeros(rows, np.int64), np.zeros(rows, np.int64)
-    b.budget = np.full(rows, cfg.kv_budget, np.int64)
+    b._init_mirror(rows)                                    # the backend's host mirror, every row empty
     b.allocator, b.event_bytes_cap, b.pending = Allocator(), 1 << 30, set(range(1, rows))
     b.stats = {k: 0 for k in ("freed_slots", "compressions", "compression_events", "compression_calls",
                               "compression_groups", "event_bytes_bound")}
-    b.steps, b.kept, b.self_check, b.recorder = np.zeros(rows, np.int64), np.zeros(rows, np.int64), False, None
+    b.self_check, b.recorder = False, None
     first = 1
     for r, n in enumerate(lens, start=1):
         b.req_to_token[r, :n] = torch.arange(first, first + n, dtype=torch.int32)

@@ -36,12 +36,13 @@ prefix cache, and every engine call has a timeout; a failed call raises `Runtime
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Iterable
 
 import numpy as np
@@ -129,6 +130,7 @@ def register_sglang_plugin() -> None:
 
 
 SPARSE_REQUIRED = {"disable_radix_cache": True, "chunked_prefill_size": -1, "page_size": 1,
+                   "enable_streaming_session": True,
                    "disable_overlap_schedule": True, "enable_mixed_chunk": False, "tp_size": 1, "pp_size": 1,
                    "dp_size": 1, "kv_cache_dtype": "auto", "speculative_algorithm": None,
                    "cuda_graph_backend_prefill": "disabled",
@@ -140,7 +142,8 @@ between steps would race the next step's scheduling); one GPU per engine (tensor
 KV in the model dtype (no fp8); no speculative decoding; no prefill CUDA graph (SGLang 0.5.23 turns on its breakable,
 piecewise prefill graph by default on CUDA: the prefill's ring write and compression bookkeeping were never run inside
 one), no torch.compile and no breakable decode graph (`debug_cuda_graph`): only eager prefill and SGLang's full decode
-graph were checked."""
+graph were checked; streaming sessions on (`enable_streaming_session`: SGLang keeps an episode's request row between
+its turns, `SGLangEngine.generate(..., episodes=)`; requests without a session run as before)."""
 
 
 def sparse_engine_kwargs(backend: str = SPARSE_BACKEND) -> dict:
@@ -224,7 +227,6 @@ class SGLangEngine:
                  timeout_s: float = 600.0, sparse_backend: str = SPARSE_BACKEND, record_evictions: bool = False,
                  **engine_kwargs):
         import sglang
-        from transformers import AutoConfig, AutoModelForCausalLM
 
         if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes"):
             raise ValueError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return untempered log-probs, "
@@ -259,6 +261,12 @@ class SGLangEngine:
         self.stats_path, self._own_stats = self._stats_file()
         self.retractions = 0
         """Requests SGLang retracted (re-prefilled when its KV pool ran full) since the start; dense mode only."""
+        self.keeps_episodes = self.sparse_backend == SPARSE_BACKEND
+        """`generate(..., episodes=)` keeps each episode's compressed cache between its turns (SGLang's streaming
+        sessions, sparse mode on `sparse_rl_kv`)."""
+        self._episodes: dict[str, EpisodeState] = {}
+        self._sessions: set[str] = set()
+        """The streaming sessions this engine opened and has not closed (one per held episode)."""
         kwargs.setdefault("skip_tokenizer_init", False)
         self.engine = sglang.Engine(model_path=model_path, **kwargs)
         self.tokenizer = self.engine.tokenizer_manager.tokenizer
@@ -266,12 +274,19 @@ class SGLangEngine:
         self.engine.loop.run_until_complete(self._watch_subprocesses())
         self.subprocesses()
 
-        # Manifest of the served model (HF names, shapes, dtype) from its config, on the meta device.
+        self._read_model(model_path, kwargs.get("dtype"))
+
+    def _read_model(self, model_path: str, dtype_arg) -> None:
+        """The served model's manifest (HF names, shapes, dtype), built from its config on the meta device, its
+        dtype (the engine's `dtype` argument `dtype_arg`, or the config's for None / "auto"), vocabulary, layers and
+        K/V bytes per token."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
         hf_config = AutoConfig.from_pretrained(model_path)
         with torch.device("meta"):
             meta_model = AutoModelForCausalLM.from_config(hf_config)
-        dtype = DTYPES.get(str(kwargs.get("dtype", "bfloat16")).replace("torch.", ""), torch.bfloat16)
-        if kwargs.get("dtype") in (None, "auto"):
+        dtype = DTYPES.get(str(dtype_arg or "bfloat16").replace("torch.", ""), torch.bfloat16)
+        if dtype_arg in (None, "auto"):
             dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.bfloat16
             dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         self.dtype = dtype
@@ -313,8 +328,8 @@ class SGLangEngine:
             expected.append(("lm_head.weight", *self.manifest["model.embed_tokens.weight"]))
         return expected
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 kv_budgets: list[int] | None = None) -> list[list[Sample]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, kv_budgets: list[int] | None = None,
+                 episodes: list[str] | None = None) -> list[list[Sample]]:
         """Sample `params.n` responses per prompt (token ids); one list of n Samples per prompt, in order.
 
         kv_budgets: one KV budget (tokens) per prompt, or None for `compressor_cfg.kv_budget` (schedules,
@@ -333,15 +348,30 @@ class SGLangEngine:
         written); sparse = the same count under the compression schedule (the backend applies exactly this
         schedule; under compressor.phase aligned from the engine decode step each request joined at, which the
         backend records at its prefill; the measured pool usage of the whole engine is in `kv_pool_stats()`).
-        Raises ValueError on empty prompts or invalid params; RuntimeError if SGLang aborts a request, the
-        call exceeds `timeout_s`, one of this engine's SGLang subprocesses failed, or (sparse mode) SGLang
-        retracted a request (`num_retractions` > 0: re-prefilled, its compression history restarted).
+
+        episodes: one key per prompt (params.n must be 1; sparse mode on `sparse_rl_kv` only, `keeps_episodes`):
+        multi-turn with the episode's compressed cache kept between turns, as `TorchEngine.generate`'s episodes
+        (docs/sglang.md, "The compressed cache across turns"). A key this engine does not hold opens an SGLang
+        streaming session and the prompt starts the episode; for a key it holds the prompt is the ids appended since
+        the episode's last sampled token (template boundary, observation, next header), sent as the session's next
+        request: SGLang prefills the last sampled token and them at their true positions on the row it kept, and
+        with compressor.protect_observation the backend compresses only the older cache at that prefill. The
+        Sample's prompt_ids are the ids given; its eviction_steps (record_evictions) cover the whole episode so far,
+        [layers, heads, first prompt + every later id], steps counted from the end of the first prompt. Held until
+        `release_episodes`.
+        Raises ValueError on empty prompts or invalid params (episodes: a wrong length, repeated keys, n != 1, a
+        later turn starting with the tokenizer's BOS id, which SGLang's session would strip, an engine that does
+        not keep episodes); RuntimeError if SGLang aborts a request, the call exceeds `timeout_s`, one of this
+        engine's SGLang subprocesses failed, or (sparse mode) SGLang retracted a request (`num_retractions` > 0:
+        re-prefilled, its compression history restarted); a failed call with episodes closes their sessions.
         """
         check_params(prompts, params)
         if self.record_evictions and params.max_new_tokens >= 65535:
             raise ValueError(f"SamplingParams.max_new_tokens={params.max_new_tokens}: an eviction record counts steps "
                              "in uint16, so record_evictions needs max_new_tokens < 65535")
         budgets = self._check_budgets(prompts, kv_budgets)
+        if episodes is not None:
+            return self._generate_turns(prompts, params, budgets, episodes)
         rows = [p for p in prompts for _ in range(params.n)]
         run_budget = self.compressor_cfg.kv_budget if self.sparse_backend == SPARSE_BACKEND else None
         request = sglang_request(params, budgets, run_budget)
@@ -351,6 +381,102 @@ class SGLangEngine:
         samples = [self._sample(row, out, budgets[j // params.n], joined, params.topk_logprobs)
                    for j, (row, out) in enumerate(zip(rows, outs))]
         return [samples[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+
+    def _generate_turns(self, prompts: list[list[int]], params: SamplingParams, budgets: list[int],
+                        keys: list[str]) -> list[list[Sample]]:
+        """`generate` with `episodes` (n = 1): a streaming session opened for every new key, then each episode's ids
+        as its session's next request (`_turn_request`), all at once; each Sample counted and recorded over its
+        episode (`_sample`), and the episode's state kept. Any failure closes the call's sessions, then re-raises."""
+        states = self._check_turns(prompts, params, keys)
+        run_budget = self.compressor_cfg.kv_budget
+        try:
+            self._open_sessions([k for k, st in zip(keys, states) if st is None])
+            outs = self._call(_gathered([self._turn_request(ids, params, b, run_budget, k)
+                                         for ids, b, k in zip(prompts, budgets, keys)]), "generate")
+            joined = self._read_joins()
+            out = []
+            for ids, o, b, key, st in zip(prompts, outs, budgets, keys, states):
+                s = self._sample(list(ids), o, b, joined, params.topk_logprobs, st)
+                first, before = (st.first_prompt, st.tokens) if st is not None else (len(ids), 0)
+                self._episodes[key] = EpisodeState(first, before + len(ids) + len(s.response_ids),
+                                                   s.kv_retained_tokens)
+                out.append([s])
+        except BaseException:
+            with contextlib.suppress(Exception):        # the first failure is the one raised
+                self._release_episodes(keys)
+            raise
+        return out
+
+    def _check_turns(self, prompts: list[list[int]], params: SamplingParams, keys: list[str]) -> list:
+        """The held state of each key's episode (None: a new episode); ValueError naming `episodes` for an engine
+        that does not keep episodes, a wrong number of keys, repeated keys, params.n != 1, a later turn starting with
+        the tokenizer's BOS id (SGLang's `Session._strip_bos_token` drops it), or (record_evictions) an episode whose
+        tokens after its first prompt could reach 65535 (the record's uint16 steps)."""
+        if not self.keeps_episodes:
+            raise ValueError(f"episodes: this SGLang engine keeps no episode caches (it does in sparse mode on "
+                             f"{SPARSE_BACKEND}); send each turn's whole history instead")
+        if len(keys) != len(prompts) or len(set(keys)) != len(keys) or params.n != 1:
+            raise ValueError(f"episodes: {len(keys)} keys ({len(set(keys))} distinct) for {len(prompts)} prompts "
+                             f"with SamplingParams.n={params.n}: expected one distinct key per prompt, n=1")
+        states = [self._episodes.get(k) for k in keys]
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        for key, ids, st in zip(keys, prompts, states):
+            if st is not None and bos is not None and ids[0] == bos:
+                raise ValueError(f"episodes: the ids of episode {key!r}'s next turn start with the BOS id {bos}, which "
+                                 "SGLang's streaming session strips from a later turn; send them without it")
+            after = (st.tokens - st.first_prompt + len(ids) if st is not None else 0) + params.max_new_tokens
+            if self.record_evictions and after >= 65535:
+                raise ValueError(f"episodes: episode {key!r} could reach {after} tokens after its first prompt; an "
+                                 "eviction record counts them in uint16 (< 65535)")
+        return states
+
+    def _open_sessions(self, keys: list[str]) -> None:
+        """An SGLang streaming session per key (session id = the key); RuntimeError when SGLang refuses one (a
+        session of that id is open already)."""
+        from sglang.srt.managers.io_struct import OpenSessionReqInput
+
+        if not keys:
+            return
+        tm = self.engine.tokenizer_manager
+        got = self._call(_gathered([tm.open_session(OpenSessionReqInput(capacity_of_str_len=0, session_id=k,
+                                                                        streaming=True), None) for k in keys]),
+                         "open_session")
+        self._sessions.update(k for k, g in zip(keys, got) if g is not None)
+        refused = [k for k, g in zip(keys, got) if g is None]
+        if refused:
+            raise RuntimeError(f"SGLang open_session refused the episodes {refused} (a session of that id is open)")
+
+    def _turn_request(self, ids: list[int], params: SamplingParams, budget: int, run_budget: int, key: str):
+        """The `async_generate` coroutine of one episode's turn: one request (`sglang_request` with n = 1) in the
+        session `key`, so that SGLang continues the row it kept."""
+        request = sglang_request(params, [budget], run_budget)
+        single = {"sampling_params": request["sampling_params"][0], "session_params": {"id": key}}
+        if "rid" in request:
+            single["rid"] = request["rid"][0]
+        if "top_logprobs_num" in request:
+            single["top_logprobs_num"] = request["top_logprobs_num"]
+        return self.engine.async_generate(input_ids=list(ids), return_logprob=True, **single)
+
+    @property
+    def release_episodes(self):
+        """`release_episodes(keys) -> int` when this engine keeps episodes (`keeps_episodes`: sparse mode on
+        `sparse_rl_kv`): close their streaming sessions, so SGLang frees each kept row and its slots (keys not held
+        are ignored; returns how many were held). None otherwise, so that actors/envs/episode.py re-sends each turn's
+        history (dense SGLang: its radix cache shares it)."""
+        return self._release_episodes if self.keeps_episodes else None
+
+    def _release_episodes(self, keys: Iterable[str]) -> int:
+        from sglang.srt.managers.io_struct import CloseSessionReqInput
+
+        keys = list(keys)
+        held = sum(self._episodes.pop(k, None) is not None for k in keys)
+        closing = [k for k in keys if k in self._sessions]
+        self._sessions.difference_update(closing)
+        if closing and self._failure is None:
+            tm = self.engine.tokenizer_manager
+            self._call(_gathered([tm.close_session(CloseSessionReqInput(session_id=k), None) for k in closing]),
+                       "close_session")
+        return held
 
     def score(self, token_ids: list[list[int]]) -> list[np.ndarray]:
         """Teacher-forced log-probs of the served weights (RolloutEngine.score): per sequence float32 [len - 1], log
@@ -381,11 +507,14 @@ class SGLangEngine:
             scored.append(np.asarray(values, dtype=np.float32))
         return scored
 
-    def _sample(self, row: list[int], out: dict, budget: int, joined: dict[str, int] | None, topk: int) -> Sample:
+    def _sample(self, row: list[int], out: dict, budget: int, joined: dict[str, int] | None, topk: int,
+                episode: EpisodeState | None = None) -> Sample:
         """The Sample of one request (prompt ids `row`, SGLang's output `out`, its KV `budget`; `joined`: the
-        aligned phase's join steps, `_read_joins`; `topk`: SamplingParams.topk_logprobs), with its eviction record
-        when recording. Raises RuntimeError on a finish reason other than stop | length, a retraction (sparse
-        mode), log-prob ids that differ from the output ids, or a missing record (`_read_record`)."""
+        aligned phase's join steps, `_read_joins`; `topk`: SamplingParams.topk_logprobs; `episode`: the state of the
+        episode this request continues, None for a request or a first turn), with its eviction record when recording
+        (a continued episode's covers the whole episode). Raises RuntimeError on a finish reason other than stop |
+        length, a retraction (sparse mode), log-prob ids that differ from the output ids, or a missing record
+        (`_read_record`)."""
         meta = out["meta_info"]
         reason = meta["finish_reason"]
         kind = reason.get("type") if isinstance(reason, dict) else reason
@@ -402,13 +531,15 @@ class SGLangEngine:
         token_logprobs = meta["output_token_logprobs"]
         if [t for _, t, _ in token_logprobs] != response:
             raise RuntimeError("SGLang output_token_logprobs token ids differ from output_ids")
-        retained, peak = self._kv_tokens(len(row), len(response), budget, self._joined_at(joined, meta.get("id")))
+        kept, before = (episode.held, episode.tokens) if episode is not None else (0, 0)
+        retained, peak = self._kv_tokens(len(row) + (1 if episode is not None else 0), len(response), budget,
+                                         self._joined_at(joined, meta.get("id")), kept)
         sample = Sample(prompt_ids=list(row), response_ids=response,
                         logp_sparse=np.asarray([lp for lp, _, _ in token_logprobs], dtype=np.float32),
                         finish_reason=kind, kv_retained_tokens=retained, kv_peak_bytes=peak * self.kv_bytes_per_token,
                         **(_top_logprobs(meta, len(response)) if topk > 0 else {}))
         if self.record_evictions:
-            sample.eviction_steps = self._read_record(meta.get("id"), len(row) + len(response))
+            sample.eviction_steps = self._read_record(meta.get("id"), before + len(row) + len(response))
         return sample
 
     def _read_record(self, rid, tokens: int) -> np.ndarray:
@@ -475,21 +606,25 @@ class SGLangEngine:
                                f"request {rid!r} in {self.joins_path}, so its KV count is unknown")
         return joined[rid]
 
-    def _kv_tokens(self, prompt_len: int, response_len: int, budget: int, joined_at: int = 0) -> tuple[int, int]:
+    def _kv_tokens(self, prompt_len: int, response_len: int, budget: int, joined_at: int = 0,
+                   kept: int = 0) -> tuple[int, int]:
         """(tokens in this sequence's KV when it ended, peak tokens it held) under the compression schedule of
-        the sparse backend: the prompt compressed at prefill to `budget` (the start budget) if longer; at decode
+        the sparse backend: `prompt_len` tokens prefilled after `kept` tokens of an episode's kept cache (0: a
+        request or a first turn; a later turn prefills its ids and the last sampled token), compressed at the prefill
+        to `budget` (the start budget) if longer -- with compressor.protect_observation and a kept cache, the kept
+        part alone, the prefilled ids after it (the torch engine's `SlotPlan`); at decode
         step s (s = 1 for the forward of the first sampled token), after the step's attention, compressed to
         length_budget(compressor_cfg, budget, s) (compressors/budget.py: `budget` itself unless budget_schedule is
         length, where it grows with s; the backend's `_budget_now`) if it holds more and s % interval == 0
         (compressor.phase request), or (joined_at + s) % interval == 0 (aligned: `joined_at` = the engine decode
         steps run before the request's first, recorded by the backend at its prefill, so joined_at + s is the
         engine step the backend tests). Exact under both phases and every schedule."""
-        held = prompt_len
+        held = kept + prompt_len
         if not self.sparse:
             return held + response_len - 1, held + response_len - 1
         interval = self.compressor_cfg.interval
         peak = held
-        held = min(held, budget)
+        held = min(kept, budget) + prompt_len if kept and self.compressor_cfg.protect_observation else min(held, budget)
         for step in range(1, response_len):
             held += 1
             peak = max(peak, held)
@@ -544,7 +679,8 @@ class SGLangEngine:
         Raises RuntimeError with SGLang's message if any step fails or times out (the weights may then be
         partly updated: reload or retry)."""
         named = list(named_tensors)
-        problems = []
+        problems = [f"{len(self._episodes)} episodes hold KV caches of weight version {self.weight_version} "
+                    "(release_episodes first)"] if self._episodes else []
         for name, t in named:
             if name == "lm_head.weight" and self.tied_embeddings and name not in self.manifest:
                 continue
@@ -679,6 +815,8 @@ class SGLangEngine:
         (`kill_process_tree(getpid(), include_parent=False)`), the subprocesses of other live engines too: run
         one engine per process, or shut them down together."""
         _LIVE_ENGINES.discard(self)
+        self._episodes.clear()              # the sessions go with SGLang's scheduler
+        self._sessions.clear()
         self.engine.shutdown()
         if self.joins_path is not None and os.path.exists(self.joins_path):
             os.remove(self.joins_path)
@@ -699,6 +837,21 @@ def _top_logprobs(meta: dict, length: int) -> dict:
         raise RuntimeError(f"SGLang output_top_logprobs has {len(rows)} positions (some empty?) for {length} tokens")
     return {"topk_ids": np.asarray([[t for _, t, _ in r] for r in rows], dtype=np.int32),
             "topk_logprobs": np.asarray([[lp for lp, _, _ in r] for r in rows], dtype=np.float32)}
+
+
+@dataclass
+class EpisodeState:
+    """What `SGLangEngine` keeps of an episode whose row SGLang's streaming session holds between its turns:
+    first_prompt (tokens of its first prompt), tokens (the episode's tokens so far: the first prompt, every later id,
+    every response), held (tokens in its KV cache after its last turn, `SGLangEngine._kv_tokens`)."""
+    first_prompt: int
+    tokens: int
+    held: int
+
+
+async def _gathered(coros: list) -> list:
+    """The results of the coroutines `coros`, run concurrently on the engine's loop (one `_call`)."""
+    return list(await asyncio.gather(*coros))
 
 
 SUBPROCESS_POLL_S = 1.0

@@ -35,6 +35,12 @@ runs the compression due in it (its row leaves first); the torch engine runs it 
 T-token response. Such a key is seen by every query the sample's log-probs come from (the last one is at P + T - 2,
 learner/replay.py: query q sees key k while q < P + steps), so both records replay the same.
 
+Episodes (`SGLangEngine.generate(..., episodes=)`, docs/sglang.md "The compressed cache across turns"): an episode's
+request row outlives its turns (SGLang's streaming session keeps it), so its record slot does too: the step recorded
+is the episode's tokens after its first prompt when the key was evicted (the backend passes seq_len - first prompt;
+on a first turn that is s), `snapshot` writes the record so far as each finished turn's request's, `resume` carries
+the slot to the next turn's request id, and `drop` gives it back without a file when the episode's session closes.
+
 Bytes: `actors.engines.kv_memory.record_bytes_per_request` (docs/sglang.md, Eviction records).
 """
 from __future__ import annotations
@@ -171,16 +177,34 @@ class EvictionRecorder:
         self.steps[slots[:, None, None], li, self.heads, column] = step.to(torch.int16)[:, None, None].expand(
             column.shape)
 
-    def take(self, row: int, length: int) -> None:
-        """A request's row leaves: its record, uint16 [layers, Hkv, length] (`length`: tokens whose KV was computed;
-        never past the record's width), to `record_path(directory, rid)` (written to a temporary name, then
-        renamed: a reader never sees a partial file), and its slot given back; the last live request's leaving gives
-        the buffers back (`_release`: a long request's width is not kept into the next generate call). One
-        device-to-host copy (the request has ended; not graph code). Rows without a slot are ignored."""
+    def resume(self, rows: list[int], rids: list) -> None:
+        """Episodes continuing on their kept request rows (host ints) under new SGLang request ids: the records go on
+        (a row's record covers its whole episode); rows without a slot are ignored."""
+        for row, rid in zip(rows, rids):
+            if row in self.slot:
+                self.rid[row] = rid
+
+    def snapshot(self, row: int, length: int, rid) -> None:
+        """A parked episode's record so far, uint16 [layers, Hkv, length] (`length`: the episode's tokens whose KV
+        was computed), written as request `rid`'s (`write`); the slot stays for the episode's next turn. Rows without a
+        slot are ignored. One device-to-host copy (between turns; not graph code)."""
+        if row in self.slot:
+            self.write(self.slot[row], rid, length)
+
+    def drop(self, row: int) -> None:
+        """A parked episode's row leaves (its session closed): its slot is given back without a record (its last
+        turn's was written by `snapshot`); the last live request's leaving gives the buffers back."""
         if row not in self.slot:
             return
-        s, rid = self.slot.pop(row), self.rid.pop(row)
-        self.free.append(s)
+        self.free.append(self.slot.pop(row))
+        self.rid.pop(row)
+        if not self.slot:
+            self._release(self.origin.shape[3])
+
+    def write(self, s: int, rid, length: int) -> None:
+        """Record slot `s` as uint16 [layers, Hkv, length] (never past the record's width: never) to
+        `record_path(directory, rid)`, written to a temporary name, then renamed (a reader never sees a partial file).
+        One device-to-host copy."""
         out = np.full((self.layers, self.kv_heads, length), np.uint16(65535), dtype=np.uint16)
         n = min(length, self.width)
         out[:, :, :n] = self.steps[s, :, :, :n].cpu().numpy().view(np.uint16)
@@ -188,5 +212,17 @@ class EvictionRecorder:
         with open(path + ".tmp", "wb") as f:
             np.save(f, out)
         os.replace(path + ".tmp", path)
+
+    def take(self, row: int, length: int) -> None:
+        """A request's row leaves: its record, uint16 [layers, Hkv, length] (`length`: tokens whose KV was computed;
+        never past the record's width), to `record_path(directory, rid)` (`write`), and its slot given back; the last
+        live request's leaving gives the buffers back (`_release`: a long request's width is not kept into the next
+        generate call). One device-to-host copy (the request has ended; not graph code). Rows without a slot are
+        ignored."""
+        if row not in self.slot:
+            return
+        s, rid = self.slot.pop(row), self.rid.pop(row)
+        self.free.append(s)
+        self.write(s, rid, length)
         if not self.slot:   # no request live (a generate call ended): the buffers go, the next `enter` grows them
             self._release(self.origin.shape[3])

@@ -48,6 +48,13 @@ prefill is the row's start budget; a compression of a row whose host step count 
 in one event are grouped by that budget, one `_compress_group` call per distinct budget (per chunk:
 `compress_pending`, stats `compression_groups` / `compression_calls`).
 
+Episodes (docs/sglang.md, "The compressed cache across turns on SGLang"): SGLang's streaming session keeps an
+episode's request row between its turns; `wrap_streaming_session` parks the row when its turn ends (`park`: out of the
+decode lanes, a compression due in the turn's last forward run then, the record so far written) and counts its held
+slots for SGLang's idle leak check; the next turn extends the row (`_continue_rows`): its extend reads the live prefix
+[start, prefix) (`_live_prefix_metadata`), and with compressor.protect_observation only the older cache [start, prefix)
+is a compression candidate at that prefill (`candidates_end`), the new ids kept.
+
 Limits (checked at start, ValueError naming the setting, see `check_server_args`): page size 1, no radix
 cache, no chunked prefill, tp/pp/dp/dcp 1, no overlap scheduling, model-dtype KV (no fp8), the plain
 `[slots, heads, dim]` MHA pool, no sliding window, no speculative decoding, no metadata glue graph.
@@ -201,17 +208,10 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         self.pad_row = torch.full((), PAD_ROW, dtype=torch.int64, device=self.device)
         self.real_bs = 0
         """Real (unpadded) lanes of the batch whose metadata is being built (host int, from num_padding)."""
-        self.alive = np.zeros(rows, dtype=bool)
-        self.seq_len, self.start = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
-        self.steps, self.budget = np.zeros(rows, dtype=np.int64), np.full(rows, cfg.kv_budget, dtype=np.int64)
-        """Host mirror per request row: decode steps since its prefill (s), and its start budget (tokens, read from
-        the request id at the prefill); a compression keeps `_budget_now`."""
-        self.kept = np.zeros(rows, dtype=np.int64)
-        """Host mirror per request row: the positions its last compression packed (that compression's budget; 0
-        before the first), which the eviction record's map needs when the budget grows
-        (`EvictionRecorder.host_index`)."""
-        self.pending: set[int] = set()
+        self._init_mirror(rows)
         self.extend_ring = None
+        self.extend_rows, self.extend_prefix = np.zeros(0, np.int64), np.zeros(0, np.int64)
+        """The request rows of the last extend and their prefixes (host; `_live_prefix_metadata`)."""
         self.stats = {"peak_used_slots": 0, "freed_slots": 0, "compressions": 0, "pool_slots": self.allocator.size,
                       "compression_events": 0, "last_extend_decode_step": 0, "used_at_last_extend": 0,
                       "max_live_by_budget": {}, "self_checks": 0, "decode_steps": 0,
@@ -230,6 +230,31 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         self._ptrs, self._pad_buffers = None, None
         self._runner = runner             # its capture buckets (padded_replay_view)
         self._wrap_pools(runner)
+        wrap_streaming_session(self)
+
+    def _init_mirror(self, rows: int) -> None:
+        """The host mirror of every request row of SGLang's pool (`rows`): numpy arrays, filled at each row's
+        prefill, read and advanced between steps (no device value is read)."""
+        self.alive = np.zeros(rows, dtype=bool)
+        self.seq_len, self.start = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
+        self.steps, self.budget = np.zeros(rows, dtype=np.int64), np.full(rows, self.cfg.kv_budget, dtype=np.int64)
+        """Host mirror per request row: decode steps since its prefill (s), and its start budget (tokens, read from
+        the request id at the prefill); a compression keeps `_budget_now`."""
+        self.kept = np.zeros(rows, dtype=np.int64)
+        """Host mirror per request row: the positions its last compression packed (that compression's budget; 0
+        before the first), which the eviction record's map needs when the budget grows
+        (`EvictionRecorder.host_index`)."""
+        self.parked = np.zeros(rows, dtype=bool)
+        """Host mirror per request row: an episode's row that SGLang's streaming session keeps between its turns
+        (`park`): alive, out of the decode lanes, its start, ring, record and `first_prompt` kept."""
+        self.first_prompt = np.zeros(rows, dtype=np.int64)
+        """Host mirror per request row: its episode's first prompt (tokens); the step a compression records is
+        seq_len - first_prompt, the episode's tokens after it (the torch engine's, `sample_eviction_steps`)."""
+        self.candidates_end = np.zeros(rows, dtype=np.int64)
+        """Host mirror per request row: > 0 while a later turn's protected prefill compression is pending: the turn's
+        prefix length; only the positions before it are candidates (compressor.protect_observation), 0 otherwise."""
+        self.pending: set[int] = set()
+        """Request rows due for compression (`compress_pending`)."""
 
     def _wrap_pools(self, runner) -> None:
         """Slot 0 (SGLang's padding slot) is dropped when freeing (compressed rows point evicted positions at
@@ -251,13 +276,38 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         self.allocator.free, pool.free_rows, pool.clear = free_slots, free_req_rows, clear_rows
 
     def _leave(self, rows: list[int]) -> None:
-        """Request rows leaving (their request ended, or the pool was cleared): out of the host mirror; with a
-        recorder, each live row's eviction record is written out (`EvictionRecorder.take`)."""
+        """Request rows leaving (their request ended, its episode's session closed, or the pool was cleared): out of
+        the host mirror; with a recorder, each live row's eviction record is written out (`EvictionRecorder.take`),
+        a parked episode's is dropped (its last turn's record was written when it parked)."""
         for r in rows:
             if self.recorder is not None and self.alive[r]:
-                self.recorder.take(r, int(self.seq_len[r]))
-            self.alive[r] = False
+                if self.parked[r]:
+                    self.recorder.drop(r)
+                else:
+                    self.recorder.take(r, int(self.seq_len[r]))
+            self.alive[r], self.parked[r], self.candidates_end[r] = False, False, 0
             self.pending.discard(r)
+
+    def park(self, row: int, rid, finished: bool) -> None:
+        """SGLang's streaming session keeps request row `row` (host int) after its turn ended (`finished`) or was
+        retracted: the row leaves the decode lanes with its KV, start, query ring and record. A compression still due
+        from the turn's last forward runs now (the torch engine runs it in that forward, step T - 1), so the kept
+        cache is the torch engine's `KeptEpisode`; then, for a finished turn, the episode's record so far is written
+        as request `rid`'s (`EvictionRecorder.snapshot`). Host side, eager (called from SGLang's result processing,
+        between forwards)."""
+        if not self.alive[row]:
+            raise RuntimeError(f"sparse_rl_kv: SGLang's streaming session kept request row {row}, which the backend "
+                               "does not hold")
+        self.parked[row] = True
+        self.compress_pending(only=[row])
+        if finished and self.recorder is not None:
+            self.recorder.snapshot(row, int(self.seq_len[row]), rid)
+
+    def session_held_slots(self, kv) -> int:
+        """KV slots a streaming session's row holds (SGLang's `ReqKvInfo` of the row): its live suffix [start,
+        allocated), not the logical length SGLang's `kv_private_tokens` counts (evicted positions point at slot 0,
+        which is never held)."""
+        return max(0, int(kv.kv_allocated_len) - max(int(self.start[kv.req_pool_idx]), int(kv.cache_protected_len)))
 
     # ------------------------------------------------------------------ between steps (eager)
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
@@ -282,8 +332,32 @@ class SparseTritonAttnBackend(TritonAttnBackend):
             return self._self_checked_decode_metadata(fb)
         self._between_steps(fb)
         if not fb.forward_mode.is_decode() or fb.spec_info is not None:
-            return super().init_forward_metadata(fb)
+            super().init_forward_metadata(fb)
+            if fb.forward_mode.is_extend():
+                self._live_prefix_metadata(fb)
+            return
         self.forward_metadata = self._eager_decode_metadata(fb)
+
+    def _live_prefix_metadata(self, fb) -> None:
+        """An extend continuing parked episodes: the prefix its kernels read (`forward_metadata.kv_indptr` /
+        `kv_indices`, which the parent fills over the logical prefix [0, prefix), slot 0 below a compressed row's
+        start) rebuilt over each row's live prefix [start, prefix) by `pack_read_stream(kv_start_idx=start)`, as the
+        decode metadata reads the live suffix. The parent's extend kernels (two-stage, and the deterministic unified
+        one, which takes the prefix lengths from kv_indptr) then attend over exactly the kept keys and the new ids.
+        Nothing when no row of the batch has a compressed prefix."""
+        rows, prefix = self.extend_rows, self.extend_prefix
+        start = np.where(prefix > 0, self.start[rows], 0)
+        if not start.any():
+            return
+        live = prefix - start
+        live_t, start_t = self._to_device(live, start)
+        kv_indptr = self.kv_indptr[:len(rows) + 1]
+        kv_indptr[1:] = torch.cumsum(live_t, dim=0)
+        kv_indices = torch.empty(int(live.sum()), dtype=torch.int64, device=self.device)
+        self.kv_index_translator.pack_read_stream(fb.kv_loc_plan, req_pool_indices=fb.req_pool_indices[:len(rows)],
+                                                  seq_lens=live_t, indptr=kv_indptr, out=kv_indices,
+                                                  kv_start_idx=start_t)
+        self.forward_metadata.kv_indptr, self.forward_metadata.kv_indices = kv_indptr, kv_indices
 
     def _between_steps(self, fb) -> None:
         """Compress the rows that became due in the last forward, then advance the host mirror for this one."""
@@ -302,12 +376,13 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         self._write_stats()
 
     def _advance_decode(self, fb) -> None:
-        """A decode forward: the host mirror's lengths and step counts of the live rows + 1 (checked against SGLang's
-        host `seq_lens_sum`: RuntimeError when they drifted), `max_live_by_budget` (keyed by the start budget), and
-        the rows due after this step's attention into `pending`: phase request: s % interval == 0 (s = the row's
+        """A decode forward: the host mirror's lengths and step counts of the live rows (parked episode rows are not
+        in the batch) + 1 (checked against SGLang's host `seq_lens_sum`: RuntimeError when they drifted),
+        `max_live_by_budget` (keyed by the start budget), and the rows due after this step's attention into
+        `pending`: phase request: s % interval == 0 (s = the row's
         steps), aligned: g % interval == 0 (g = `decode_steps`), and the row holds more than `_budget_now`. Host
         numpy only (no device value read)."""
-        rows = np.flatnonzero(self.alive)
+        rows = np.flatnonzero(self.alive & ~self.parked)
         real_bs = real_lanes(fb)
         self.seq_len[rows] += 1
         self.steps[rows] += 1
@@ -337,33 +412,71 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         return length_budgets(self.cfg, self.budget[rows], self.steps[rows])
 
     def _enter_extend(self, fb) -> None:
-        if fb.extend_prefix_lens_cpu is not None and any(fb.extend_prefix_lens_cpu):
-            raise RuntimeError("sparse_rl_kv got an extend with a cached prefix; it needs disable_radix_cache=True "
-                               "and chunked_prefill_size=-1 (sparse_engine_kwargs())")
+        """An extend (prefill) forward into the host mirror: new requests (an episode's first turn too,
+        `_start_rows`) and episodes continuing on the row SGLang's streaming session kept (`_continue_rows`); the
+        joins file (phase aligned); the ring slots of each row's last `window` prefilled queries (`extend_ring`, at
+        their true positions). Raises RuntimeError for a cached prefix on a row that is not a parked episode's row of
+        exactly that length (a radix cache or chunked prefill would give one: sparse_engine_kwargs() turns both off)."""
         rows_t = fb.req_pool_indices_cpu if fb.req_pool_indices_cpu is not None else fb.req_pool_indices.cpu()
         rows = rows_t.numpy().astype(np.int64)[:fb.batch_size]
         lens = np.asarray(fb.extend_seq_lens_cpu[:len(rows)], dtype=np.int64)
-        rids = fb.rids if fb.rids is not None else [None] * len(rows)
-        budgets = [rid_budget(rid, self.cfg.kv_budget) for rid in rids[:len(rows)]]
-        self.alive[rows], self.seq_len[rows], self.start[rows], self.steps[rows] = True, lens, 0, 0
-        self.budget[rows], self.kept[rows] = budgets, 0
-        self.start_dev[torch.from_numpy(rows).to(self.device)] = 0
-        if self.recorder is not None:
-            self.recorder.enter(rows.tolist(), list(rids[:len(rows)]), budgets)
-        self.pending.update(rows[lens > self.budget[rows]].tolist())
+        prefix = (np.asarray(fb.extend_prefix_lens_cpu[:len(rows)], dtype=np.int64)
+                  if fb.extend_prefix_lens_cpu is not None else np.zeros_like(lens))
+        rids = list(fb.rids[:len(rows)]) if fb.rids is not None else [None] * len(rows)
+        budgets = np.array([rid_budget(rid, self.cfg.kv_budget) for rid in rids], dtype=np.int64)
+        cont = prefix > 0
+        wrong = cont & ~(self.alive[rows] & self.parked[rows] & (self.seq_len[rows] == prefix))
+        if wrong.any():
+            raise RuntimeError(f"sparse_rl_kv got an extend with a cached prefix of {prefix[wrong].tolist()} tokens on "
+                               f"request rows {rows[wrong].tolist()}, which hold no parked episode of that length; it "
+                               "needs disable_radix_cache=True and chunked_prefill_size=-1 (sparse_engine_kwargs())")
+        self._start_rows(rows[~cont], lens[~cont], [r for r, c in zip(rids, cont) if not c], budgets[~cont])
+        self._continue_rows(rows[cont], prefix[cont], lens[cont], [r for r, c in zip(rids, cont) if c], budgets[cont])
+        self.extend_rows, self.extend_prefix = rows, prefix
         self.stats["used_at_last_extend"] = int(self.allocator.size - self.allocator.available_size())
         self.stats["last_extend_decode_step"] = self.stats["decode_steps"]
         if self.joins_path and fb.rids is not None:    # each request's phase, for SGLangEngine's KV counts
             with open(self.joins_path, "a") as f:
-                f.write("".join(f"{rid} {self.stats['decode_steps']}\n" for rid in rids[:len(rows)]))
+                f.write("".join(f"{rid} {self.stats['decode_steps']}\n" for rid in rids))
         if self.qwin is None:
             return
-        # ring positions of the last `window` prompt queries of each request (token index, row, ring slot)
+        # ring positions of the last `window` prefilled queries of each request (token index, row, ring slot)
         w, offsets = self.cfg.window, np.concatenate([[0], np.cumsum(lens)])
         tok = np.concatenate([np.arange(max(0, n - w), n) + o for n, o in zip(lens, offsets[:-1])])
-        pos = np.concatenate([np.arange(max(0, n - w), n) for n in lens])
+        pos = np.concatenate([np.arange(max(0, n - w), n) + p for n, p in zip(lens, prefix)])
         row = np.repeat(rows, np.minimum(lens, w))
         self.extend_ring = tuple(torch.from_numpy(a).to(self.device) for a in (tok, row, pos % w))
+
+    def _start_rows(self, rows: np.ndarray, lens: np.ndarray, rids: list, budgets: np.ndarray) -> None:
+        """Requests entering at their prefill (request rows, prompt tokens, SGLang request ids, start budgets; host):
+        start 0, step 0; a prompt longer than its budget is due (compressed after its prefill)."""
+        self.alive[rows], self.seq_len[rows], self.start[rows], self.steps[rows] = True, lens, 0, 0
+        self.budget[rows], self.kept[rows], self.first_prompt[rows] = budgets, 0, lens
+        self.parked[rows], self.candidates_end[rows] = False, 0
+        self.start_dev[torch.from_numpy(rows).to(self.device)] = 0
+        if self.recorder is not None:
+            self.recorder.enter(rows.tolist(), rids, budgets.tolist())
+        self.pending.update(rows[lens > budgets].tolist())
+
+    def _continue_rows(self, rows: np.ndarray, prefix: np.ndarray, lens: np.ndarray, rids: list,
+                       budgets: np.ndarray) -> None:
+        """Episodes whose next turn extends the row SGLang's streaming session kept (`park`; host arrays: rows, the
+        turn's prefix = the row's logical length, the ids it prefills at their true positions [prefix, prefix +
+        lens), request ids, budgets), as the torch engine's later turns (`SlotPlan`, actors/engines/batch_cache.py):
+        the step count restarts (the turn's interval), the budget is the turn's request's; with
+        compressor.protect_observation the kept cache alone is due when it holds more than the budget (the
+        candidates end at the prefix: the prefilled ids stay until the turn's first compression event), without it
+        the whole row when it holds more. The extend reads the live prefix (`_live_prefix_metadata`)."""
+        self.parked[rows], self.seq_len[rows], self.steps[rows], self.budget[rows] = False, prefix + lens, 0, budgets
+        if self.recorder is not None:
+            self.recorder.resume(rows.tolist(), rids)
+        kept = prefix - self.start[rows]
+        if self.cfg.protect_observation:
+            due = kept > budgets
+            self.candidates_end[rows[due]] = prefix[due]
+        else:
+            due = kept + lens > budgets
+        self.pending.update(rows[due].tolist())
 
     def compressor_for(self, budget: int):
         if budget not in self._compressors:
@@ -372,8 +485,9 @@ class SparseTritonAttnBackend(TritonAttnBackend):
                 budget_tiers="off"))
         return self._compressors[budget]
 
-    def compress_pending(self) -> None:
-        """Compress every pending row to its budget now (`_budget_now`; all layers), then free their evicted slots
+    def compress_pending(self, only: list[int] | None = None) -> None:
+        """Compress every pending row (of `only`, request rows, when given: a parked row's, `park`) to its budget now
+        (`_budget_now`; all layers), then free their evicted slots
         with one allocator call: one event (`compression_events`). Rows are grouped by that budget, and each group
         runs as its `_event_chunks` calls of `_compress_group` (per layer one batched select, rows left-padded to
         the longest). Calls per event = the sum, over the distinct budgets of its due rows, of each budget's chunks:
@@ -382,10 +496,11 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         (phase request: s a different multiple of interval, a row that joined later; phase aligned: any s) are
         separate groups until both budgets reach kv_budget_final. Counted in the stats: `compression_groups`
         (distinct budgets, summed over events) and `compression_calls` (calls)."""
-        if not self.pending:
+        due = set(self.pending) if only is None else self.pending.intersection(only)
+        if not due:
             return
-        rows = np.array(sorted(self.pending), dtype=np.int64)
-        self.pending.clear()
+        rows = np.array(sorted(due), dtype=np.int64)
+        self.pending -= due
         now = self._budget_now(rows)
         order = np.argsort(now, kind="stable")                               # grouped by budget, host (mirror)
         rows, now = rows[order], now[order]
@@ -405,7 +520,7 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         pool), stays under `self.event_bytes_cap` bytes (a single row above it is compressed alone). Host only (the
         mirror). Counts `compression_calls` and keeps the largest bound of a call, `event_bytes_bound` (bytes), in the
         stats."""
-        live, budget = int((self.seq_len[group] - self.start[group]).max()), int(budget)
+        live, budget = int((self._candidates_end(group) - self.start[group]).max()), int(budget)
         shape = (budget, self.cfg.window, self.num_head, self.kv_pool.head_num, self.head_dim, self.kv_dtype_bytes,
                  self.cfg.method, self.recorder is not None)
         chunks = np.array_split(group,
@@ -433,18 +548,21 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         return [flat[e - np.size(a):e].view(np.shape(a)) for a, e in zip(arrays, ends)]
 
     def _compress_group(self, rows: np.ndarray, budget) -> torch.Tensor:
-        """Compress rows (all holding more than `budget` live tokens) to `budget`; returns the freed slots. The
-        index arrays are built on the host from the mirror (numpy: left-padded live positions, the evicted
-        positions [start, length - budget) of every row; with a recorder, the rows' record slots, which positions
-        its map holds (the positions each row's last compression packed, `self.kept`, which under budget_schedule
-        length can be less than `budget`) and their step counts) and reach the device in one pinned non-blocking copy
-        (`_to_device`); no per-row loop, nothing read back from the device (`_compress_device`, under NoHostSync in
-        the self-check)."""
+        """Compress rows (all holding more than `budget` candidate tokens) to `budget`; returns the freed slots. Each
+        row's candidates are its live positions [start, end), end = its length, or a later turn's prefix while its
+        protected prefill compression is due (`_candidates_end`): the kept ones are packed into [end - budget, end),
+        positions from end on stay (one live suffix). The index arrays are built on the host from the mirror (numpy:
+        left-padded candidate positions, the evicted positions [start, end - budget) of every row, the last `window`
+        queries' ring slots; with a recorder, the rows' record slots, which positions its map holds (the positions
+        each row's last compression packed, `self.kept`, which under budget_schedule length can be less than
+        `budget`) and the step recorded, the episode's tokens after its first prompt) and reach the device in one
+        pinned non-blocking copy (`_to_device`); no per-row loop, nothing read back from the device
+        (`_compress_device`, under NoHostSync in the self-check)."""
         w = self.cfg.window
-        length, start = self.seq_len[rows], self.start[rows]
-        new_start = length - budget
-        n = (length - start).max()
-        pos = length[:, None] - n + np.arange(n)[None, :]                       # left-padded live positions
+        length, start, end = self.seq_len[rows], self.start[rows], self._candidates_end(rows)
+        new_start = end - budget
+        n = (end - start).max()
+        pos = end[:, None] - n + np.arange(n)[None, :]                          # left-padded candidate positions
         live = pos >= start[:, None]
         evict_row, evict_col = np.where(live & (pos < new_start[:, None]))       # host numpy, the mirror
         host = [rows, np.maximum(pos, 0), live, new_start[:, None] + np.arange(budget)[None, :],
@@ -452,11 +570,16 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         if self.recorder is not None:                    # the steps recorded: each row's own, before this step's
             self.recorder.fit(length.max(), budget)                           # host numpy: the mirror
             host += [self.recorder.slots_of(rows), *EvictionRecorder.host_index(pos, start, self.kept[rows]),
-                     int16_bits(self.steps[rows])]
+                     int16_bits(length - self.first_prompt[rows])]
         with NoHostSync() if self.self_check else contextlib.nullcontext():
             freed = self._compress_device(budget, *self._to_device(*host))
-        self.start[rows], self.kept[rows] = new_start, budget
+        self.start[rows], self.kept[rows], self.candidates_end[rows] = new_start, budget, 0
         return freed
+
+    def _candidates_end(self, rows: np.ndarray) -> np.ndarray:
+        """Where the compression candidates of request rows `rows` end, int64 [g] (host): a later turn's prefix while
+        its protected prefill compression is due (`candidates_end`), else the row's length."""
+        return np.where(self.candidates_end[rows] > 0, self.candidates_end[rows], self.seq_len[rows])
 
     def _compress_device(self, budget, rows_t, pos_t, valid, target_pos, qpos, evict_row, evict_col, new_start_t,
                          *record) -> torch.Tensor:
@@ -715,3 +838,38 @@ def check_graph_settings(cuda_graph_config, enable_torch_compile: bool) -> None:
         raise ValueError(f"cuda_graph_backend_decode={decode!r}: sparse_rl_kv needs one of {DECODE_GRAPH_BACKENDS}")
     if enable_torch_compile:
         raise ValueError("enable_torch_compile=True: sparse_rl_kv was not run under torch.compile; turn it off")
+
+
+_SESSION_ORIGINALS: dict = {}
+"""SGLang's own StreamingSession.try_cache_finished_req, kept when `wrap_streaming_session` first wraps it in this
+(scheduler) process (SchedulerPoolStatsObserver.session_held_tokens is replaced, not wrapped)."""
+
+
+def wrap_streaming_session(backend: SparseTritonAttnBackend) -> None:
+    """Tie SGLang 0.5.23's streaming sessions (`srt/session/streaming_session.py`), which keep an episode's request
+    row between its turns, to `backend` (in SGLang's scheduler process, one backend per process; a later backend
+    replaces the earlier one's ties):
+    - `StreamingSession.try_cache_finished_req(req)` -> True when the session kept the row of a turn that finished
+      (or was retracted): then `backend.park(row, req.rid, req.finished())`, with the row read before SGLang detaches
+      the request's KV record;
+    - `SchedulerPoolStatsObserver.session_held_tokens()`, which SGLang's idle leak check (`available + evictable +
+      protected + session_held == total`, strict by default) adds up per kept row as its logical length: each row's
+      held slots (`backend.session_held_slots`), since a compressed row holds only its live suffix.
+    Class attributes are replaced (the observer is a frozen, slotted dataclass)."""
+    from sglang.srt.managers.scheduler_components.pool_stats_observer import SchedulerPoolStatsObserver
+    from sglang.srt.session.streaming_session import StreamingSession
+
+    keep = _SESSION_ORIGINALS.setdefault("try_cache_finished_req", StreamingSession.try_cache_finished_req)
+
+    def try_cache_finished_req(session, req) -> bool:
+        row = req.kv.req_pool_idx if req.kv.holds_kv else None
+        kept = keep(session, req)
+        if kept and row is not None:
+            backend.park(int(row), req.rid, bool(req.finished()))
+        return kept
+
+    def session_held_tokens(observer) -> int:
+        return sum(backend.session_held_slots(kv) for kv in observer._session_kv_rows())
+
+    StreamingSession.try_cache_finished_req = try_cache_finished_req
+    SchedulerPoolStatsObserver.session_held_tokens = session_held_tokens

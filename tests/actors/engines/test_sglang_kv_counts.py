@@ -56,3 +56,21 @@ def test_length_schedule_grows_the_count():
     assert sglang_retained(LENGTH, 12, 20, 40, 0) == torch_retained(LENGTH, 12, 20, 40, 0) == 33
     assert sglang_retained(CONSTANT, 12, 20, 40, 0) == 19
     assert sglang_retained(LENGTH, 16, 20, 40, 0) == 33 and sglang_retained(CONSTANT, 16, 20, 40, 0) == 23
+
+
+@pytest.mark.parametrize("protect", [True, False])
+def test_later_turns_count_the_kept_cache_as_the_torch_engine(protect):
+    """A later turn of an episode: `kept` tokens of the kept cache, `prefilled` new ids (the last sampled token with
+    the observation); with compressor.protect_observation the kept part alone is compressed at the prefill (the
+    torch engine's SlotPlan with kept > 0: filled = budget + new), without it the whole row."""
+    cfg = dataclasses.replace(CONSTANT, protect_observation=protect)
+    for kept, prefilled, start, response in itertools.product((5, 12, 19), (1, 6, 14), (12, 16), (1, 9, 40)):
+        call = dataclasses.replace(cfg, kv_budget=start)
+        plan = SlotPlan.of(call, cfg, kept=kept, new=prefilled, max_new=response)
+        filled = plan.filled
+        for step in range(1, response):
+            compacted = plan.compact_to(step, step, filled)
+            filled = filled + 1 if compacted is None else compacted
+        engine = types.SimpleNamespace(sparse=True, compressor_cfg=cfg)
+        got = SGLangEngine._kv_tokens(engine, prefilled, response, start, 0, kept)[0]
+        assert got == filled, (kept, prefilled, start, response)

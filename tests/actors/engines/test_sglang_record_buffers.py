@@ -30,3 +30,39 @@ def test_record_buffers_grow_while_requests_live_and_are_given_back_when_none_is
     got = np.load(os.path.join(tmp_path, "c.npy"))
     assert got.shape == (LAYERS, KV_HEADS, 10) and (got == 65535).all()   # never evicted: nothing recorded
     assert np.load(os.path.join(tmp_path, "a.npy")).shape == (LAYERS, KV_HEADS, 600)
+
+
+def test_an_episodes_record_spans_its_turns(tmp_path):
+    """An episode's row (docs/sglang.md, "The compressed cache across turns"): `snapshot` writes the record so far as
+    the finished turn's request's and keeps the slot, `resume` carries it to the next turn's request id, a compression
+    in that turn adds to the same record, and `drop` (the session closed) gives the slot and the buffers back without
+    a file. Hand-made compressions: 8 tokens, positions 2 and 5 evicted at step 3 in turn 1; after 6 more tokens,
+    the packed 7 and the appended 8, 9, 11, 12, 13 evicted at step 11 in turn 2."""
+    import torch
+
+    rec = EvictionRecorder(1, 1, BUDGET, "cpu", str(tmp_path))
+    rec.enter([4], ["turn-1"], [BUDGET])
+    t = lambda a, dtype=torch.int64: torch.tensor(a, dtype=dtype)      # noqa: E731
+    rec.fit(8)
+    slot = t(rec.slots_of(np.array([4])))
+    pos = np.arange(2, 8)[None]                                       # live [2, 8): 6 candidates -> keep 4
+    mapped, rel = EvictionRecorder.host_index(pos, np.array([2]), 0)
+    origin = rec.origins(0, slot, t(pos), t(mapped, torch.bool), t(rel))
+    rec.record(0, slot, origin, t(np.ones((1, 6)), torch.bool), t([[[1, 2, 4, 5]]]), t([3]))   # keeps 3, 4, 6, 7
+    rec.snapshot(4, 8, "turn-1")
+    first = np.load(os.path.join(tmp_path, "turn-1.npy"))
+    assert first[0, 0].tolist() == [65535, 65535, 3, 65535, 65535, 3, 65535, 65535] and 4 in rec.slot
+    rec.resume([4], ["turn-2"])
+    rec.fit(14)
+    pos = np.arange(4, 14)[None]                                      # start 4: packed 3, 4, 6, 7 at [4, 8)
+    mapped, rel = EvictionRecorder.host_index(pos, np.array([4]), BUDGET)
+    origin = rec.origins(0, slot, t(pos), t(mapped, torch.bool), t(rel))
+    assert origin[0, 0].tolist() == [3, 4, 6, 7, 8, 9, 10, 11, 12, 13]
+    keep = t([[[0, 1, 2, 6]]])                                        # 3, 4, 6, 10 kept; 7, 8, 9, 11, 12, 13 go
+    rec.record(0, slot, origin, t(np.ones((1, 10)), torch.bool), keep, t([11]))
+    rec.snapshot(4, 14, "turn-2")
+    second = np.load(os.path.join(tmp_path, "turn-2.npy"))[0, 0].tolist()
+    assert second == [65535, 65535, 3, 65535, 65535, 3, 65535, 11, 11, 11, 65535, 11, 11, 11]
+    rec.resume([4], ["turn-3"])                                       # a third turn's request, then the close
+    rec.drop(4)
+    assert sorted(os.listdir(tmp_path)) == ["turn-1.npy", "turn-2.npy"] and not rec.slot and rec.width == 0
