@@ -51,14 +51,19 @@ def test_sglang_actors_train_through_the_pipeline(tmp_path, redis_server):
                                                            "weight_sync_fingerprint_max_abs")}
     assert sorted(fingerprint) == [1, 2, 3] and max(fingerprint.values()) <= 1e-3, fingerprint
     # each actor's SGLang engine reports its own measured KV pool and retractions (RolloutEngine.engine_stats) under
-    # actor/<actor id>/ in MLflow: the backend compressed and freed slots, its peak within its pool
+    # actor/<actor id>/ in MLflow, its peak within its pool; the backends compressed and freed slots (summed over the
+    # actors: on a loaded machine one actor may have generated every group of the 3 steps, the other only scored the
+    # fingerprint's probe, which compresses nothing)
     metrics = client.get_run(summary["mlflow_run_id"]).data.metrics
-    for actor in summary["accounting"]["actor_versions"]:
-        mine = {name.split("/")[2]: v for name, v in metrics.items() if name.startswith(f"actor/{actor}/")}
+    per_actor = {actor: {name.split("/")[2]: v for name, v in metrics.items() if name.startswith(f"actor/{actor}/")}
+                 for actor in summary["accounting"]["actor_versions"]}
+    assert len(per_actor) == 2, per_actor
+    for actor, mine in per_actor.items():
         assert mine["sglang_retractions"] == 0, actor
-        assert mine["kv_compressions"] > 0 and mine["kv_freed_slots"] > 0, (actor, mine)
         assert 0 < mine["kv_pool_peak_used_slots"] <= mine["kv_pool_slots"], (actor, mine)
         assert mine["kv_pool_peak_used_fraction"] == mine["kv_pool_peak_used_slots"] / mine["kv_pool_slots"]
+    assert sum(m["kv_compressions"] for m in per_actor.values()) > 0, per_actor
+    assert sum(m["kv_freed_slots"] for m in per_actor.values()) > 0, per_actor
 
 
 class SGLangProcesses(threading.Thread):
