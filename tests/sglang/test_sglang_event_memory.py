@@ -4,11 +4,12 @@ allocator's peak during `_compress_group` (torch.profiler, profile_memory) stays
 each stay under it, with the same result as one call. The backend's compression runs here on a bare instance (its K/V
 buffers, request table and query ring built by hand; no SGLang engine), so the shapes can be those of a real model."""
 import copy
+import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 pytest.importorskip("sglang.srt", reason="needs the SGLang lane venv: bash scripts/setup_sglang_cpu.sh")
 
@@ -16,6 +17,12 @@ from actors.engines.kv_memory import SIMILARITY_BLOCK, compression_event_bytes
 from actors.engines.sglang.triton_backend import SparseTritonAttnBackend
 from compressors import CompressorConfig
 from compressors.scores import _BLOCK_ELEMENTS
+
+_spec = importlib.util.spec_from_file_location("bench_compressors",
+                                               Path(__file__).parents[2] / "bench" / "compressors.py")
+_bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_bench)
+peak_bytes = _bench.allocator_peak_bytes   # the CPU allocator's peak while fn() runs (torch.profiler memory events)
 
 pytestmark = pytest.mark.sglang
 
@@ -67,20 +74,6 @@ def bare_backend(cfg, lens, kv_heads, q_heads, head_dim, dtype, layers=2, seed=0
         first += n
     b.seq_len[1:] = lens
     return b
-
-
-def peak_bytes(fn) -> int:
-    """Peak of the bytes allocated through torch's CPU allocator while fn() runs, from the profiler's memory events
-    (numpy-backed tensors, such as the packed index arrays on the CPU, are not seen; the bound counts them)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    now = peak = 0
-    for e in events:
-        now += e.nbytes()
-        peak = max(peak, now)
-    return peak
 
 
 CASES = [  # method, selection, rows, longest live, budget, window, KV heads, query heads, head_dim, dtype
