@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from broker.schema import SampleRecord, TrajectoryGroup
+from broker.schema import SampleRecord, TrajectoryGroup, decode_group, encode_group
 
 VOCAB = 64
 
@@ -37,6 +37,21 @@ def make_groups(num_groups: int = 2, G: int = 4, seed: int = 0, weight_version: 
         groups.append(TrajectoryGroup(run_id="test", group_id=f"g{seed}-{g}", prompt_id=f"p{g}",
                                       weight_version=weight_version, temperature=temperature,
                                       compressor="rkv", kv_budget=16, samples=samples))
+    return groups
+
+
+def wire_groups(out, compressor: str, kv_budgets: list[int], group_ids: list[str],
+                weight_version: int = 0, temperature: float = 1.0) -> list[TrajectoryGroup]:
+    """An engine's `generate` output (a list of samples per prompt) as TrajectoryGroups through the wire
+    (encode_group, decode_group): sample k of a prompt has reward k, group i is prompt i's."""
+    groups = []
+    for i, samples in enumerate(out):
+        records = [SampleRecord(np.asarray(s.prompt_ids, np.int32), np.asarray(s.response_ids, np.int32),
+                                s.logp_sparse, s.finish_reason, float(k), s.kv_retained_tokens, s.kv_peak_bytes,
+                                eviction_steps=s.eviction_steps) for k, s in enumerate(samples)]
+        groups.append(decode_group(encode_group(TrajectoryGroup(
+            run_id="r", group_id=group_ids[i], prompt_id=f"p{i}", weight_version=weight_version,
+            temperature=temperature, compressor=compressor, kv_budget=kv_budgets[i], samples=records))))
     return groups
 
 

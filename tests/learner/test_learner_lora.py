@@ -14,13 +14,13 @@ from actors.engines.base import SamplingParams
 from actors.engines.torch_engine import TorchEngine
 from broker import fingerprint as fp
 from broker.lora import LoraConfig, adapter_parameters, load_saved_adapter, save_merged
-from broker.schema import SampleRecord, TrajectoryGroup, decode_group, encode_group
+from broker.schema import TrajectoryGroup
 from broker.weight_sync import WeightReceiver, WeightSender
 from compressors import CompressorConfig
 from learner.config import LearnerConfig
 from learner.learner import Learner
 from tests.actors.engines.test_torch_engine import PROMPTS, tiny_model, tiny_tokenizer
-from tests.learner.conftest import make_groups, tiny_llama
+from tests.learner.conftest import make_groups, tiny_llama, wire_groups
 
 LORA = LoraConfig(rank=4, alpha=8.0)
 RKV = CompressorConfig(method="rkv", kv_budget=12, window=4, interval=5)
@@ -29,15 +29,9 @@ RKV = CompressorConfig(method="rkv", kv_budget=12, window=4, interval=5)
 def rollout(engine: TorchEngine, version: int) -> list[TrajectoryGroup]:
     """Two samples of each of PROMPTS from `engine` (weights of `version`), rewards 0 and 1, off the wire."""
     out = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=24, n=2, seed=version))
-    groups = []
-    for i, samples in enumerate(out):
-        records = [SampleRecord(np.asarray(s.prompt_ids, np.int32), np.asarray(s.response_ids, np.int32),
-                                s.logp_sparse, s.finish_reason, float(k), s.kv_retained_tokens, s.kv_peak_bytes,
-                                eviction_steps=s.eviction_steps) for k, s in enumerate(samples)]
-        groups.append(decode_group(encode_group(TrajectoryGroup(
-            run_id="r", group_id=f"v{version}-g{i}", prompt_id=f"p{i}", weight_version=version, temperature=1.0,
-            compressor=engine.compressor_cfg.method, kv_budget=engine.compressor_cfg.kv_budget, samples=records))))
-    return groups
+    cc = engine.compressor_cfg
+    return wire_groups(out, cc.method, [cc.kv_budget] * len(out), [f"v{version}-g{i}" for i in range(len(out))],
+                       weight_version=version)
 
 
 def max_gap(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:

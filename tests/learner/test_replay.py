@@ -10,11 +10,11 @@ import torch
 
 from actors.engines.base import SamplingParams
 from actors.engines.torch_engine import TorchEngine
-from broker.schema import SampleRecord, TrajectoryGroup, decode_group, encode_group
 from compressors import CompressorConfig
 from learner.config import LearnerConfig
 from learner.learner import Learner
 from tests.actors.engines.test_torch_engine import PROMPTS, eviction_masks, reference_logp, tiny_model, tiny_tokenizer  # noqa: F401
+from tests.learner.conftest import wire_groups
 
 BUDGETS = [10, 20, 10, 14]     # three distinct budgets: three sub-batches of one generate call
 CFG = CompressorConfig(method="rkv", kv_budget=12, window=4, interval=5)
@@ -31,14 +31,7 @@ def rollouts(selection: str = "per_head", method: str = "rkv", **schedule):
     prompts = PROMPTS + [list(range(20, 36))]
     budgets = None if schedule else BUDGETS          # a length schedule grows one budget within each trajectory
     out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=40, n=2, seed=7), kv_budgets=budgets)
-    groups = []
-    for i, samples in enumerate(out):
-        records = [SampleRecord(np.asarray(s.prompt_ids, np.int32), np.asarray(s.response_ids, np.int32),
-                                s.logp_sparse, s.finish_reason, float(k), s.kv_retained_tokens, s.kv_peak_bytes,
-                                eviction_steps=s.eviction_steps) for k, s in enumerate(samples)]
-        group = TrajectoryGroup(run_id="r", group_id=f"g{i}", prompt_id=f"p{i}", weight_version=0, temperature=1.0,
-                                compressor=method, kv_budget=(budgets or [12] * 4)[i], samples=records)
-        groups.append(decode_group(encode_group(group)))
+    groups = wire_groups(out, method, budgets or [12] * 4, [f"g{i}" for i in range(len(out))])
     recs = (engine.last_eviction_records if budgets
             else [{**engine.last_eviction_record, "prompt_indices": [0, 1, 2, 3]}])
     subs = [(rec, [s for i in rec["prompt_indices"] for s in out[i]]) for rec in recs]

@@ -18,10 +18,10 @@ from transformers import Qwen2ForCausalLM
 from actors.engines.base import SamplingParams
 from actors.engines.sglang.engine import SGLangEngine
 from actors.engines.sglang.triton_backend import SELF_CHECK_ENV
-from broker.schema import SampleRecord, TrajectoryGroup, decode_group, encode_group
 from compressors import CompressorConfig
 from learner.config import LearnerConfig
 from learner.learner import Learner
+from tests.learner.conftest import wire_groups
 from tests.sglang.test_sglang_triton import KWARGS
 
 pytestmark = pytest.mark.sglang
@@ -48,14 +48,8 @@ def rollouts(request, tiny_qwen2_dir):
     finally:
         eng.shutdown()
         del os.environ[SELF_CHECK_ENV]
-    groups = []
-    for i, samples in enumerate(out):
-        records = [SampleRecord(np.asarray(s.prompt_ids, np.int32), np.asarray(s.response_ids, np.int32),
-                                s.logp_sparse, s.finish_reason, float(k), s.kv_retained_tokens, s.kv_peak_bytes,
-                                eviction_steps=s.eviction_steps) for k, s in enumerate(samples)]
-        groups.append(decode_group(encode_group(TrajectoryGroup(
-            run_id="r", group_id=f"g{i}", prompt_id=f"p{i}", weight_version=0, temperature=PARAMS.temperature,
-            compressor=cc.method, kv_budget=cc.kv_budget, samples=records))))
+    groups = wire_groups(out, cc.method, [cc.kv_budget] * len(out), [f"g{i}" for i in range(len(out))],
+                         temperature=PARAMS.temperature)
     assert all(s.eviction_steps.shape[1] == (1 if cc.selection == "shared" else 2) for g in groups for s in g.samples)
     return Qwen2ForCausalLM.from_pretrained(tiny_qwen2_dir).eval(), groups
 
