@@ -15,7 +15,7 @@ import numpy as np
 SCHEMA_VERSION = 4
 """2: optional top-k log-probs per response token (header `topk`, arrays topk_ids / topk_logprobs).
 3: optional eviction record per sample (header `eviction`, zlib blobs after the arrays; docs/SPEC.md §2.4).
-4: optional trainable mask per response token (header `trainable`; multi-turn rollouts, README "Multi-turn tool use"):
+4: optional trainable mask per response token (header `trainable`; multi-turn rollouts, docs/multi-turn.md):
 a reader of version 3 would train on environment tokens, so it must refuse the message."""
 
 

@@ -96,8 +96,8 @@ def catch_signals() -> None:
 
 def ignore_stops_after_finish() -> None:
     """Once the run has finished (summary.json written, MLflow FINISHED), SIGTERM and Ctrl-C stop nothing: the
-    shutdown goes on and the exit code stays 0; the first one prints one line saying so (README, "Watching a
-    run"). Main thread only; `train` restores the caller's handlers on return and the CLI installs
+    shutdown goes on and the exit code stays 0; the first one prints one line saying so (docs/running.md,
+    "Stopping"). Main thread only; `train` restores the caller's handlers on return and the CLI installs
     these again for the process's own exit (Ray's and Redis's shutdown at interpreter exit)."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _after_finish)

@@ -1,4 +1,4 @@
-"""The batched multi-turn rollout loop (README, Multi-turn tool use): G episodes per prompt, every live
+"""The batched multi-turn rollout loop (docs/multi-turn.md): G episodes per prompt, every live
 episode's next turn sampled in one engine call, the environments stepped between turns (actors/envs/env.py), the
 token stream kept exact (actors/envs/turns.py). tests/actors/envs/reference_episode.py runs one episode at a time
 with the same calls: the reference the tests check this loop against.

@@ -1,5 +1,5 @@
 """The tool-gated key/value lookup: a multi-turn task a small model can learn (docs/results.md 8;
-README, Multi-turn tool use).
+docs/multi-turn.md).
 
 Each item hides a table of `keys` keys (K1, K2, ...) with two-digit values; the prompt asks for one key's value
 and says how to call the tool (`<lookup>K7</lookup>`). The environment answers a call with the entry (`K7 = 42`);

@@ -1,6 +1,6 @@
 """Token-exact turns of a multi-turn rollout: the sampled ids are kept verbatim, and only the environment's new
 messages are rendered through the chat template and tokenized, as the suffix of the template over a fixed base
-conversation (verl's ToolAgentLoop / SkyRL-gym's approach; docs: README, Multi-turn tool use).
+conversation (verl's ToolAgentLoop / SkyRL-gym's approach; docs/multi-turn.md).
 
 Why: decode -> encode does not give back the sampled ids (BPE is not a bijection: "hel" + "lo" re-encodes as
 "hello"), so re-rendering the history and re-tokenizing it would train on ids the sampler never produced. The

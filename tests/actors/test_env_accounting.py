@@ -1,5 +1,5 @@
 """How an episode its environment failed is scored and counted (actors/rollout_actor.py): reward 0, status
-env_error, counted once under the names README and deploy/metric_names.py document (rollout/env_errors,
+env_error, counted once under the names docs/multi-turn.md and deploy/metric_names.py document (rollout/env_errors,
 rollout/env_timeouts, rollout/env_lost), never as a reward-function error."""
 import numpy as np
 import pytest
