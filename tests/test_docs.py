@@ -1,6 +1,7 @@
 """The front door stays a front door: README.md at most 170 lines, docs/index.md linking every page of docs/, and
 every relative markdown link in README.md and docs/*.md naming a file that exists. Each check is also run on a
-made-up tree it must refuse, so a check that can no longer fail is seen."""
+made-up tree it must refuse, so a check that can no longer fail is seen. And .ci/run runs the test command README
+gives (the two are written out in both, not extracted)."""
 from __future__ import annotations
 
 import re
@@ -56,6 +57,20 @@ def unindexed(root: Path) -> list[str]:
     return [page.name for page in sorted(docs.glob("*.md")) if page.name != "index.md" and page.resolve() not in linked]
 
 
+def commands_ci_misses(readme: str, ci: str) -> list[str]:
+    """README's two commands (the main job, the tests) are `./scripts/setup.sh && <command>` lines of its bash
+    blocks; .ci/run runs the set-up and then the test command as a line of its own. Returns what is off: a
+    command README lacks, or README's test command that .ci/run does not run."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", readme, re.M | re.S)
+    commands = [line.removeprefix("./scripts/setup.sh && ") for block in blocks for line in block.splitlines()
+                if line.startswith("./scripts/setup.sh && ")]
+    tests = [c for c in commands if c.startswith(".venv/bin/python -m pytest")]
+    off = [] if ".venv/bin/sparse-rl train" in commands else ["README: no main-job command"]
+    if not tests:
+        return [*off, "README: no test command"]
+    return off + [f".ci/run does not run {t!r}" for t in tests if t not in ci.splitlines()]
+
+
 def readme_lines(root: Path) -> int:
     return len((root / "README.md").read_text().splitlines())
 
@@ -79,6 +94,19 @@ def test_docs_index_links_every_docs_page():
 
 def test_every_relative_link_resolves():
     assert broken_links(ROOT) == []
+
+
+def test_ci_runs_the_readmes_test_command():
+    assert commands_ci_misses((ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()) == []
+
+
+def test_a_readme_command_ci_does_not_run_is_named():
+    readme = "```bash\n./scripts/setup.sh && .venv/bin/sparse-rl train\n```\n" \
+             "```bash\n./scripts/setup.sh && .venv/bin/python -m pytest -q -n 2\n```\n"
+    assert commands_ci_misses(readme, ".venv/bin/python -m pytest -q -n 2\n") == []
+    assert commands_ci_misses(readme, ".venv/bin/python -m pytest -q\n") == [
+        ".ci/run does not run '.venv/bin/python -m pytest -q -n 2'"]
+    assert commands_ci_misses("no commands", "") == ["README: no main-job command", "README: no test command"]
 
 
 def test_a_long_readme_is_counted(tmp_path):
