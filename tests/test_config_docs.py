@@ -24,16 +24,20 @@ PACKAGES = ("actors", "learner", "broker", "compressors", "deploy")
 """What a copy of the tree needs for the script to run in it: the packages, the script and the page."""
 
 
-def override_keys(node, prefix: str = "") -> list[str]:
+def override_keys(node, prefix: str = "", optional: dict | None = None) -> list[str]:
     """Every dotted name `key=value` can set, as omegaconf resolves them (deploy.config.load_config): the leaves of
-    the structured RunConfig (a dict-typed field, such as actors.engine.sglang.engine_kwargs, is one leaf)."""
+    the structured RunConfig (a dict-typed field, such as actors.engine.sglang.engine_kwargs, is one leaf). A config
+    class that is None by default (eval.sparse_compressor) is one leaf too, put in `optional` with its class: its
+    own fields are set as `<key>.<field>`."""
     keys = []
     for key in node.keys():
         child = node._get_node(key)
         if OmegaConf.is_dict(child) and child._metadata.object_type not in (None, dict):
-            keys += override_keys(child, f"{prefix}{key}.")
+            keys += override_keys(child, f"{prefix}{key}.", optional)
         else:
             keys.append(f"{prefix}{key}")
+            if OmegaConf.is_dict(child) and child._is_none() and dataclasses.is_dataclass(child._metadata.ref_type):
+                optional[f"{prefix}{key}"] = child._metadata.ref_type
     return keys
 
 
@@ -47,10 +51,15 @@ def test_the_page_is_what_the_script_writes(capsys):
 
 
 def test_the_page_lists_every_field_an_override_can_set_with_its_docstring():
-    rows = page_rows(gen.PAGE.read_text())
-    keys = override_keys(OmegaConf.structured(RunConfig))
+    rows, optional = page_rows(gen.PAGE.read_text()), {}
+    keys = override_keys(OmegaConf.structured(RunConfig), optional=optional)
     assert len(keys) > 100 and sorted(rows) == sorted(keys)
     assert all(doc.strip() for doc in rows.values())
+    assert optional  # eval.sparse_compressor: its row links to the group listing its class's fields
+    for key, cls in optional.items():
+        link = re.search(r"Its fields: \[`([\w.]+)`\]", rows[key])
+        assert link, f"{key}'s row does not link to the group of {cls.__name__}'s fields"
+        assert {f"{link.group(1)}.{f.name}" for f in dataclasses.fields(cls)} <= set(rows), key
 
 
 def lr_docstring_end(source: str) -> tuple[int, int]:
