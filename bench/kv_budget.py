@@ -1,4 +1,4 @@
-"""KV budget control (issues 13, 22): preflight prediction vs measured KV bytes; Sparrow's acceptance rate from
+"""KV budget control (docs/SPEC.md §5.1, §4): preflight prediction vs measured KV bytes; Sparrow's acceptance rate from
 top-k log-probs against its exact full-vocabulary value; the closed-loop budget on the acceptance rate's p5 against a
 fixed budget; a budget that grows along the trajectory against a constant one of the same mean budget.
 
