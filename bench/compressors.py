@@ -1,4 +1,4 @@
-"""What one KV compression event costs next to the decode steps it is amortised over (issue 7, SPEC §5).
+"""What one KV compression event costs next to the decode steps it is amortised over (docs/SPEC.md §5).
 
 For one decoder layer (transformers' Qwen2DecoderLayer / LlamaDecoderLayer, random weights, fp32, CPU),
 batch 8, kv_budget 512, interval 128:

@@ -1,4 +1,4 @@
-"""KV budget control (issues 13, 22): preflight prediction vs measured KV bytes; Sparrow's acceptance rate from
+"""KV budget control (docs/SPEC.md §5.1, §4): preflight prediction vs measured KV bytes; Sparrow's acceptance rate from
 top-k log-probs against its exact full-vocabulary value; the closed-loop budget on the acceptance rate's p5 against a
 fixed budget; a budget that grows along the trajectory against a constant one of the same mean budget.
 
@@ -36,7 +36,7 @@ Prints tables, then ONE JSON object as the last line:
   accept_exact_vs_topk_max_abs             R-KV batch: max over tokens of |exact alpha - lower bound from the top K|
                                            (K = the actors' 20); _upper_max_abs the same for the upper bound
   accept_exact_p5, _p5_lower, _p5_upper    R-KV batch: p5 of the exact alpha and of the two bounds (K = 20)
-  replay_accept_exact_p5 / _mean           R-KV batch: the learner's accept_exact (issue 34: q from a forward that
+  replay_accept_exact_p5 / _mean           R-KV batch: the learner's accept_exact (SPEC §2.4: q from a forward that
                                            replays each sample's eviction record), and _max_abs_vs_engine, its
                                            largest per-token gap to the engine's own whole-vocabulary alpha
                                            (exact: ~1e-6)
@@ -260,7 +260,7 @@ def exact_check(engine, model, batch, G: int, temperature: float, max_new: int, 
     out = {"method": engine.compressor_cfg.method, "kv_budget": budget,
            "response_length": round(sum(len(s.response_ids) for s in samples) / len(samples), 1),
            **exact_vs_topk(logq, logp, mask, ks)}
-    if samples[0].eviction_steps is not None:   # the learner's exact alpha from the replayed forward (issue 34)
+    if samples[0].eviction_steps is not None:   # the learner's exact alpha from the replayed forward (SPEC §2.4)
         out.update(replayed_acceptance(model, samples, temperature, logq, mask))
     return out
 

@@ -1,4 +1,4 @@
-"""Learner step throughput: our DeepSpeed learner next to a plain torch loop doing the same work (issue 3).
+"""Learner step throughput: our DeepSpeed learner next to a plain torch loop doing the same work.
 
 Same random Llama (hidden 256, 4 layers, vocab 8192, fp32, CPU, 1 thread) and the same batch (2 groups x 4
 samples, prompt 32 + response 64 tokens) for both:

@@ -1,4 +1,4 @@
-"""Multi-turn KV memory and speed with the episode's cache kept across turns (issue 36 item 5).
+"""Multi-turn KV memory and speed with the episode's cache kept across turns.
 
 The lookup task's KV-stress variant on the shipped tiny Llama (tests' tiny-llama: SmolLM2's tokenizer and chat
 template, random weights): each episode is a lookup item (actors/envs/lookup.py); every turn samples `--turn-tokens`
@@ -10,7 +10,7 @@ and the answer's value sits turns back. Engines on the same model, batch and see
     dense       method full, cache kept across turns (one prefill of the new ids per turn)
     sparse      R-KV at --kv-budget / --interval, cache kept, compressor.protect_observation on (default)
     unprotected the same with protect_observation off (the observation compressed at its own prefill)
-    reprefill   method full, every turn re-prefills the history (what actors/envs/episode.py did before issue 36)
+    reprefill   method full, every turn re-prefills the history (what actors/envs/episode.py used to do)
 
 Peak KV bytes per episode after k = 1..N turns are the engine's measured buffers (Sample.kv_peak_bytes, max over
 the first k turns), not counted tokens; `value_seen` is the fraction of (layer, KV head, value token) of the asked

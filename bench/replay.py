@@ -1,4 +1,4 @@
-"""The cost of eviction replay (issue 34, docs/SPEC.md §2.4): learner step time and wire bytes, with and without.
+"""The cost of eviction replay (docs/SPEC.md §2.4): learner step time and wire bytes, with and without.
 
 At the main job's shape (preset smollm2-count-warm: its warm-up model, R-KV 48, 4 prompts x 4 samples of up to
 176 new tokens, learner micro-batches of 8, fp32, one rank, on the CPU): one batch of real rollouts is generated

@@ -1,4 +1,4 @@
-"""Eviction replay's CUDA path on one GPU (issue 34): FlexAttention with a block mask from the eviction record
+"""Eviction replay's CUDA path on one GPU (docs/SPEC.md §2.4): FlexAttention with a block mask from the eviction record
 against the SDPA reference (a dense boolean mask), on a random Qwen2.5-1.5B-shaped model (28 layers, hidden 1536,
 12 query / 2 KV heads, vocab 151936; `--small` for a 4-layer one), batch 8, prompt 256 + response 2048 tokens, a
 StreamingLLM-like record (budget 512, interval 128: at every compression the cache keeps 4 sinks and the most recent

@@ -15,7 +15,7 @@ config, prompts, seeds and settings, differing only in what the arm names:
 
 and, by --arms only, two ablations of sparse_rl (docs/results.md 6.11): sparse_rl_no_token_mask
 (learner.token_mask=false) and sparse_rl_flat_tis (learner.tis_cap=1e-6: every importance weight 1 after the
-normalisation, veto and token mask kept); and eviction replay (issue 34, docs/results.md 6.12): sparse_replay
+normalisation, veto and token mask kept); and eviction replay (docs/results.md 6.12): sparse_replay
 (learner.policy_target=sparse: the learner replays each rollout's evictions, the sparse_rl correction kept on
 the replayed xi) and sparse_replay_distill (the same + learner.distill_coef=1.0, the dense-teacher KL).
 --only-seeds runs a subset of the seeds, e.g.
@@ -75,7 +75,7 @@ ARMS.update({  # ablations of sparse_rl, one part of the correction off each (do
     "sparse_rl_no_token_mask": [*ARMS["sparse_rl"], "learner.token_mask=false"],
     "sparse_rl_flat_tis": [*ARMS["sparse_rl"], "learner.tis_cap=1e-6"],
 })
-ARMS.update({  # eviction replay (issue 34, docs/results.md 6.12): the policy that generates is trained; by --arms only
+ARMS.update({  # eviction replay (docs/results.md 6.12): the policy that generates is trained; by --arms only
     "sparse_replay": [*ARMS["sparse_rl"], "learner.policy_target=sparse"],
     "sparse_replay_distill": [*ARMS["sparse_rl"], "learner.policy_target=sparse", "learner.distill_coef=1.0"],
 })

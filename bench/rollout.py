@@ -8,7 +8,7 @@ object as the last line:
   sparse_vs_dense       R-KV tokens/s / our dense tokens/s at the longest length
   kv_bytes_ratio        R-KV peak KV bytes per sequence / dense, at the longest length
   kv_bytes_ratio_bound  (kv_budget + interval) / (prompt + length)
-Targets (issue 8): dense_vs_hf_generate >= 1.0, sparse_vs_dense >= 1.0 at 2048, kv_bytes_ratio <= 1.1 x bound.
+Targets: dense_vs_hf_generate >= 1.0, sparse_vs_dense >= 1.0 at 2048, kv_bytes_ratio <= 1.1 x bound.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""GPU check of the SGLang rollout engine (run by bench/gpu_check.sh; issue 6): dense vs sparse (R-KV) on a
-randomly initialised Qwen2.5-1.5B-shaped model, plus the equivalence check against the torch engine.
+"""GPU check of the SGLang rollout engine (run by bench/gpu_check.sh; docs/sglang.md, "GPU check"): dense vs sparse
+(R-KV) on a randomly initialised Qwen2.5-1.5B-shaped model, plus the equivalence check against the torch engine.
 
     bash bench/gpu_check.sh                 # one H200, no network, < 8 minutes
     python bench/sglang_gpu_check.py --dry-run    # CPU: parse args, build + save the tiny model, print the plan

@@ -1,4 +1,4 @@
-"""Bare-GPU check of the torch engine (issue 13; run by `bash bench/gpu_check.sh --bare`): needs only torch and
+"""Bare-GPU check of the torch engine (run by `bash bench/gpu_check.sh --bare`): needs only torch and
 transformers (and numpy, which transformers needs), no SGLang, no package index, no network.
 
     bash bench/gpu_check.sh --bare              # one GPU: Qwen2.5-1.5B-shaped random model, batch 64, 4096 new tokens

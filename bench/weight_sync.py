@@ -1,4 +1,4 @@
-"""Throughput of our versioned, bucketed weight sync next to one raw broadcast of a flat buffer (issue 3).
+"""Throughput of our versioned, bucketed weight sync next to one raw broadcast of a flat buffer.
 
 A sender (this process, rank 0) and two receiver processes (ranks 1, 2) form one gloo group through
 `broker.weight_sync`. For a synthetic model of ~100 MB fp32 (`--quick`; ~400 MB otherwise) made of 4 MiB
@@ -53,7 +53,7 @@ from learner.config import LearnerConfig  # noqa: E402
 
 MATRIX = 1024 * 1024   # 4 MiB in fp32
 TARGET = 0.05
-"""fingerprint_vs_sync aimed at (issue 51)."""
+"""fingerprint_vs_sync aimed at (docs/ARCHITECTURE.md, "Weight sync": the policy fingerprint's cost)."""
 
 
 def synthetic_weights(total_mb: int) -> list[tuple[str, torch.Tensor]]:

@@ -2,17 +2,22 @@
 
 - no import cycle between modules (module-level and function-level imports of the project's own modules);
 - every function or method <= 60 code lines (its body without the docstring, comments and blank lines), except
-  any listed in KNOWN_LONG (none now), which may not grow.
+  any listed in KNOWN_LONG (none now), which may not grow;
+- no reference to an internal issue ("issue 41", "(issue #12)") or to the seeds ("seed 002 §6") in the package code,
+  tests/ or bench/: a reader cannot open them, so cite docs/SPEC.md §, docs/ARCHITECTURE.md, docs/results.md N.M
+  or an arXiv § instead. A peer project's issue stays (`verl#7495`, `PR#12`, "sglang issue #1234": PEERS). docs/
+  is not checked: docs/results.md's lab log keeps the issue numbers its runs were made under.
 
-    python scripts/check_house.py            # exit 1 listing each cycle and each long function, else exit 0
+    python scripts/check_house.py            # exit 1 listing each cycle, long function and reference, else 0
 
-bench/ and tests/ are not checked (measurement scripts and tests). docs/ARCHITECTURE.md describes the layers;
+The first two rules skip bench/ and tests/ (measurement scripts and tests). docs/ARCHITECTURE.md describes the layers;
 tests/test_layering.py checks that lower packages never import higher ones.
 """
 from __future__ import annotations
 
 import ast
 import io
+import re
 import sys
 import tokenize
 from pathlib import Path
@@ -24,6 +29,23 @@ KNOWN_LONG: dict[str, int] = {}
 """Functions over the limit on the day this check came in, at their length then: each may shrink, none may grow,
 and no other function may pass the limit. Remove an entry once its function is split (the last two, the torch
 engine's TorchEngine._generate and _forward, went with the batch cache as a type: actors/engines/batch_cache.py)."""
+
+
+REF_DIRS = (*PACKAGES, "tests", "bench")
+REF_SUFFIXES = {".py", ".sh", ".md", ".json", ".jsonl", ".jinja", ".yaml", ".yml", ".sbatch", ".toml", ".txt"}
+PEERS = {"sglang", "verl", "vllm", "slime", "ms-swift", "transformers", "pytorch", "torch", "deepspeed", "ray",
+         "redis", "redis-py", "mlflow", "triton", "flashinfer", "areal", "trl", "openrlhf", "prime-rl", "upstream"}
+INTERNAL_REF = re.compile(r"(?<![\w-])(?:(?P<before>[\w./-]+) )?(?:issues? ?#?\d+|seeds? 00\d)", re.IGNORECASE)
+
+
+def internal_refs(path: Path) -> list[str]:
+    """'line: text' of each internal issue or seed reference in `path` (one preceded by a PEERS name is a peer's)."""
+    out = []
+    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        for m in INTERNAL_REF.finditer(line):
+            if (m.group("before") or "").lower().rsplit("/", 1)[-1] not in PEERS:
+                out.append(f"{n}: {m.group(0)}")
+    return out
 
 
 def modules() -> dict[str, Path]:
@@ -146,6 +168,10 @@ def main() -> int:
             allowed = KNOWN_LONG.get(f"{path.relative_to(ROOT)}:{fn}", MAX_CODE_LINES)
             if n > allowed:
                 problems.append(f"{path.relative_to(ROOT)}:{line}: {fn} has {n} code lines (> {allowed})")
+    for path in sorted(p for d in REF_DIRS for p in (ROOT / d).rglob("*") if p.suffix in REF_SUFFIXES
+                       and "__pycache__" not in p.parts and "results" not in p.relative_to(ROOT).parts[1:2]):
+        problems += [f"{path.relative_to(ROOT)}:{ref} (an internal reference: cite docs/ instead)"
+                     for ref in internal_refs(path)]
     for p in problems:
         print(p)
     print(f"check_house: {len(mods)} modules, {len(problems)} problems")

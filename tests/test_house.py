@@ -1,4 +1,5 @@
-"""scripts/check_house.py: the tree passes, and each rule can fail (a made-up cycle, a made-up long function)."""
+"""scripts/check_house.py: the tree passes, and each rule can fail (a made-up cycle, a made-up long function, a
+made-up internal issue reference)."""
 import importlib.util
 import subprocess
 import sys
@@ -34,3 +35,11 @@ def test_code_lines_skip_the_docstring_comments_and_blank_lines(tmp_path):
     module = tmp_path / "long.py"
     module.write_text(f'def f():\n    """Doc\n    string."""\n{body}\n\ndef g():\n    return 1\n')
     assert house.long_functions(module) == [("f", 1, 61)]
+
+
+def test_an_internal_issue_reference_is_found_and_a_peers_is_not(tmp_path):
+    see, cap, seed = "see issue" + " 41", "Issue" + " 23", "seed" + " 002"   # split: this file passes the check too
+    module = tmp_path / "m.py"
+    module.write_text(f'"""Bounded ({see})."""\n# verl#7495, PR#12, sglang issue #1234, sgl-project/sglang issue 99\n'
+                      f"# {cap}: x; {seed} §6\n")
+    assert house.internal_refs(module) == [f"1: {see}", f"3: {cap}", f"3: {seed}"]

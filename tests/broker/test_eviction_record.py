@@ -1,5 +1,6 @@
-"""Eviction records on the wire (schema 3, issue 34): exact round trip, refusal of other versions and of malformed
-records, and the learner's consumer dead-lettering a group without records when it replays them (real Redis)."""
+"""Eviction records on the wire (schema 3, docs/SPEC.md §2.4): exact round trip, refusal of other versions and of
+malformed records, and the learner's consumer dead-lettering a group without records when it replays them
+(real Redis)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""Redis blips and outages (issue 37 item 7), against a real redis-server: every client retries connection errors
+"""Redis blips and outages, against a real redis-server: every client retries connection errors
 with backoff for broker.retry_s and then raises within that bound; a restart of the server (same port, its
 append-only file) in the middle of a sequence of publishes, reads and commits is ridden out with exact counts;
 a command that Redis executed but whose reply was lost with the connection (a loopback relay that drops it) is
@@ -77,7 +77,7 @@ def test_a_client_rides_out_a_restart_with_exact_counts(redis_binary, make_group
     """A producer, the learner's consumer and an admission pool on one client; the server is stopped and started
     again on its port (its data back from the append-only file) before a publish, before a commit, before a claim
     and while the learner blocks on the empty stream: each of those commands waits for the server and succeeds; at
-    the end every group was published once, trained once, and every counter is exact. (On the code before issue 37 the
+    the end every group was published once, trained once, and every counter is exact. (Before run_state.retry_policy the
     first command after the stop raised ConnectionError: the clients were built with redis-py's defaults, which retry
     nothing.)"""
     with LocalRedis(appendonly=True, binary=redis_binary) as server:

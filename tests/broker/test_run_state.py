@@ -42,7 +42,7 @@ def test_rollout_utilization_counts_trained_and_filtered_over_what_left_the_queu
 
 
 def test_phases_say_what_each_part_does_and_since_when_on_the_servers_clock(any_redis):
-    """set_phase / read_phases / PhaseBoard (issue 37 item 3): each part's phase with its duration on the server's
+    """set_phase / read_phases / PhaseBoard: each part's phase with its duration on the server's
     clock; a board writes only at a change of phase (the same phase again keeps its `since`); `starts_step` marks
     when the learner's step had its groups, kept through its later phases; `during` puts back the phase it
     interrupted; a part whose write fails goes on (nothing raised) and writes again at its next call."""

@@ -1,5 +1,5 @@
-"""KV budget over a run (issue 13): schedules, tiers, the budget range and the config checks. Expected values are
-worked out by hand in the comments, not with the code under test."""
+"""KV budget over a run (docs/SPEC.md §5.1): schedules, tiers, the budget range and the config checks. Expected values
+are worked out by hand in the comments, not with the code under test."""
 import pytest
 
 from compressors import CompressorConfig
@@ -41,7 +41,7 @@ def test_tiers_follow_seed_002_rule():
     cfg = CompressorConfig(kv_budget=512, budget_tiers="confidence")   # thresholds 0.5 / 0.8, scales 1.5 / 1 / 0.5
     assert [tier_of(cfg, c) for c in (0.0, 0.49, 0.5, 0.8, 0.81, 1.0, None)] == \
         ["hard", "hard", "medium", "medium", "easy", "easy", "new"]
-    # seed 002 §5.2: 768 below 0.5, 512 up to 0.8, 256 above; never sampled: the medium budget
+    # docs/SPEC.md §5.1, difficulty tiers: 768 below 0.5, 512 up to 0.8, 256 above; never sampled: the medium budget
     assert [tier_budget(cfg, 512, t) for t in ("hard", "medium", "easy", "new")] == [768, 512, 256, 512]
     assert [tier_budget(cfg, 33, t) for t in ("hard", "easy")] == [50, 17]   # 49.5 -> 50, 16.5 -> 17
     off = CompressorConfig(kv_budget=512)

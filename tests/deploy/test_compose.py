@@ -6,7 +6,7 @@ torch from the host's CPU wheel), then the `tiny` job runs with 2 rollout actors
 host's network (docker-compose.loopback.yml) with free ports on 127.0.0.1, the private engine has no bridge
 network (`--bridge=none`, `--iptables=false`) and the builds use `--network host`, so no test traffic goes to an
 address but loopback. While the learner steps, the test adds actor nodes (`docker compose up -d --scale`) and
-raises the run's actor count with `sparse-rl scale`, restarts Redis (`docker compose restart redis`, issue 37 item 7),
+raises the run's actor count with `sparse-rl scale`, restarts Redis (`docker compose restart redis`),
 then `docker kill`s a container that hosts an actor.
 
 Checks: a third actor joins and its groups are trained; the Redis restart is waited out by every client; after the

@@ -100,7 +100,7 @@ def test_main_job_defaults():
 
     from deploy import cli
     assert "default=MAIN_JOB" in inspect.getsource(cli) and cli.MAIN_JOB == "smollm2-count-warm"
-    cfg = load_config(cli.MAIN_JOB)   # `sparse-rl train` without --config: the decode regime (issue 19)
+    cfg = load_config(cli.MAIN_JOB)   # `sparse-rl train` without --config: the decode regime (docs/results.md 6)
     assert cfg.model == "smollm2-135m-count-warm"
     assert cfg.actors.engine.compressor.method == "rkv" and cfg.actors.count == 2
     assert cfg.actors.reward.function == "actors.tasks:count_reward"
@@ -342,7 +342,7 @@ def test_a_bare_off_means_off(override):
 def test_budget_metric_defaults_to_the_acceptance_rate_when_top_k_is_on():
     """compressor.budget_metric "" -> accept_upper_p5 (the p5 of the acceptance rate's upper bound, the one near the
     exact p5 on a real batch: docs/SPEC.md §5.1) with actors.sampling.topk_logprobs > 0, else xi_sym_p5; an accept_*
-    metric turns top-k on at 20 (issue 22); accept_p5 (the lower bound) and xi_* stay available."""
+    metric turns top-k on at 20; accept_p5 (the lower bound) and xi_* stay available."""
     control = ["actors.engine.compressor.budget_control=mismatch", "actors.engine.compressor.kv_budget_min=16",
                "actors.engine.compressor.kv_budget_max=64", "actors.engine.compressor.kv_budget=32"]
     plain = load_config("tiny", control)

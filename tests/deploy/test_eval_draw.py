@@ -1,6 +1,6 @@
-"""The held-out draw at the run config (issue 37 item 4): a task with fewer distinct held-out questions than
-eval.limit fails at the config check, exit 2, one line naming eval.limit and the number available, nothing
-started; eval.draw is checked; a record written before the draw was versioned resumes with its old draw."""
+"""The held-out draw at the run config (docs/ARCHITECTURE.md, "Rewards and tasks"): a task with fewer distinct held-out
+questions than eval.limit fails at the config check, exit 2, one line naming eval.limit and the number available,
+nothing started; eval.draw is checked; a record written before the draw was versioned resumes with its old draw."""
 from __future__ import annotations
 
 import os

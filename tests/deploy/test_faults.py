@@ -1,4 +1,4 @@
-"""Faults of a whole run end in bounded time with one line (issue 21): `sparse-rl train` of the `tiny` preset in a
+"""Faults of a whole run end in bounded time with one line: `sparse-rl train` of the `tiny` preset in a
 subprocess, with real Ray, Redis and MLflow. Bad input: exit 2 before anything started (no run directory). A fault:
 exit 1, MLflow FAILED. SIGKILL of the driver: what it started dies with it. Nothing left running, the embedded
 Redis included; no traceback on the console. (SIGTERM and Ctrl-C: tests/deploy/test_stop_record.py.)"""

@@ -1,10 +1,10 @@
-"""KV budget control end to end on the `tiny` preset (issue 13): real Ray, Redis, DeepSpeed (CPU), MLflow.
+"""KV budget control end to end on the `tiny` preset (docs/SPEC.md §5.1): real Ray, Redis, DeepSpeed (CPU), MLflow.
 
 - a linear budget schedule: the budget of every step's rollouts follows the formula at their weight version, and
   their KV bytes fall with it; the run starts although its dense batch would not fit preflight.kv_memory_gb;
 - the closed-loop controller with difficulty tiers: the budget the learner publishes after step v reaches every
   batch sampled with weights v (within one step), tiers scale it, and each decision is logged with its reason;
-  it reads accept_p5 (issue 22), so the actors' top-20 log-probs travel through the broker to the learner.
+  it reads accept_p5 (docs/SPEC.md §4), so the actors' top-20 log-probs travel through the broker to the learner.
 """
 from __future__ import annotations
 

@@ -97,7 +97,7 @@ def group_of(model_dir, redis_url, tmp_path, ranks: int, **learner) -> LearnerGr
 
 
 def with_eviction_records(groups, layers: int = 2, kv_heads: int = 2, seed: int = 0):
-    """The groups with a valid eviction record per sample (issue 34): each key evicted after 0-3 generated
+    """The groups with a valid eviction record per sample (docs/SPEC.md §2.4): each key evicted after 0-3 generated
     tokens, or never (65535), drawn at random: the rank-equality of the replayed step needs no engine."""
     import numpy as np
     rng = np.random.default_rng(seed)

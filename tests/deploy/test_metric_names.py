@@ -1,4 +1,4 @@
-"""MLflow names (deploy/metric_names.py, issue 37 item 6): every metric a real learner step and the driver's step
+"""MLflow names (deploy/metric_names.py, docs/SPEC.md §4): every metric a real learner step and the driver's step
 report give is logged as `<section>/<name>` in a known section, one MLflow name per internal name, the tracker
 logs the MLflow names (and keeps the internal ones for the plot), and a bench reader finds a metric of a run
 logged before the table under its old name. (The rollout actors' and the actor pool's names are checked on a real

@@ -1,5 +1,5 @@
-"""The multi-turn pipeline end to end (issue 35): the `tiny-lookup` preset (real Ray, Redis, DeepSpeed, MLflow on
-loopback) with an environment that answers every turn (tests/actors/scripted_envs.py, on the workers' PYTHONPATH),
+"""The multi-turn pipeline end to end (docs/results.md 8): the `tiny-lookup` preset (real Ray, Redis, DeepSpeed, MLflow
+on loopback) with an environment that answers every turn (tests/actors/scripted_envs.py, on the workers' PYTHONPATH),
 so every episode runs its max_turns: observations travel untrainable through the broker to the learner."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Multi-turn settings at config check and preflight (issue 35): bad input exits at the check in one line naming
+"""Multi-turn settings at config check and preflight: bad input exits at the check in one line naming
 the field, before anything starts; what multi-turn cannot do yet is refused naming both settings."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The console says what each part is doing (issue 37 item 3): the learner's wait line names each actor's phase and
+"""The console says what each part is doing: the learner's wait line names each actor's phase and
 for how long, and a learner step that runs longer than train.wait_report_s gets its own line naming the rank and
 the part of the step; no such line while everything is on time. `sparse-rl train` of the `tiny` preset in a
 subprocess (real Ray, Redis, DeepSpeed and MLflow), made slow through a reward that never returns, the fault seam

@@ -1,5 +1,5 @@
-"""KV capacity preflight (issue 13): the byte formula by hand, the prediction against the torch engine's measured
-peak KV bytes on real model files (several configs, within 10%), and the start / fail rules."""
+"""KV capacity preflight (docs/SPEC.md §5.1): the byte formula by hand, the prediction against the torch engine's
+measured peak KV bytes on real model files (several configs, within 10%), and the start / fail rules."""
 from __future__ import annotations
 
 import subprocess
@@ -133,7 +133,7 @@ def test_fits_sparse_not_dense_passes_and_a_large_budget_warns():
 
 
 def test_broker_queue_bytes_with_topk_logprobs_and_a_group_over_max_message_bytes():
-    """Top-k log-probs (issue 22) grow a group on the wire by 6 K bytes per response token: the preflight's
+    """Top-k log-probs (docs/SPEC.md §4) grow a group on the wire by 6 K bytes per response token: the preflight's
     group and queue bytes say so, and a group over broker.max_message_bytes fails naming the fields."""
     base = ["actors.sampling.max_new_tokens=32", "preflight.max_prompt_tokens=101", "preflight.kv_memory_gb=1",
             "broker.high_watermark=10"]
@@ -208,14 +208,14 @@ def test_decode_preset_compresses_the_trace_not_the_prompt():
 
 
 def test_sglang_engine_accepts_varying_budgets():
-    """Issue 23: per-request budgets reach SGLang's scheduler, so schedules, tiers and control load with it."""
+    """Per-request budgets reach SGLang's scheduler (docs/SPEC.md §5.1): schedules, tiers and control load with it."""
     cfg = load_config("tiny", ["actors.engine.backend=sglang", "actors.engine.compressor.budget_tiers=confidence",
                                "eval.enabled=false"], check_files=False)
     assert cfg.actors.engine.compressor.budget_tiers == "confidence"
 
 
 def test_compression_event_bound_by_hand():
-    """Issue 38 item 3: the SGLang sparse backend's transient memory per compression call (outside
+    """The SGLang sparse backend's transient memory per compression call (docs/sglang.md, "Limits, exactly"; outside
     mem_fraction_static), actors.engines.kv_memory.compression_event_bytes, for Qwen2.5-1.5B (12 query / 2 KV
     heads, head_dim 128, bf16) at budget 512 + interval 128 (640 live tokens), window 8, R-KV, 64 rows."""
     from actors.engines.kv_memory import EVENT_BYTES_CAP, compression_event_bytes, event_calls, event_chunk_rows

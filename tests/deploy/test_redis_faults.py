@@ -1,4 +1,4 @@
-"""A Redis blip is survived, a Redis outage ends the run cleanly (issue 37 item 7): whole runs of the `tiny` preset
+"""A Redis blip is survived, a Redis outage ends the run cleanly: whole runs of the `tiny` preset
 (real Ray, Redis, MLflow, on loopback) whose embedded redis-server is restarted mid-step on its port and data
 directory (as `docker compose restart redis` does), or stopped for good."""
 from __future__ import annotations
@@ -39,7 +39,7 @@ def test_a_redis_restart_mid_step_is_survived_with_exact_accounting(tmp_path):
     """SIGTERM to the embedded redis-server in the middle of step 2, started again half a second later on the
     same port and data directory (its append-only file): every client (driver, learner, actors) waits for it and
     goes on: the run ends with exit 0, no actor was replaced, every group was trained once (accounting exact).
-    (On the code before issue 37 the clients retried nothing: the first command after the stop raised.)"""
+    (Before run_state.retry_policy the clients retried nothing: the first command after the stop raised.)"""
     runs = tmp_path / "runs"
     run = Run("--config", "tiny", f"run_dir={runs}", "train.steps=4", "eval.enabled=false")
     again = None

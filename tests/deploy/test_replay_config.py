@@ -1,4 +1,4 @@
-"""learner.policy_target (issue 34) at config check and preflight: the SGLang engine is accepted (it records too), a
+"""learner.policy_target (SPEC §2.4) at config check and preflight: the SGLang engine is accepted (it records too), a
 dense run says it has nothing to replay, the actors are told to record, the queue counts the
 records."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Run identity: unique run ids and atomically created run directories (issue 15)."""
+"""Run identity: unique run ids and atomically created run directories (docs/ARCHITECTURE.md, "Run record")."""
 from __future__ import annotations
 
 import re

@@ -1,4 +1,4 @@
-"""The record agrees with itself after any stop (issue 37 item 5): Ctrl-C or SIGTERM landing in the gap between the
+"""The record agrees with itself after any stop: Ctrl-C or SIGTERM landing in the gap between the
 learner's commit of a step and the driver's console line for it still leaves every version a checkpoint holds
 with its line in trained_prompts.jsonl and its learner metrics in MLflow. `sparse-rl train` of the `tiny` preset
 in a subprocess (real Ray, Redis, DeepSpeed and MLflow); the gap is held open with the fault seam

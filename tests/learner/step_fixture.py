@@ -1,9 +1,10 @@
 """Recorded trajectory groups and the learner step's recorded outputs (tests/learner/step_fixture.json).
 
 The groups were generated once by the torch engine (tiny-char, R-KV, budget 24) on the tiny-learn task and
-the outputs recorded by the learner step of the code before issue 20 (`LearnerWorker.train_step` at commit
-24f6eac, in-process, one rank; re-recorded at 5644f15, the main this refactor landed on: the same outputs but
-the timings; at issue 22's finish the three budget-log `reason` strings were edited by hand to the controller's
+the outputs recorded by the learner step of the code before learner/step.py (`LearnerWorker.train_step` at
+commit 24f6eac, in-process, one rank; re-recorded at 5644f15, the main this refactor landed on: the same outputs
+but the timings; when the budget controller took its window (docs/SPEC.md §5.1) the three budget-log `reason`
+strings were edited by hand to the controller's
 new wording: its decisions on these steps, hold / raise / raise, are unchanged; the `logp_old_fused` key, 0 on every
 step since kl_coef 0.05 keeps the separate recompute, was added by hand with `learner.fuse_logp_old`, and so was
 `kv_protected_fraction`, 0 on every step (R-KV protects nothing), with compressor protection);

@@ -1,4 +1,4 @@
-"""The closed-loop KV budget controller (issue 13) on hand-made and synthetic streams of the ratio tail."""
+"""The closed-loop KV budget controller (docs/SPEC.md §5.1) on hand-made and synthetic streams of the ratio tail."""
 import json
 import math
 import random
@@ -33,7 +33,7 @@ def test_raises_at_once_lowers_on_the_window_mean_after_the_wait():
 
 
 def test_the_climb_remembers_the_budgets_it_left():
-    """New (issue 22): a budget left upward because it missed is probed again only after patience x 2^misses
+    """New (SPEC §5.1): a budget left upward because it missed is probed again only after patience x 2^misses
     steps above it. Today's code probed the budget it had just climbed through after `patience` steps."""
     c = BudgetController(48, 48, 112, target=0.86, hysteresis=0.03, patience=2, step=32, window=4)
     tail = {48: 0.80, 80: 0.84, 112: 0.92}
@@ -50,7 +50,7 @@ def test_the_climb_remembers_the_budgets_it_left():
 
 
 def test_a_probe_is_judged_over_patience_steps():
-    """New (issue 22): a lowering that meets the target on its first step and misses on its second counts as a
+    """New (SPEC §5.1): a lowering that meets the target on its first step and misses on its second counts as a
     failed probe (the wait doubles). Today's code judged a probe by its first step alone and probed every 4 steps."""
     c = BudgetController(160, 32, 160, target=0.86, hysteresis=0.03, patience=2, step=32, window=4)
     budgets, here = [], 0                                 # here: steps so far at the current budget
@@ -67,7 +67,7 @@ def test_a_probe_is_judged_over_patience_steps():
 
 
 def test_the_window_mean_needs_more_than_two_lucky_steps():
-    """New (issue 22): after two steps just above target, two at 0.90 leave the window mean at 0.8825 < 0.89:
+    """New (SPEC §5.1): after two steps just above target, two at 0.90 leave the window mean at 0.8825 < 0.89:
     hold. Today's code lowered on the two steps in a row >= 0.89."""
     c = BudgetController(512, 256, 1024, target=0.86, hysteresis=0.03, patience=2, step=64, window=4)
     assert [c.update(v).new for v in (0.86, 0.87, 0.90, 0.90)] == [512, 512, 512, 512]
@@ -83,7 +83,7 @@ def test_state_round_trip_and_the_old_state_format():
     b = BudgetController(48, 48, 112, step=32, patience=2, window=4)
     b.restore(json.loads(json.dumps(a.state())))           # a checkpoint's JSON
     assert [a.update(tail[a.budget]).new for _ in range(12)] == [b.update(tail[b.budget]).new for _ in range(12)]
-    # the state of the controller before issue 22's finish (budget, calm, wait, probing): the budget carries over
+    # a state from before the window (budget, calm, wait, probing): the budget carries over
     c = BudgetController(48, 48, 112, step=32)
     c.restore({"budget": 112, "calm": 1, "wait": 4, "probing": False})
     assert (c.budget, c.recent, c.steps_here, c.misses) == (112, [], 0, {})

@@ -122,7 +122,7 @@ def test_response_logprobs_match_a_full_forward_at_the_sampler_temperature():
 
 @pytest.mark.parametrize("k", [64, 8])
 def test_step_acceptance_rate_against_the_exact_full_vocabulary_value(k):
-    """Groups carrying the sampler's top-k log-probs (issue 22) through the wire (float16): the step's accept_*
+    """Groups carrying the sampler's top-k log-probs (docs/SPEC.md §4) through the wire (float16): the step's accept_*
     equal Sparrow's alpha = sum_x min(p, q) computed here over the whole vocabulary when k = the vocabulary, and
     bracket it (accept_mean <= exact mean <= accept_upper_mean) with k = 8. q is the dense distribution of the
     same model with noise on its logits; temperature 0.7 on both sides."""

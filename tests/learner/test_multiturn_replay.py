@@ -1,4 +1,4 @@
-"""Eviction replay of multi-turn episodes (issue 36 item 2): the torch engine keeps each episode's compressed cache
+"""Eviction replay of multi-turn episodes (docs/SPEC.md §2.4): the torch engine keeps each episode's compressed cache
 across turns and its record covers the whole episode (observations included, actors/envs/episode.py). Through the wire
 format and the learner's collate and replayed forward (learner.policy_target=sparse) the log-probs of every
 sampled token of every turn equal the engine's logp_sparse (fp32, to 1e-4), and records broken the ways a

@@ -1,4 +1,4 @@
-"""Eviction replay (issue 34, learner/replay.py): the learner's replayed forward gives the compressed sampler's
+"""Eviction replay (docs/SPEC.md §2.4, learner/replay.py): the learner's replayed forward gives the compressed sampler's
 log-probs and gradient. Real torch engine rollouts (tiny random Llama, R-KV, three budgets in one generate call)
 go through the wire format and the learner's collate; the reference is tests/actors/engines/test_torch_engine.py's
 teacher-forced HF forward with per-layer masks built from the engine's own batch record."""

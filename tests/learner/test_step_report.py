@@ -1,5 +1,5 @@
 """The learner step protocol (learner/step.py) fed with recorded trajectory groups gives the StepReport the code
-before issue 20 gave (tests/learner/step_fixture.json: recorded once with LearnerWorker.train_step): metrics,
+before it gave (tests/learner/step_fixture.json: recorded once with LearnerWorker.train_step): metrics,
 version, trained prompt ids, counts, and the broker state it leaves (counters, KV budget and its log, version,
 step capacity, data position). Real Redis, real DeepSpeed (CPU), the tiny-char model."""
 import json
@@ -100,7 +100,7 @@ def one_thread():
 
 def test_the_recording_holds_on_another_numeric_path():
     """The recorded-step test again in a fresh process on ATEN_CPU_CAPABILITY=default (no AVX2/AVX-512 kernels):
-    another CPU's rounding, on any machine, within `tolerance` (issue 37: the recording was exact for the CPU it
+    another CPU's rounding, on any machine, within `tolerance` (the recording was exact for the CPU it
     was made on and failed on another)."""
     if os.environ.get("ATEN_CPU_CAPABILITY"):
         pytest.skip("already on a chosen numeric path")

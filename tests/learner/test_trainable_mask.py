@@ -1,4 +1,4 @@
-"""Multi-turn samples through the learner (issue 35 item 3): environment and template tokens (`trainable` 0) are
+"""Multi-turn samples through the learner (docs/SPEC.md §3): environment and template tokens (`trainable` 0) are
 context of the forward, never in the loss, the correction (veto, token mask, TIS) or the mismatch metrics."""
 import dataclasses
 

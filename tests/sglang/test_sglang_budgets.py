@@ -1,4 +1,4 @@
-"""Per-request KV budgets reach SGLang without anything that runs per decode step (issue 38 item 1).
+"""Per-request KV budgets reach SGLang without anything that runs per decode step (docs/sglang.md).
 
 `SGLangEngine.generate` used to attach a no-op custom logit processor (`KVBudgetCarrier`) to every request, so
 that SGLang handed each request's custom params to the model worker. SGLang then runs its custom-processor pass

@@ -1,4 +1,4 @@
-"""The transient memory of one compression call of the `sparse_rl_kv` backend (issue 38 item 3), measured: the CPU
+"""The transient memory of one compression call of the `sparse_rl_kv` backend (docs/sglang.md), measured: the CPU
 allocator's peak during `_compress_group` (torch.profiler, profile_memory) stays under its computed bound
 (actors.engines.kv_memory.compression_event_bytes), and an event over `event_bytes_cap` is split into calls that
 each stay under it, with the same result as one call. The backend's compression runs here on a bare instance (its K/V

@@ -1,6 +1,6 @@
-"""Retraction in sparse mode (issue 38 item 4). When SGLang's decode runs out of KV it retracts requests: their
-KV is freed and they are later re-prefilled from prompt + response so far, so the sparse backend compresses
-them from scratch and their logp_sparse no longer follows the compression schedule (nor the torch engine's).
+"""Retraction in sparse mode (docs/sglang.md, "Limits, exactly"). When SGLang's decode runs out of KV it retracts
+requests: their KV is freed and they are later re-prefilled from prompt + response so far, so the sparse backend
+compresses them from scratch and their logp_sparse no longer follows the compression schedule (nor the torch engine's).
 No SGLang 0.5.23 setting prevents retraction, so `SGLangEngine.generate` refuses a batch in which a request was
 retracted (`meta_info["num_retractions"]`), naming the settings that make it less likely. SGLang's own test
 switch `SGLANG_TEST_RETRACT=1` retracts every third decode step (read by the scheduler subprocess at import)."""

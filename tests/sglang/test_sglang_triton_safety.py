@@ -62,8 +62,8 @@ def test_replay_path_source_has_no_host_sync(fn):
 @pytest.mark.parametrize("fn", [backend.SparseTritonAttnBackend.compress_pending,
                                 backend.SparseTritonAttnBackend._compress_group], ids=lambda f: f.__name__)
 def test_compression_source_reads_nothing_back_and_copies_once(fn):
-    """The between-steps compression (issue 38 item 3): no host sync on a device tensor and no per-row loop;
-    its host-to-device copies go through `_to_device` (one pinned, non-blocking copy per group)."""
+    """The between-steps compression (docs/sglang.md, "What runs where"): no host sync on a device tensor and no per-row
+    loop; its host-to-device copies go through `_to_device` (one pinned, non-blocking copy per group)."""
     source = inspect.getsource(fn)
     assert host_syncs(source) == []
     assert "for r" not in source and ".to(" not in source
@@ -136,7 +136,7 @@ SPARSE = CompressorConfig(method="rkv", kv_budget=16, window=4, interval=8)
     ("kv_cache_dtype", "fp8_e4m3"), ("page_size", 16), ("disable_radix_cache", False), ("chunked_prefill_size", 8192),
     ("tp_size", 2), ("pp_size", 2), ("dp_size", 2), ("disable_overlap_schedule", False), ("enable_mixed_chunk", True),
     ("speculative_algorithm", "EAGLE"), ("attention_backend", "flashinfer"),
-    # graphs (issue 38 item 4): a piecewise (breakable) or full prefill graph, a breakable decode graph, torch.compile
+    # graphs: a piecewise (breakable) or full prefill graph, a breakable decode graph, torch.compile
     ("cuda_graph_backend_prefill", "breakable"), ("cuda_graph_backend_prefill", "full"),
     ("cuda_graph_backend_decode", "breakable"), ("debug_cuda_graph", True), ("enable_torch_compile", True),
     ("cuda_graph_config", {"prefill": {"backend": "breakable"}}),

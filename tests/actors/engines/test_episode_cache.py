@@ -1,5 +1,5 @@
-"""An episode's KV cache kept across turns in the torch engine (issue 36): a turn prefills only the ids since the
-episode's last sampled token into the kept cache (compressed or dense) at their true positions. Checked against a
+"""An episode's KV cache kept across turns in the torch engine (docs/SPEC.md §2.4): a turn prefills only the ids since
+the episode's last sampled token into the kept cache (compressed or dense) at their true positions. Checked against a
 teacher-forced forward over the whole episode that hides exactly the keys the episode's eviction record says were
 evicted (test_torch_engine.py's reference, extended to episodes), the observation's protection, the peak-KV bound
 over turns (measured bytes), dense continuation against the re-prefill, and release."""

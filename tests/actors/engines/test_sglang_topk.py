@@ -1,4 +1,4 @@
-"""The SGLang engine's top-k log-probs (issue 22) from a request's meta_info, in SGLang's own layout
+"""The SGLang engine's top-k log-probs (docs/SPEC.md §4) from a request's meta_info, in SGLang's own layout
 (`output_top_logprobs`: per generated token a list of K (logprob, token_id, text)); no SGLang needed. The engine
 itself, with SGLang generating, is the opt-in lane tests/sglang."""
 import numpy as np

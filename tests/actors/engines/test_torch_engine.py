@@ -195,8 +195,8 @@ def assert_exact_eviction(model, samples, rec, max_retained, selection="per_head
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_topk_logprobs_equal_a_transformers_recompute_under_the_same_evictions(temperature):
-    """Sample.topk_ids / topk_logprobs (issue 22) are the K largest values of log_softmax(logits / temperature) of
-    the compressed forward: equal to a teacher-forced HF forward that hides exactly the evicted keys (values and
+    """Sample.topk_ids / topk_logprobs (docs/SPEC.md §4) are the K largest values of log_softmax(logits / temperature)
+    of the compressed forward: equal to a teacher-forced HF forward that hides exactly the evicted keys (values and
     ids), and different from the dense forward's (else the check would not see a dense top-k)."""
     model = tiny_model("llama", layers=3)
     cfg = CompressorConfig(method="rkv", kv_budget=12, window=4, interval=5)
@@ -233,7 +233,7 @@ def test_topk_logprobs_equal_a_transformers_recompute_under_the_same_evictions(t
 
 @pytest.mark.parametrize("method", ["rkv", "h2o"])
 def test_per_row_budgets_are_each_exact_and_bounded_by_their_own_budget(method):
-    """Difficulty tiers (issue 13): one generate call with a budget per prompt. Every row is exact for its own
+    """Difficulty tiers (docs/SPEC.md §5.1): one generate call with a budget per prompt. Every row is exact for its own
     budget (the eviction-mask equivalence above, per sub-batch of equal budgets), retains at most its own
     budget + interval tokens, and its measured KV bytes are its own budget's (actors/engines/kv_memory.py), so a
     row with a smaller budget holds fewer bytes than one with a larger budget."""
@@ -274,7 +274,7 @@ def visible_keys(rec, prompt_width: int, prompt_lens: list[int], t: int) -> torc
 
 
 def test_length_schedule_keeps_each_row_within_its_current_budget():
-    """budget_schedule length (issue 22): after t generated tokens each compression keeps
+    """budget_schedule length (docs/SPEC.md §5.1): after t generated tokens each compression keeps
     length_budget(t) = min(final, start + growth t) keys per layer and head, so right after the compression of
     step s every row attends to exactly that budget (or all it has, if fewer; + its own key), never to more than
     the current budget +

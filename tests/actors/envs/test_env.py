@@ -280,7 +280,7 @@ def _sampled_turns(ids, trainable) -> list[list[int]]:
     return out
 
 
-# -- the KV-stress variant (issue 36 item 4) -----------------------------------------------------------------------
+# -- the KV-stress variant (docs/results.md 9) ---------------------------------------------------------------------
 PAD = 4
 
 
