@@ -37,7 +37,7 @@ def test_length_schedule_grows_along_the_trajectory_up_to_its_cap():
     assert length_budget(CompressorConfig(kv_budget=48), 48, 500) == 48  # other schedules: the start budget
 
 
-def test_tiers_follow_seed_002_rule():
+def test_tiers_follow_the_confidence_rule():
     cfg = CompressorConfig(kv_budget=512, budget_tiers="confidence")   # thresholds 0.5 / 0.8, scales 1.5 / 1 / 0.5
     assert [tier_of(cfg, c) for c in (0.0, 0.49, 0.5, 0.8, 0.81, 1.0, None)] == \
         ["hard", "hard", "medium", "medium", "easy", "easy", "new"]
