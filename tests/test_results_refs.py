@@ -1,0 +1,98 @@
+"""scripts/check_results_refs.py: every "results.md N[.M]" reference and every results.md anchor in the tree resolves
+to a heading of docs/results.md, and a made-up tree with broken references fails, naming each file:line."""
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "check_results_refs.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("check_results_refs", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), "--root", str(root)], capture_output=True, text=True)
+
+
+RESULTS = """# Results
+
+| question | section |
+|---|---|
+| does it learn | [6.12](#612-eviction-replay-training-the-policy-issue-34-pre-registered) |
+| broken | [9](#9-not-a-heading) |
+
+## 1. The learning test (`tests/deploy/test_learning.py`)
+
+## 6. The paper's regime
+
+### 6.12 Eviction replay: training the policy (issue 34; pre-registered)
+
+```
+## 7. inside a code fence: not a heading
+```
+"""
+
+CODE = '''"""Module.
+
+Chosen by the comparison of docs/results.md 6.12 and docs/results.md section 1.
+"""
+# a broken one: docs/results.md 6.13, and a range, results.md 6.10-6.12
+# wrapped onto the next line: docs/results.md
+# §7 (no section 7 outside the fence)
+LINK = "docs/results.md#1-the-learning-test-testsdeploytest_learningpy"
+BAD = "docs/results.md#no-such-heading"
+'''
+
+
+def _tree(tmp_path: Path) -> Path:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "results.md").write_text(RESULTS)
+    (tmp_path / "mod.py").write_text(CODE)
+    (tmp_path / "notes.md").write_text("See results.md section 6 and results.md 1.\n")
+    (tmp_path / "skip.txt").write_text("results.md 99 is not scanned: not a scanned suffix\n")
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "add", "-A"], check=True)
+    return tmp_path
+
+
+def test_the_tree_resolves():
+    done = _run(ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_tree_with_broken_references_fails_and_names_each(tmp_path):
+    done = _run(_tree(tmp_path))
+    assert done.returncode == 1, done.stdout + done.stderr
+    out = done.stdout
+    for broken in ("mod.py:5: results.md 6.13", "mod.py:5: results.md 6.10", "mod.py:6: results.md 7",
+                   "mod.py:9: results.md#no-such-heading", "docs/results.md:6: results.md#9-not-a-heading"):
+        assert broken in out, out
+    for fine in ("mod.py:3:", "mod.py:8:", "notes.md", "skip.txt", "docs/results.md:5:", "6.12 does not"):
+        assert fine not in out, out
+    assert len([line for line in out.splitlines() if ": results.md" in line]) == 5, out
+
+
+def test_sections_and_anchors_are_read_from_the_headings_outside_code_fences():
+    refs = _load()
+    sections, anchors = refs.headings(RESULTS)
+    assert sections == {"1", "6", "6.12"}
+    assert "612-eviction-replay-training-the-policy-issue-34-pre-registered" in anchors
+    assert "1-the-learning-test-testsdeploytest_learningpy" in anchors
+    assert "6-the-papers-regime" in anchors
+
+
+def test_slugs_follow_github_and_number_duplicates():
+    refs = _load()
+    seen: dict[str, int] = {}
+    assert refs.slug("6.9 One forward fewer: the main job in 9 min 28 s (2026-12-02)", seen) == (
+        "69-one-forward-fewer-the-main-job-in-9-min-28-s-2026-12-02")
+    assert refs.slug("3. The main job: `sparse-rl train --config smollm2-copy`", seen) == (
+        "3-the-main-job-sparse-rl-train---config-smollm2-copy")
+    assert refs.slug("Notes", seen) == "notes"
+    assert refs.slug("Notes", seen) == "notes-1"
