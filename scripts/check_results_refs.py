@@ -1,14 +1,20 @@
-"""Every reference to a section of docs/results.md in the tree resolves to one of its headings.
+"""Every reference to a section of docs/results.md in the tree resolves to a heading, in the front page or its log.
 
-docs/results.md keeps its section numbers as anchors (6.12 stays 6.12): code, configs and docs cite them as
-"docs/results.md 6.12", "results.md section 8", "results.md §7" (also wrapped onto the next line of a comment)
-and ranges such as "results.md 6.10-6.12", and link to its headings as "results.md#<anchor>". This script reads
-the tracked files (`git ls-files`; a folder that is not a repository is walked) with the suffixes in SUFFIXES,
-and checks that
+docs/results.md is a front page (the findings table and a section per question, unnumbered headings) and
+docs/results-log.md its appendix, the lab log, which keeps the numbered sections in the order the work was done.
+The section numbers stay as anchors (6.12 stays 6.12): code, configs and docs cite them as "docs/results.md 6.12",
+"results.md section 8", "results.md §7" (also wrapped onto the next line of a comment) and ranges such as
+"results.md 6.10-6.12", and the front page's table links each question to the log's sections by number. So a cited
+number resolves when it is the number of a heading ("## 6." or "### 6.12 ...") of either file: the references need
+not change when a section moves between them, and the front page need not repeat the log's numbering. This script
+reads the tracked files (`git ls-files`; a folder that is not a repository is walked) with the suffixes in
+SUFFIXES, and checks that
 
-- every cited section number is the number of a heading of docs/results.md ("## 6." or "### 6.12 ...");
-- every "results.md#<anchor>" link, and every "](#<anchor>)" link inside docs/results.md itself, is the
-  GitHub anchor of one of its headings.
+- every cited section number ("results.md N[.M]" or "results-log.md N[.M]") is the number of a heading of
+  docs/results.md or docs/results-log.md;
+- every "results.md#<anchor>" link is the GitHub anchor of a heading of docs/results.md, every
+  "results-log.md#<anchor>" link one of docs/results-log.md (a link opens one file: here the file must match), and
+  every "](#<anchor>)" link inside either file one of its own headings.
 
     python scripts/check_results_refs.py [--root DIR]   # exit 1 listing file:line of each that does not resolve
 """
@@ -23,17 +29,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = "docs/results.md"
+LOG = "docs/results-log.md"
 SUFFIXES = (".py", ".md", ".yaml", ".yml", ".toml", ".sh")
 _NUMBER = r"\d+(?:\.\d+)?"
 # the file's name, then a space or a line break (with the next line's comment or quote marker), an optional
 # "section"/"§", a number and an optional range's end
 SECTION_REF = re.compile(
-    r"(?<![\w-])results\.md(?:'s)?,?"
+    r"(?<![\w-])results(?:-log)?\.md(?:'s)?,?"
     r"(?:[ \t]*\n[ \t]*(?:(?:#+|//|>|\*)[ \t]*)?|[ \t]+)"
     r"(?:(?:sections?|§§?)[ \t]*)?"
     rf"({_NUMBER})(?:[ \t]*[-–][ \t]*({_NUMBER}))?"
 )
-ANCHOR_REF = re.compile(r"(?<![\w-])results\.md#([\w-]+)")
+ANCHOR_REF = re.compile(r"(?<![\w-])(results(?:-log)?\.md)#([\w-]+)")
 LOCAL_ANCHOR = re.compile(r"\]\(#([\w-]+)\)")
 HEADING = re.compile(r"^(#{1,6})[ \t]+(.+?)[ \t#]*$")
 HEADING_NUMBER = re.compile(rf"^({_NUMBER})\.?(?:\s|$)")
@@ -85,39 +92,46 @@ def _line(text: str, offset: int) -> int:
     return text.count("\n", 0, offset) + 1
 
 
-def unresolved(path: Path, text: str, sections: set[str], anchors: set[str], own: bool) -> list[tuple[int, str]]:
-    """(line, reference) for each reference in `text` that does not resolve; `own`: `text` is docs/results.md,
-    whose bare "#anchor" links are checked too."""
+def unresolved(text: str, sections: set[str], anchors: dict[str, set[str]], own: str | None) -> list[tuple[int, str]]:
+    """(line, reference) for each reference in `text` that does not resolve. `anchors`: file name ("results.md",
+    "results-log.md") -> its headings' anchors; `own`: the name of the file `text` is, when it is one of them, whose
+    bare "#anchor" links are checked against its own headings."""
     bad = []
     for match in SECTION_REF.finditer(text):
         for number in filter(None, match.groups()):
             if number not in sections:
                 bad.append((_line(text, match.start()), f"results.md {number}"))
-    links = [(m, "results.md#") for m in ANCHOR_REF.finditer(text)]
-    links += [(m, "results.md#") for m in LOCAL_ANCHOR.finditer(text)] if own else []
-    for match, prefix in links:
-        if match.group(1) not in anchors:
-            bad.append((_line(text, match.start()), prefix + match.group(1)))
+    links = [(m.start(), m.group(1), m.group(2)) for m in ANCHOR_REF.finditer(text)]
+    links += [(m.start(), own, m.group(1)) for m in LOCAL_ANCHOR.finditer(text)] if own else []
+    for start, name, anchor in links:
+        if anchor not in anchors[name]:
+            bad.append((_line(text, start), f"{name}#{anchor}"))
     return sorted(bad)
 
 
 def check(root: Path) -> tuple[int, list[str]]:
     """(references checked, one message per reference that does not resolve) for the tree at `root`."""
-    results = root / RESULTS
-    sections, anchors = headings(results.read_text()) if results.is_file() else (set(), set())
+    sections, anchors = set(), {}
+    for rel in (RESULTS, LOG):
+        path = root / rel
+        numbers, names = headings(path.read_text()) if path.is_file() else (set(), set())
+        sections |= numbers
+        anchors[Path(rel).name] = names
+    pages = {(root / rel).resolve(): Path(rel).name for rel in (RESULTS, LOG)}
     checked, messages = 0, []
     for path in tracked_files(root):
         try:
             text = path.read_text()
         except (UnicodeDecodeError, OSError):
             continue
-        own = path == results
+        own = pages.get(path.resolve())
         checked += len(SECTION_REF.findall(text)) + len(ANCHOR_REF.findall(text))
         checked += len(LOCAL_ANCHOR.findall(text)) if own else 0
-        for line, ref in unresolved(path, text, sections, anchors, own):
+        for line, ref in unresolved(text, sections, anchors, own):
             name = path.relative_to(root).as_posix()
+            where = f"{RESULTS} or {LOG}" if "#" not in ref else f"docs/{ref.split('#')[0]}"
             kind = "anchor" if "#" in ref else "section"
-            messages.append(f"{name}:{line}: {ref} does not resolve (no such {kind} in {RESULTS})")
+            messages.append(f"{name}:{line}: {ref} does not resolve (no such {kind} in {where})")
     return checked, messages
 
 
@@ -129,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     for message in messages:
         print(message)
     if messages:
-        print(f"{len(messages)} of {checked} references to {RESULTS} do not resolve")
+        print(f"{len(messages)} of {checked} references to {RESULTS} and {LOG} do not resolve")
         return 1
-    print(f"{checked} references to {RESULTS} resolve")
+    print(f"{checked} references to {RESULTS} and {LOG} resolve")
     return 0
 
 

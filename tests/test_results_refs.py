@@ -1,6 +1,8 @@
 """scripts/check_results_refs.py: every "results.md N[.M]" reference and every results.md anchor in the tree resolves
-to a heading of docs/results.md, and a made-up tree with broken references fails, naming each file:line."""
+to a heading of docs/results.md or of its lab-log appendix docs/results-log.md, and a made-up tree with broken
+references fails, naming each file:line; docs/results.md is a findings front page."""
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +103,58 @@ def test_slugs_follow_github_and_number_duplicates():
         "3-the-main-job-sparse-rl-train---config-smollm2-copy")
     assert refs.slug("Notes", seen) == "notes"
     assert refs.slug("Notes", seen) == "notes-1"
+
+
+LOG = "results" + "-log.md"
+FRONT = f"""# Results
+
+| question | log |
+|---|---|
+| replay | [6.12]({LOG}#612-eviction-replay) |
+| broken | [6.13]({LOG}#613-not-in-the-log) |
+
+## Replay
+"""
+LOG_TEXT = """# Lab log
+
+## 6. The paper's regime
+
+### 6.12 Eviction replay
+"""
+MOVED = f"""# moved to the log: docs/{MD} 6.12 resolves; a link to its anchor in the front page does not
+LINK = "docs/{MD}#612-eviction-replay"
+GOOD = "docs/{LOG}#612-eviction-replay"
+BAD = "docs/{MD} 7"
+"""
+
+
+def test_a_number_resolves_in_either_file_an_anchor_only_in_its_own(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "results.md").write_text(FRONT)
+    (tmp_path / "docs" / LOG).write_text(LOG_TEXT)
+    (tmp_path / "mod.py").write_text(MOVED)
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "add", "-A"], check=True)
+    done = _run(tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    out = done.stdout
+    for broken in (f"mod.py:2: {MD}#612-eviction-replay", f"mod.py:4: {MD} 7",
+                   f"docs/{MD}:6: {LOG}#613-not-in-the-log"):
+        assert broken in out, out
+    for fine in ("mod.py:1:", "mod.py:3:", f"docs/{MD}:5:"):
+        assert fine not in out, out
+    assert len([line for line in out.splitlines() if "does not resolve" in line]) == 3, out
+
+
+def test_the_front_page_opens_with_the_findings_table_and_cites_no_issue_or_seed():
+    front = (ROOT / "docs" / MD).read_text()
+    lines = front.splitlines()
+    assert len(lines) < 150, len(lines)
+    first_table = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    assert lines[first_table].lower().startswith("| question | answer | status |"), lines[first_table]
+    assert first_table < 15, first_table
+    assert not re.search(r"\bissues? \d|\bseed 00\d", front, re.IGNORECASE)
+    log = (ROOT / "docs" / LOG).read_text()
+    assert "| issue 34 |" in log  # the appendix says what each issue number was
+    for number in ("6.10", "6.11", "6.12", "8", "9", "10"):  # the log keeps the numbered sections
+        assert re.search(rf"^#+ {re.escape(number)}\.? ", log, re.MULTILINE), number
