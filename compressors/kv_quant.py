@@ -74,12 +74,12 @@ class KVQuant:
         """ValueError naming compressor.kv_dtype / compressor.kv_scale for an unknown or impossible pair (layer
         scale with another dtype than fp8_e4m3; int4 with an odd head_dim)."""
         if self.dtype not in KV_DTYPES:
-            raise ValueError(f"compressor.kv_dtype={self.dtype!r} is unknown; expected one of {KV_DTYPES}")
+            raise ValueError(f"compressor.kv_dtype={self.dtype!r} is unknown: expected one of {KV_DTYPES}")
         if self.scale not in KV_SCALES:
-            raise ValueError(f"compressor.kv_scale={self.scale!r} is unknown; expected one of {KV_SCALES}")
+            raise ValueError(f"compressor.kv_scale={self.scale!r} is unknown: expected one of {KV_SCALES}")
         if self.scale == "layer" and self.dtype != "fp8_e4m3":
             raise ValueError(f"compressor.kv_scale='layer' with compressor.kv_dtype={self.dtype!r}: a static "
-                             "per-layer scale (1.0, SGLang's fp8 pool) is offered for fp8_e4m3 only; use token_head")
+                             "per-layer scale (1.0, SGLang's fp8 pool) is offered for fp8_e4m3 only, use token_head")
         if self.dtype == "int4" and head_dim is not None and head_dim % 2:
             raise ValueError(f"compressor.kv_dtype='int4' packs two values per byte: head_dim={head_dim} is odd")
 
