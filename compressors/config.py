@@ -85,8 +85,9 @@ class CompressorConfig:
     kv_dtype: str = "model"
     """Precision K/V are stored at (compressors/kv_quant.py): model (the model dtype, as stored so far) | bf16 |
     fp8_e4m3 | int8 | int4 (two per byte; head_dim even), the last three with a scale per kv_scale. The budget
-    stays in tokens; bytes per token: KVQuant.token_bytes. Only model is accepted yet: the engines do not store
-    another precision (refused at the config check, not ignored)."""
+    stays in tokens; bytes per token: KVQuant.token_bytes. The torch engine stores it (actors/engines/
+    batch_cache.py: every query reads the dequantized K/V, compression scores them); a run (deploy/config.py)
+    refuses any but model while the learner's replay, the preflight and the SGLang engine do not know it."""
     kv_scale: str = "token_head"
     """Scale granularity of fp8_e4m3 / int8 / int4: token_head (one float32 amax / qmax scale per token, layer and
     KV head, K and V each their own, 4 B counted in the bytes) | layer (a static per-layer scale 1.0, SGLang's fp8
@@ -230,12 +231,9 @@ class CompressorConfig:
 
     def _validate_kv_precision(self) -> None:
         """kv_dtype and kv_scale known and a possible pair (KVQuant.check: layer with fp8_e4m3 only, so a scale
-        is never set where nothing reads it), and kv_dtype model until an engine stores another precision."""
+        is never set where nothing reads it)."""
         from compressors.kv_quant import KVQuant
         KVQuant(self.kv_dtype, self.kv_scale).check()
-        if self.kv_dtype != "model":
-            raise ValueError(f"compressor.kv_dtype={self.kv_dtype!r}: quantized KV is not wired into the engine "
-                             "yet (compressors/kv_quant.py stores and reads it, no engine calls it): use model")
 
     def _validate_protection(self) -> None:
         """sinks, protect_prompt, protect_values; random with h2o_recent. The tokens protected whatever the prompt

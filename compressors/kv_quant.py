@@ -1,7 +1,7 @@
-"""Quantized KV storage: the one function that stores K or V at a lower precision and reads it back. It is meant
-to be shared by the torch engine's cache (actors/engines/batch_cache.py) and the learner's replayed forward, so both
-see the same values at the same positions; neither calls it yet (deploy/config.py refuses any
-`compressor.kv_dtype` other than `model` until they do).
+"""Quantized KV storage: the one function that stores K or V at a lower precision and reads it back. The torch
+engine's cache (actors/engines/batch_cache.py) stores K/V with it; the learner's replayed forward is to call the same
+function (`straight_through`) so both see the same values at the same positions. Until it does, a run
+(deploy/config.py) refuses any `compressor.kv_dtype` other than `model`.
 
 A K or V vector is one token's `head_dim` values for one layer and KV head. Precisions (`compressor.kv_dtype`):
 

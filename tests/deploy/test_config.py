@@ -165,10 +165,10 @@ def test_bad_config_names_the_field(override, field):
      "actors.engine.compressor.kv_dtype='model': a static per-layer scale"),
     ("eval.sparse_compressor.kv_scale=layer", "eval.sparse_compressor.kv_scale='layer' with "
      "eval.sparse_compressor.kv_dtype='model'"),
-    ("actors.engine.compressor.kv_dtype=int8", "actors.engine.compressor.kv_dtype='int8': quantized KV is not wired "
-     "into the engine yet"),
-    ("eval.sparse_compressor.kv_dtype=fp8_e4m3", "eval.sparse_compressor.kv_dtype='fp8_e4m3': quantized KV is not "
-     "wired into the engine yet"),
+    ("actors.engine.compressor.kv_dtype=int8", "actors.engine.compressor.kv_dtype='int8': quantized KV is stored "
+     "by the torch engine only, not yet replayed by the learner"),
+    ("eval.sparse_compressor.kv_dtype=fp8_e4m3", "eval.sparse_compressor.kv_dtype='fp8_e4m3': quantized KV is "
+     "stored by the torch engine only"),
 ])
 def test_component_errors_name_the_dotted_field(override, message):
     """Components name their own fields (LearnerConfig.eps, compressor.kv_budget); the run config reports
@@ -327,7 +327,7 @@ def test_yaml_syntax_error_is_one_line_with_file_line_column(tmp_path):
     ("ray.address=127.0.0.1:{port}", "ray.address='127.0.0.1:{port}': cannot connect"),
     ("learner.lr=-1", "learner.lr=-1.0: expected a finite value >= 0"),
     ("actors.engine.compressor.kv_dtype=fp8_e4m3", "actors.engine.compressor.kv_dtype='fp8_e4m3': quantized KV is "
-     "not wired into the engine yet"),
+     "stored by the torch engine only"),
 ])
 def test_cli_bad_input_exits_2_before_anything_starts(override, message, tmp_path):
     port = closed_port()
