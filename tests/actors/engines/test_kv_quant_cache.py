@@ -3,6 +3,8 @@ the precision predicts (codes + float32 scales), every query reads K/V at the st
 forward whose attention quantize-dequantizes K and V agrees), and kv_dtype model leaves generation as it was."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AttentionInterface
@@ -118,3 +120,23 @@ def test_the_sglang_backend_refuses_a_quantized_kv_dtype():
     from actors.engines.sglang.contract import unsupported_compressor_settings
     assert unsupported_compressor_settings(CompressorConfig(kv_dtype="int8")) == ["kv_dtype=int8"]
     assert unsupported_compressor_settings(CompressorConfig(kv_dtype="model")) == []
+
+
+def test_a_kept_quantized_episode_continues_at_its_precision():
+    """Multi-turn (method full): turn 2 reloads turn 1's stored codes and scales and appends to them; the episode
+    then holds all its tokens x the int8 token bytes, and its log-probs equal the quantized teacher-forced forward
+    over the whole episode (prompt, turn 1, the appended ids, turn 2)."""
+    q = KVQuant("int8")
+    model = tiny_model("llama", dtype=torch.float64)
+    engine = TorchEngine(model, tiny_tokenizer(), CompressorConfig(method="full", kv_dtype="int8"))
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, n=1, seed=6, ignore_eos=True)
+    first = engine.generate([PROMPTS[1]], params, episodes=["e"])[0][0]
+    second = engine.generate([[40, 41, 42]], params, episodes=["e"])[0][0]
+    episode = PROMPTS[1] + first.response_ids + [40, 41, 42]
+    assert engine.episode_kv_bytes("e") == (len(episode) + len(second.response_ids) - 1) * TOKEN_BYTES[q.name]
+    whole = dataclasses.replace(second, prompt_ids=episode)
+    model.set_attn_implementation("quantized_kv_reference")
+    key_valid = padded_batch([whole], len(episode))[1].bool()
+    ref = reference_logp(model, [whole], len(episode), 1.0, kv_quant=q, key_valid=key_valid)[0]
+    model.set_attn_implementation("sdpa")
+    assert torch.allclose(torch.from_numpy(second.logp_sparse).double(), ref, atol=2e-6, rtol=1e-6)
