@@ -82,6 +82,16 @@ class CompressorConfig:
     an episode's peak holds kv_budget + interval + the longest prefill slots. false: the observation is compressed
     with the rest at its prefill, as a prompt longer than the budget is (the measured baseline,
     bench/multiturn_kv.py)."""
+    kv_dtype: str = "model"
+    """Precision K/V are stored at (compressors/kv_quant.py): model (the model dtype, as stored so far) | bf16 |
+    fp8_e4m3 | int8 | int4 (two per byte; head_dim even), the last three with a scale per kv_scale. The budget
+    stays in tokens; bytes per token: KVQuant.token_bytes. The torch engine stores it (actors/engines/
+    batch_cache.py: every query reads the dequantized K/V, compression scores them); a run (deploy/config.py)
+    refuses any but model while the learner's replay, the preflight and the SGLang engine do not know it."""
+    kv_scale: str = "token_head"
+    """Scale granularity of fp8_e4m3 / int8 / int4: token_head (one float32 amax / qmax scale per token, layer and
+    KV head, K and V each their own, 4 B counted in the bytes) | layer (a static per-layer scale 1.0, SGLang's fp8
+    KV pool's; fp8_e4m3 only). Left token_head with model or bf16, which read no scale."""
 
 
     # --- budget control (docs/SPEC.md §5.1; Sparrow, arXiv 2606.08446) -------------------------------------
@@ -188,7 +198,7 @@ class CompressorConfig:
         pool_kernel odd and >= 1 (same padding); 0 <= similarity_threshold <= 1; for h2o
         window <= h2o_recent < kv_budget; sinks, protect_values >= 0, protect_prompt off | all | last:<n>, and
         sinks + n + protect_values + window (h2o: h2o_recent) < kv_budget (streamingllm with sinks alone: <=);
-        for random h2o_recent left at its default (h2o's field).
+        for random h2o_recent left at its default (h2o's field); kv_dtype / kv_scale (_validate_kv_precision).
         """
         if self.method not in METHODS:
             raise ValueError(f"compressor.method={self.method!r} is unknown; expected one of {METHODS}")
@@ -217,6 +227,13 @@ class CompressorConfig:
                     f"compressor.h2o_recent={self.h2o_recent} must be < compressor.kv_budget={self.kv_budget}")
         self._validate_protection()
         self._validate_budget_control()
+        self._validate_kv_precision()
+
+    def _validate_kv_precision(self) -> None:
+        """kv_dtype and kv_scale known and a possible pair (KVQuant.check: layer with fp8_e4m3 only, so a scale
+        is never set where nothing reads it)."""
+        from compressors.kv_quant import KVQuant
+        KVQuant(self.kv_dtype, self.kv_scale).check()
 
     def _validate_protection(self) -> None:
         """sinks, protect_prompt, protect_values; random with h2o_recent. The tokens protected whatever the prompt

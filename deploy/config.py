@@ -356,6 +356,7 @@ def validate(run: RunConfig, *, check_files: bool = True) -> None:
         check_data(run)
         check_services(run)
     check_ranges(run)
+    check_kv_precision(run)
     check_fingerprint(run)
     if check_files and run.learner.lora.enabled:
         check_lora_targets(run)
@@ -398,6 +399,19 @@ def check_ranges(run: RunConfig) -> None:
           or run.learner.correction != "off",
           f"actors.engine.compressor.budget_control={compressor.budget_control!r} reads the ratio tail "
           f"({compressor.budget_metric}) that learner.correction=off does not compute: use on or metrics_only")
+
+
+def check_kv_precision(run: RunConfig) -> None:
+    """compressor.kv_dtype other than model (actors.engine.compressor, eval.sparse_compressor) refused in one line:
+    the torch engine stores it, but the learner's replay would not quantize (off-policy), the preflight and
+    kv_retained_ratio count model-dtype bytes, no group says which precision sampled it, and the SGLang engine
+    stores the model dtype."""
+    for path, compressor in (("actors.engine.compressor", run.actors.engine.compressor),
+                             ("eval.sparse_compressor", run.eval.sparse_compressor)):
+        if compressor is not None:
+            check(compressor.kv_dtype == "model", f"{path}.kv_dtype={compressor.kv_dtype!r}: quantized KV is "
+                  "stored by the torch engine only, not yet replayed by the learner nor counted by the preflight: "
+                  "use model")
 
 
 def check_sglang(run: RunConfig) -> None:

@@ -21,14 +21,18 @@ import torch
 from actors.engines.kv_memory import COMPACT_CHUNK
 from compressors import Compressor, CompressorConfig, SelectContext, accumulate_attention, gather_kv
 from compressors.budget import length_budget
+from compressors.kv_quant import KVQuant, dequantize, quantize
 
 NEVER = torch.iinfo(torch.long).max
 """evicted_at's value of a key column that is never evicted."""
+KV_ENTRIES = ("k", "v", "k_scale", "v_scale")
+"""The entries of a layer's buffers that are stored K/V (codes and their scales): the bytes a cache holds."""
 
 
 @dataclasses.dataclass
 class KeptEpisode:
-    """What the engine keeps of an episode between its turns. layers: per layer {k, v [Hkv, slots, D]; valid
+    """What the engine keeps of an episode between its turns. layers: per layer {k, v [Hkv, slots, D] (stored
+    codes, BatchCache); k_scale, v_scale [Hkv, slots] (a scaled kv_dtype); valid
     [Hkv, slots]; mass (H2O) [Hkv, slots]; col (record_evictions): episode token index of each slot; pos (a
     compressor that reads positions): each slot's true position}, the retained slots in time order; qwin: per
     layer the last <= window queries [Hq, w, D]; length: tokens whose K/V were computed (the next position);
@@ -156,24 +160,37 @@ class SlotPlan:
 
 @dataclasses.dataclass(frozen=True)
 class CacheShape:
-    """Per-layer sizes of the cache: layers, KV and query heads, head_dim (elements); dtype and device of K/V."""
+    """Per-layer sizes of the cache: layers, KV and query heads, head_dim (elements); dtype (the model's: K/V as
+    computed and as read back) and device of K/V; quant: the precision K/V are stored at (compressor.kv_dtype,
+    kv_scale; compressors/kv_quant.py)."""
     layers: int
     kv_heads: int
     q_heads: int
     head_dim: int
     dtype: torch.dtype
     device: torch.device
+    quant: KVQuant = KVQuant()
+
+    @property
+    def slot_bytes(self) -> int:
+        """Stored bytes of one slot of one layer and KV head, K and V with their scales."""
+        return 2 * self.quant.vector_bytes(self.head_dim, torch.empty(0, dtype=self.dtype).element_size())
 
 
 class BatchCache:
     """The batch KV cache of one call, changed in place by the engine's forward.
 
-    layers: per layer {k, v [R, Hkv, capacity, D] (dtype); valid bool [R, Hkv, capacity]; mass float32
+    layers: per layer {k, v [R, Hkv, capacity, D] (stored codes: shape.quant.code_dtype, int4 D / 2 bytes;
+        the model dtype at kv_dtype model); k_scale, v_scale float32 [R, Hkv, capacity] (a token_head scale of
+        fp8_e4m3 / int8 / int4); valid bool [R, Hkv, capacity]; mass float32
         [R, Hkv, capacity] (H2O's accumulated attention); col int64 [R, Hkv, capacity] (record_evictions: the
         layout column of each slot, -1 = none); pos int64 [R, Hkv, capacity] (a compressor that needs positions:
         each slot's true token position)}; the first `n` slots are filled, the same count on every row
         (validity marks each row's and head's own).
     qwin: per layer the last <= window queries [R, Hq, w, D] (pads zeroed; None until the first prefill).
+    Stored precision: a token's K/V are quantized when written (`encode`) and every query, at a prefill (its own
+    and the other new tokens' too) and at a decode step, attends to the dequantized ones (`read`), and
+    compression scores the dequantized keys and values: what the cache holds, which a replay can recompute.
     evicted_at: with record_evictions, per layer int64 [R0, Hkv, columns]: the column of the first query that no
         longer sees each key column (NEVER: never evicted), indexed by original row (R0 = the call's rows).
     row_ids: int64 [R], the original row of each live row; transient_bytes: the largest prefill K/V tensor pair.
@@ -188,13 +205,16 @@ class BatchCache:
         """Empty buffers of `capacity` slots for `rows` rows; `mass`: H2O's attention mass; `columns`: the
         eviction record's columns (record_evictions), None for no record; `positions`: keep each slot's true
         position (a compressor whose `needs` names positions)."""
-        dev, kv = shape.device, (rows, shape.kv_heads, capacity)
+        dev, kv, quant = shape.device, (rows, shape.kv_heads, capacity), shape.quant
         self.shape, self.window, self.n, self.transient_bytes = shape, window, 0, 0
         self.layers: list[dict[str, torch.Tensor]] = []
+        code = (*kv, quant.code_shape(shape.head_dim))
         for _ in range(shape.layers):
-            layer = {"k": torch.zeros(*kv, shape.head_dim, dtype=shape.dtype, device=dev),
-                     "v": torch.zeros(*kv, shape.head_dim, dtype=shape.dtype, device=dev),
+            layer = {"k": torch.zeros(*code, dtype=quant.code_dtype(shape.dtype), device=dev),
+                     "v": torch.zeros(*code, dtype=quant.code_dtype(shape.dtype), device=dev),
                      "valid": torch.zeros(*kv, dtype=torch.bool, device=dev)}
+            if quant.scaled:
+                layer["k_scale"], layer["v_scale"] = torch.ones(*kv, device=dev), torch.ones(*kv, device=dev)
             if mass:
                 layer["mass"] = torch.zeros(*kv, device=dev)
             if columns is not None:
@@ -242,7 +262,7 @@ class BatchCache:
         of the older ones."""
         R, q = ks.shape[0], ks.shape[2]
         c, n = self.layers[li], self.n
-        slots = {"k": ks, "v": vs, "valid": key_valid[:, None, :].expand(R, self.shape.kv_heads, q)}
+        slots = {**self.encode(ks, vs), "valid": key_valid[:, None, :].expand(R, self.shape.kv_heads, q)}
         if "col" in c:
             slots["col"] = (col + 1 - q + torch.arange(q, device=ks.device)).expand(R, self.shape.kv_heads, q)
         if "pos" in c:
@@ -261,13 +281,30 @@ class BatchCache:
         """Layer li's K/V [R, Hkv, 1, D] of a decode step into slot n (layout column `col`, true `positions`
         int64 [R, 1]). Returns (slots: the layer's first n + 1 (views), visible bool [R, Hkv, 1, n + 1])."""
         c, n = self.layers[li], self.n
-        c["k"][:, :, n], c["v"][:, :, n], c["valid"][:, :, n] = ks[:, :, 0], vs[:, :, 0], True
+        for name, t in self.encode(ks, vs).items():
+            c[name][:, :, n] = t[:, :, 0]
+        c["valid"][:, :, n] = True
         if "col" in c:
             c["col"][:, :, n] = col
         if "pos" in c:
             c["pos"][:, :, n] = positions
         slots = {name: t[:, :, :n + 1] for name, t in c.items()}
         return slots, slots["valid"][:, :, None, :]
+
+    def encode(self, ks: torch.Tensor, vs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """K/V [R, Hkv, q, D] of the model dtype as stored: {k, v: codes [R, Hkv, q, D] (int4: D / 2), and with a
+        token_head scale k_scale, v_scale float32 [R, Hkv, q]} (compressors.kv_quant.quantize; at kv_dtype model
+        ks and vs themselves)."""
+        (k, k_scale), (v, v_scale) = quantize(ks, self.shape.quant), quantize(vs, self.shape.quant)
+        return {"k": k, "v": v} if k_scale is None else {"k": k, "v": v, "k_scale": k_scale, "v_scale": v_scale}
+
+    def read(self, slots: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V [R, Hkv, S, D] of the model dtype that queries and the compressor see in `slots` (stored
+        codes and scales, as `prefill` / `append` return them): dequantized (at kv_dtype model the stored
+        tensors themselves, no copy)."""
+        quant, dtype = self.shape.quant, self.shape.dtype
+        return (dequantize(slots["k"], slots.get("k_scale"), quant, dtype),
+                dequantize(slots["v"], slots.get("v_scale"), quant, dtype))
 
     def observe(self, li: int, slots: dict, qs: torch.Tensor, probs: torch.Tensor | None,
                 key_valid: torch.Tensor | None) -> None:
@@ -325,14 +362,23 @@ class BatchCache:
         """Slots live row i holds (layer 0, KV head 0)."""
         return int(self.layers[0]["valid"][i, 0, :self.n].sum())
 
+    def stored_bytes(self) -> int:
+        """K/V bytes per row the buffers hold, codes and scales (KV_ENTRIES) of every slot of every layer:
+        layers x kv_heads x capacity x CacheShape.slot_bytes."""
+        return sum(t.nbytes for c in self.layers for name, t in c.items() if name in KV_ENTRIES) // len(self.row_ids)
+
     def peak_bytes(self, chunk_slots: int) -> int:
-        """Peak K/V bytes per row: the buffers plus the largest transient beside them (one layer's prefill K/V,
-        or one compaction chunk of `chunk_slots` slots). Validity, positions and scores are not K/V and are not
-        counted."""
-        rows = len(self.row_ids)
-        buffers = sum(c["k"].nbytes + c["v"].nbytes for c in self.layers) // rows
-        chunk = 2 * chunk_slots * self.shape.kv_heads * self.shape.head_dim * self.layers[0]["k"].element_size()
-        return buffers + max(self.transient_bytes // rows, chunk)
+        """Peak K/V bytes per row: the stored buffers plus the largest transient beside them (one layer's prefill
+        K/V at the model dtype; one compaction chunk of `chunk_slots` slots at the stored precision; when the
+        stored dtype is not the model's, one layer's K/V dequantized for a read, every slot at the model dtype).
+        Validity, positions and scores are not K/V and are not counted."""
+        shape = self.shape
+        chunk = chunk_slots * shape.kv_heads * shape.slot_bytes
+        read = 0
+        if self.layers[0]["k"].dtype != shape.dtype:                      # `read` copies (else it returns views)
+            read = 2 * self.layers[0]["valid"].shape[2] * shape.kv_heads * shape.head_dim * \
+                torch.empty(0, dtype=shape.dtype).element_size()
+        return self.stored_bytes() + max(self.transient_bytes // len(self.row_ids), chunk, read)
 
     def kept_episode(self, i: int, r: int, layout: Layout, response: list[int]) -> KeptEpisode:
         """Live row i (original row r, its `response` so far) as a kept episode: its valid slots only, in time

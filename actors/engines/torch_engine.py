@@ -35,9 +35,19 @@ import torch
 import torch.nn.functional as F
 
 from actors.engines.base import EVICTION_NEVER, Sample, SamplingParams, check_params, check_score, collapsed_heads
-from actors.engines.batch_cache import BatchCache, CacheShape, KeptEpisode, Layout, SlotPlan, rebased, select_slots
+from actors.engines.batch_cache import (
+    KV_ENTRIES,
+    BatchCache,
+    CacheShape,
+    KeptEpisode,
+    Layout,
+    SlotPlan,
+    rebased,
+    select_slots,
+)
 from broker.lora import LoraConfig, adapter_parameters, add_adapter
 from compressors import Compressor, CompressorConfig, SelectContext, build_compressor
+from compressors.kv_quant import KVQuant
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -99,6 +109,9 @@ class TorchEngine:
         self.kv_heads = cfg.num_key_value_heads
         self.q_heads = cfg.num_attention_heads
         self.head_dim = attn.head_dim
+        self.kv_quant = KVQuant(compressor_cfg.kv_dtype, compressor_cfg.kv_scale)
+        """The precision the batch cache stores K/V at (compressor.kv_dtype / kv_scale, BatchCache)."""
+        self.kv_quant.check(self.head_dim)
         # apply_rotary_pos_emb of the model's own modeling file (identical for Llama and Qwen2).
         self._apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
@@ -229,7 +242,8 @@ class TorchEngine:
     def episode_kv_bytes(self, key: str) -> int:
         """K/V bytes an episode's kept cache holds between its turns (its retained slots, all layers). Raises
         KeyError for a key the engine does not hold."""
-        return sum(layer["k"].nbytes + layer["v"].nbytes for layer in self._episodes[key].layers)
+        return sum(t.nbytes for layer in self._episodes[key].layers for name, t in layer.items()
+                   if name in KV_ENTRIES)
 
     def shutdown(self) -> None:
         """Drop the kept episodes (the torch engine starts no process)."""
@@ -302,7 +316,8 @@ class TorchEngine:
 
     def _cache_shape(self) -> CacheShape:
         """The batch cache's sizes for this model (its dtype now, the engine's device)."""
-        return CacheShape(self.num_layers, self.kv_heads, self.q_heads, self.head_dim, self.model.dtype, self.device)
+        return CacheShape(self.num_layers, self.kv_heads, self.q_heads, self.head_dim, self.model.dtype, self.device,
+                          self.kv_quant)
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: BatchCache, col: int,
                  compressor: Compressor, compact_to: int | None, prefill: tuple | None = None,
@@ -330,8 +345,8 @@ class TorchEngine:
             qs, ks = self._apply_rope(qs, ks, cos, sin)
             slots, visible = (cache.append(li, ks, vs, col, positions) if prefill is None
                               else cache.prefill(li, ks, vs, col, positions, *prefill))
-            out, probs = _attend(qs, slots["k"], slots["v"], visible, attn.scaling,
-                                 want_probs="mass" in cache.layers[li])
+            k, v = cache.read(slots)                             # stored precision, also for the new tokens
+            out, probs = _attend(qs, k, v, visible, attn.scaling, want_probs="mass" in cache.layers[li])
             h = h + attn.o_proj(out.transpose(1, 2).reshape(R, q, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             cache.observe(li, slots, qs, probs, None if prefill is None else prefill[1])
@@ -339,7 +354,7 @@ class TorchEngine:
                 cache.store(li, slots, prefill is not None)
                 continue
             if keep is None or compressor.cfg.selection != "shared":
-                keep, share = select_slots(compressor, slots, cache.qwin[li], candidates,
+                keep, share = select_slots(compressor, {**slots, "k": k, "v": v}, cache.qwin[li], candidates,
                                            dataclasses.replace(ctx, layer=li))
             shares.append(share)
             cache.compact(li, slots, keep, col)

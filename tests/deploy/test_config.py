@@ -158,6 +158,17 @@ def test_bad_config_names_the_field(override, field):
     ("learner=5", "learner=5: learner is a section (set its fields: learner.<field>=<value>)"),
     ("actors.sampling=3", "actors.sampling=3: actors.sampling is a section"),
     ("learner.ranks=0", "learner.ranks=0: expected >= 1"),
+    ("actors.engine.compressor.kv_dtype=fp8", "actors.engine.compressor.kv_dtype='fp8' is unknown: expected one of "
+     "('model', 'bf16', 'fp8_e4m3', 'int8', 'int4')"),
+    ("actors.engine.compressor.kv_scale=channel", "actors.engine.compressor.kv_scale='channel' is unknown"),
+    ("actors.engine.compressor.kv_scale=layer", "actors.engine.compressor.kv_scale='layer' with "
+     "actors.engine.compressor.kv_dtype='model': a static per-layer scale"),
+    ("eval.sparse_compressor.kv_scale=layer", "eval.sparse_compressor.kv_scale='layer' with "
+     "eval.sparse_compressor.kv_dtype='model'"),
+    ("actors.engine.compressor.kv_dtype=int8", "actors.engine.compressor.kv_dtype='int8': quantized KV is stored "
+     "by the torch engine only, not yet replayed by the learner"),
+    ("eval.sparse_compressor.kv_dtype=fp8_e4m3", "eval.sparse_compressor.kv_dtype='fp8_e4m3': quantized KV is "
+     "stored by the torch engine only"),
 ])
 def test_component_errors_name_the_dotted_field(override, message):
     """Components name their own fields (LearnerConfig.eps, compressor.kv_budget); the run config reports
@@ -315,6 +326,8 @@ def test_yaml_syntax_error_is_one_line_with_file_line_column(tmp_path):
     ("broker.url=redis://127.0.0.1:{port}/0", "broker.url='redis://127.0.0.1:{port}/0': Redis does not answer"),
     ("ray.address=127.0.0.1:{port}", "ray.address='127.0.0.1:{port}': cannot connect"),
     ("learner.lr=-1", "learner.lr=-1.0: expected a finite value >= 0"),
+    ("actors.engine.compressor.kv_dtype=fp8_e4m3", "actors.engine.compressor.kv_dtype='fp8_e4m3': quantized KV is "
+     "stored by the torch engine only"),
 ])
 def test_cli_bad_input_exits_2_before_anything_starts(override, message, tmp_path):
     port = closed_port()
