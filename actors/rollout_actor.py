@@ -367,7 +367,7 @@ class RolloutWorker:
                 run_id=self.run_id, group_id=uuid.uuid4().hex, prompt_id=prompt.prompt_id,
                 weight_version=batch.version, temperature=params.temperature, compressor=a.engine.compressor.method,
                 kv_budget=budget, samples=records, actor_id=self.actor_id, created_at=time.time(), budget_tier=tier,
-                prompt_index=index))
+                prompt_index=index, kv_quant=a.engine.compressor.kv_quant().name))
             mean_reward = sum(r.reward for r in records) / len(records)
             confidences[prompt.prompt_id] = min(1.0, max(0.0, mean_reward))
             if tier:

@@ -86,8 +86,9 @@ class CompressorConfig:
     """Precision K/V are stored at (compressors/kv_quant.py): model (the model dtype, as stored so far) | bf16 |
     fp8_e4m3 | int8 | int4 (two per byte; head_dim even), the last three with a scale per kv_scale. The budget
     stays in tokens; bytes per token: KVQuant.token_bytes. The torch engine stores it (actors/engines/
-    batch_cache.py: every query reads the dequantized K/V, compression scores them); a run (deploy/config.py)
-    refuses any but model while the learner's replay, the preflight and the SGLang engine do not know it."""
+    batch_cache.py: every query reads the dequantized K/V, compression scores them) and each trajectory group says
+    it (broker/schema.py kv_quant); a run (deploy/config.py check_kv_precision) refuses any but model while the
+    learner's replay, the preflight and the SGLang engine do not know it."""
     kv_scale: str = "token_head"
     """Scale granularity of fp8_e4m3 / int8 / int4: token_head (one float32 amax / qmax scale per token, layer and
     KV head, K and V each their own, 4 B counted in the bytes) | layer (a static per-layer scale 1.0, SGLang's fp8
@@ -228,6 +229,12 @@ class CompressorConfig:
         self._validate_protection()
         self._validate_budget_control()
         self._validate_kv_precision()
+
+    def kv_quant(self):
+        """The KV quantizer of kv_dtype / kv_scale: compressors.kv_quant.KVQuant (its `name` travels with each
+        trajectory group, broker/schema.py)."""
+        from compressors.kv_quant import KVQuant
+        return KVQuant(self.kv_dtype, self.kv_scale)
 
     def _validate_kv_precision(self) -> None:
         """kv_dtype and kv_scale known and a possible pair (KVQuant.check: layer with fp8_e4m3 only, so a scale
