@@ -403,15 +403,29 @@ def check_ranges(run: RunConfig) -> None:
 
 def check_kv_precision(run: RunConfig) -> None:
     """compressor.kv_dtype other than model (actors.engine.compressor, eval.sparse_compressor) refused in one line:
-    the torch engine stores it, but the learner's replay would not quantize (off-policy), the preflight and
-    kv_retained_ratio count model-dtype bytes, no group says which precision sampled it, and the SGLang engine
-    stores the model dtype."""
+    the torch engine stores it, each group says it and the learner's replay quantizes as it did, but the preflight
+    and kv_retained_ratio count model-dtype bytes and the SGLang engine stores the model dtype.
+    learner.replay_quant_gap is refused where it would measure nothing (no replay, or kv_dtype model)."""
+    compressor = run.actors.engine.compressor
+    measured = run.learner.replays(compressor.method) and compressor.kv_dtype != "model"
+    check(not run.learner.replay_quant_gap or measured,
+          f"learner.replay_quant_gap=true measures the replay of a quantized KV cache: it needs "
+          f"learner.policy_target=sparse (now {run.learner.policy_target!r}), a compressing "
+          f"actors.engine.compressor.method (now {compressor.method!r}) and actors.engine.compressor.kv_dtype other "
+          f"than model (now {compressor.kv_dtype!r})")
     for path, compressor in (("actors.engine.compressor", run.actors.engine.compressor),
                              ("eval.sparse_compressor", run.eval.sparse_compressor)):
         if compressor is not None:
             check(compressor.kv_dtype == "model", f"{path}.kv_dtype={compressor.kv_dtype!r}: quantized KV is "
-                  "stored by the torch engine only, not yet replayed by the learner nor counted by the preflight: "
+                  "stored by the torch engine and replayed by the learner, not yet counted by the preflight: "
                   "use model")
+
+
+def derived_params(run: RunConfig) -> dict[str, str]:
+    """MLflow params beyond the config's own keys: `kv/dtype`, the KV quantizer the rollouts store K/V with
+    (compressors.kv_quant.KVQuant.name of actors.engine.compressor.kv_dtype / kv_scale, e.g. "int8/token_head"),
+    the spelling each trajectory group carries."""
+    return {"kv/dtype": run.actors.engine.compressor.kv_quant().name}
 
 
 def check_sglang(run: RunConfig) -> None:

@@ -166,9 +166,11 @@ def test_bad_config_names_the_field(override, field):
     ("eval.sparse_compressor.kv_scale=layer", "eval.sparse_compressor.kv_scale='layer' with "
      "eval.sparse_compressor.kv_dtype='model'"),
     ("actors.engine.compressor.kv_dtype=int8", "actors.engine.compressor.kv_dtype='int8': quantized KV is stored "
-     "by the torch engine only, not yet replayed by the learner"),
+     "by the torch engine and replayed by the learner, not yet counted by the preflight"),
     ("eval.sparse_compressor.kv_dtype=fp8_e4m3", "eval.sparse_compressor.kv_dtype='fp8_e4m3': quantized KV is "
-     "stored by the torch engine only"),
+     "stored by the torch engine and replayed"),
+    ("learner.replay_quant_gap=true", "learner.replay_quant_gap=True: it measures the replayed forward: needs "
+     "learner.policy_target=sparse"),
 ])
 def test_component_errors_name_the_dotted_field(override, message):
     """Components name their own fields (LearnerConfig.eps, compressor.kv_budget); the run config reports
@@ -327,7 +329,7 @@ def test_yaml_syntax_error_is_one_line_with_file_line_column(tmp_path):
     ("ray.address=127.0.0.1:{port}", "ray.address='127.0.0.1:{port}': cannot connect"),
     ("learner.lr=-1", "learner.lr=-1.0: expected a finite value >= 0"),
     ("actors.engine.compressor.kv_dtype=fp8_e4m3", "actors.engine.compressor.kv_dtype='fp8_e4m3': quantized KV is "
-     "stored by the torch engine only"),
+     "stored by the torch engine and replayed"),
 ])
 def test_cli_bad_input_exits_2_before_anything_starts(override, message, tmp_path):
     port = closed_port()
@@ -538,3 +540,20 @@ def test_weight_checksums_are_refused_on_sglang():
     assert load_config("tiny", ["learner.weight_sync_verify=true"], check_files=False).learner.weight_sync_verify
     with pytest.raises(ConfigError, match=r"learner.weight_sync_verify=true .*actors.engine.backend=sglang"):
         load_config("tiny", ["learner.weight_sync_verify=true", "actors.engine.backend=sglang"], check_files=False)
+
+
+def test_the_kv_quantizer_is_an_mlflow_param():
+    """deploy/config.py derived_params: `kv/dtype` is the KVQuant name the groups carry (logged beside the config's
+    own keys by the driver)."""
+    from deploy.config import derived_params
+    from deploy.tracking import public_params
+    assert public_params(derived_params(load_config("tiny")))["kv/dtype"] == "model"
+
+
+def test_replay_quant_gap_without_a_quantized_cache_to_replay_is_refused():
+    """learner.replay_quant_gap with policy_target sparse but kv_dtype model would measure nothing: one line naming
+    the fields (deploy/config.py check_kv_precision)."""
+    with pytest.raises(ConfigError, match=r"^learner\.replay_quant_gap=true measures the replay of a quantized KV "
+                                          r"cache: .*actors\.engine\.compressor\.kv_dtype other than model \(now "
+                                          r"'model'\)$"):
+        load_config("tiny", ["learner.policy_target=sparse", "learner.replay_quant_gap=true"])
