@@ -87,9 +87,9 @@ class CompressorConfig:
     fp8_e4m3 | int8 | int4 (two per byte; head_dim even), the last three with a scale per kv_scale. The budget
     stays in tokens; bytes per token: KVQuant.token_bytes. The torch engine stores it (actors/engines/
     batch_cache.py: every query reads the dequantized K/V, compression scores them) and each trajectory group says
-    it (broker/schema.py kv_quant), learner.policy_target=sparse replays it (learner/replay.py); a run
-    (deploy/config.py check_kv_precision) refuses any but model while the preflight and the SGLang engine do not
-    know it."""
+    it (broker/schema.py kv_quant), learner.policy_target=sparse replays it (learner/replay.py) and the preflight
+    counts its bytes (actors/engines/kv_memory.py); a run (deploy/config.py check_kv_precision) refuses any but
+    model on the SGLang engine, and with method full under policy_target sparse (no record to replay it along)."""
     kv_scale: str = "token_head"
     """Scale granularity of fp8_e4m3 / int8 / int4: token_head (one float32 amax / qmax scale per token, layer and
     KV head, K and V each their own, 4 B counted in the bytes) | layer (a static per-layer scale 1.0, SGLang's fp8

@@ -165,10 +165,6 @@ def test_bad_config_names_the_field(override, field):
      "actors.engine.compressor.kv_dtype='model': a static per-layer scale"),
     ("eval.sparse_compressor.kv_scale=layer", "eval.sparse_compressor.kv_scale='layer' with "
      "eval.sparse_compressor.kv_dtype='model'"),
-    ("actors.engine.compressor.kv_dtype=int8", "actors.engine.compressor.kv_dtype='int8': quantized KV is stored "
-     "by the torch engine and replayed by the learner, not yet counted by the preflight"),
-    ("eval.sparse_compressor.kv_dtype=fp8_e4m3", "eval.sparse_compressor.kv_dtype='fp8_e4m3': quantized KV is "
-     "stored by the torch engine and replayed"),
     ("learner.replay_quant_gap=true", "learner.replay_quant_gap=True: it measures the replayed forward: needs "
      "learner.policy_target=sparse"),
 ])
@@ -328,8 +324,7 @@ def test_yaml_syntax_error_is_one_line_with_file_line_column(tmp_path):
     ("broker.url=redis://127.0.0.1:{port}/0", "broker.url='redis://127.0.0.1:{port}/0': Redis does not answer"),
     ("ray.address=127.0.0.1:{port}", "ray.address='127.0.0.1:{port}': cannot connect"),
     ("learner.lr=-1", "learner.lr=-1.0: expected a finite value >= 0"),
-    ("actors.engine.compressor.kv_dtype=fp8_e4m3", "actors.engine.compressor.kv_dtype='fp8_e4m3': quantized KV is "
-     "stored by the torch engine and replayed"),
+    ("learner.replay_quant_gap=true", "learner.replay_quant_gap=True: it measures the replayed forward"),
 ])
 def test_cli_bad_input_exits_2_before_anything_starts(override, message, tmp_path):
     port = closed_port()
@@ -548,6 +543,24 @@ def test_the_kv_quantizer_is_an_mlflow_param():
     from deploy.config import derived_params
     from deploy.tracking import public_params
     assert public_params(derived_params(load_config("tiny")))["kv/dtype"] == "model"
+
+
+def test_quantized_kv_loads_on_the_torch_engine_and_is_refused_where_nothing_stores_or_replays_it():
+    """kv_dtype int8 / fp8_e4m3 load on the torch engine (the actors' and eval.sparse_compressor's: the evaluation
+    under its own cache stores it too); refused in one line on the SGLang engine, naming actors.engine.backend and
+    the field, and with method full under policy_target sparse (no eviction record to replay it along)."""
+    run = load_config("tiny", ["actors.engine.compressor.kv_dtype=int8", "learner.policy_target=sparse",
+                               "eval.sparse_compressor.method=rkv", "eval.sparse_compressor.kv_dtype=fp8_e4m3"])
+    assert run.actors.engine.compressor.kv_quant().name == "int8/token_head"
+    assert run.eval.sparse_compressor.kv_quant().name == "fp8_e4m3/token_head"
+    with pytest.raises(ConfigError, match=r"^actors\.engine\.compressor\.kv_dtype='fp8_e4m3' with "
+                                          r"actors\.engine\.backend=sglang: its KV pool stores the model dtype"):
+        load_config("tiny", ["actors.engine.compressor.kv_dtype=fp8_e4m3", "actors.engine.backend=sglang"])
+    with pytest.raises(ConfigError, match=r"^actors\.engine\.compressor\.kv_dtype='int8' with method full and "
+                                          r"learner\.policy_target=sparse: "):
+        load_config("tiny", ["actors.engine.compressor.kv_dtype=int8", "actors.engine.compressor.method=full",
+                             "learner.policy_target=sparse"])
+    assert load_config("tiny", ["actors.engine.compressor.kv_dtype=int8", "actors.engine.compressor.method=full"])
 
 
 def test_replay_quant_gap_without_a_quantized_cache_to_replay_is_refused():

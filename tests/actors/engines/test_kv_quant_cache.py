@@ -115,6 +115,26 @@ def test_kv_dtype_model_is_unchanged():
         assert a.kv_peak_bytes == b.kv_peak_bytes
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("q", QUANTS, ids=lambda q: q.name)
+def test_the_preflight_predicts_the_quantized_peak(q, dtype):
+    """kv_memory.kv_peak_bytes_per_sequence with ModelShape.from_hf_config(kv_dtype, kv_scale): predicted / measured
+    peak = 1.0 (+- 0.1 allowed) for every precision, dense and R-KV (budget 12 + interval 5), on an fp32 and a bf16
+    model (bf16 codes in a bf16 model are read without a copy)."""
+    model = tiny_model("llama", dtype=dtype)
+    name = "fp32" if dtype == torch.float32 else "bf16"
+    shape = ModelShape.from_hf_config(model.config, name, q.dtype, q.scale)
+    assert shape.bytes_per_token == q.token_bytes(LAYERS, KV_HEADS, HEAD_DIM, dtype.itemsize)
+    P, N = max(map(len, PROMPTS)), 30
+    for method in ("full", "rkv"):
+        cfg = CompressorConfig(method=method, kv_budget=12, window=4, interval=5, kv_dtype=q.dtype, kv_scale=q.scale)
+        out = TorchEngine(model, tiny_tokenizer(), cfg).generate(
+            PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=N, n=2, seed=4, ignore_eos=True))
+        measured = max(s.kv_peak_bytes for s in flat(out))
+        predicted = kv_peak_bytes_per_sequence(shape, P, N, 12, 5, compress=method != "full")
+        assert abs(predicted / measured - 1) <= 0.1 and predicted == measured, (method, predicted, measured)
+
+
 def test_the_sglang_backend_refuses_a_quantized_kv_dtype():
     """Its pool stores the model dtype: kv_dtype is one of the settings it cannot run (named field=value)."""
     from actors.engines.sglang.contract import unsupported_compressor_settings
