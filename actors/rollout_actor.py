@@ -444,8 +444,11 @@ class RolloutWorker:
         Base budget: the learner's controlled budget from Redis (budget_control mismatch; the learner publishes
         it before it broadcasts the weights of the same version, so reading it after the weight version makes
         the batch use a budget at least as new as its weights), else the schedule at `version`. With tiers,
-        each prompt's budget is the base times its tier's scale (compressors.budget.tier_budget)."""
+        each prompt's budget is the base times its tier's scale (compressors.budget.tier_budget). With
+        compressor.kv_budget_bytes: the tokens the engine resolved it to (constant; nothing else varies it)."""
         c = self.cfg.actors.engine.compressor
+        if c.kv_budget_bytes:
+            return [self.engine.compressor_cfg.kv_budget] * len(batch), [""] * len(batch)
         if c.budget_control == "mismatch":
             base = rs.read_kv_budget(self.redis, self.run_id, c.kv_budget)
         else:

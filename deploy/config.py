@@ -136,13 +136,15 @@ def rollout_config(run: RunConfig) -> RolloutConfig:
 
 def fingerprint_tokens(run: RunConfig) -> int:
     """Tokens per sequence of the weight-sync fingerprint's probe, the same for the learner and every actor:
-    broker.fingerprint.probe_tokens of the smallest KV budget the run may use (none with compressor method full);
-    0 with learner.weight_sync_fingerprint=off. Raises ValueError when that budget is below the probe's minimum
-    (the config check refuses the run first: check_fingerprint)."""
+    broker.fingerprint.probe_tokens of the smallest KV budget the run may use (none with compressor method full;
+    with compressor.kv_budget_bytes, whose tokens the engine resolves from the model, the least it may hold:
+    window + 1); 0 with learner.weight_sync_fingerprint=off. Raises ValueError when that budget is below the probe's
+    minimum (the config check refuses the run first: check_fingerprint)."""
     if run.learner.weight_sync_fingerprint == "off":
         return 0
     compressor = run.actors.engine.compressor
-    return probe_tokens(compressor.budget_range()[0] if compressor.method != "full" else None)
+    smallest = compressor.window + 1 if compressor.kv_budget_bytes else compressor.budget_range()[0]
+    return probe_tokens(smallest if compressor.method != "full" else None)
 
 
 def check_fingerprint(run: RunConfig) -> None:

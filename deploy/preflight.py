@@ -256,6 +256,11 @@ def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: i
     prompt = prompt_tokens or longest_prompt(cfg, model_path)
     new = a.sampling.max_new_tokens
     low, high = c.budget_range()
+    if c.kv_budget_bytes:   # the tokens the torch engine keeps at this model's bytes per token
+        try:
+            low = high = c.with_byte_budget(shape.bytes_per_token).kv_budget
+        except ValueError as e:
+            raise ConfigError(str(e).replace("compressor.", "actors.engine.compressor.")) from None
     compress = c.method != "full"
     if a.env.factory:   # multi-turn: up to env.max_total_tokens after the prompt, over every turn
         turn_new, new = min(new, a.env.max_total_tokens), max(new, a.env.max_total_tokens)

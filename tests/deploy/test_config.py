@@ -570,3 +570,31 @@ def test_replay_quant_gap_without_a_quantized_cache_to_replay_is_refused():
                                           r"cache: .*actors\.engine\.compressor\.kv_dtype other than model \(now "
                                           r"'model'\)$"):
         load_config("tiny", ["learner.policy_target=sparse", "learner.replay_quant_gap=true"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["actors.engine.compressor.kv_budget_bytes=-1"], r"actors\.engine\.compressor\.kv_budget_bytes=-1 must be >= 0"),
+    (["actors.engine.compressor.kv_budget_bytes=9000"],      # the tiny preset sets kv_budget=48
+     r"actors\.engine\.compressor\.kv_budget_bytes=9000 with actors\.engine\.compressor\.kv_budget=48: the byte "
+     r"budget is the one budget"),
+    (["actors.engine.compressor.kv_budget_bytes=9000", "actors.engine.compressor.kv_budget=512",
+      "actors.engine.compressor.budget_schedule=linear", "actors.engine.compressor.kv_budget_final=600"],
+     r"actors\.engine\.compressor\.kv_budget_bytes=9000 with actors\.engine\.compressor\.budget_schedule=linear: "),
+    (["actors.engine.compressor.kv_budget_bytes=9000", "actors.engine.compressor.kv_budget=512",
+      "actors.engine.compressor.budget_tiers=confidence"],
+     r"actors\.engine\.compressor\.kv_budget_bytes=9000 with actors\.engine\.compressor\.budget_tiers=confidence: "),
+    (["actors.engine.compressor.kv_budget_bytes=9000", "actors.engine.compressor.kv_budget=512",
+      "actors.engine.compressor.method=full"],
+     r"actors\.engine\.compressor\.kv_budget_bytes=9000 with actors\.engine\.compressor\.method=full: nothing"),
+    (["actors.engine.compressor.kv_budget_bytes=9000", "actors.engine.compressor.kv_budget=512",
+      "actors.engine.backend=sglang"], r"actors\.engine\.compressor\.kv_budget_bytes=9000: the SGLang engine"),
+])
+def test_a_byte_budget_is_the_one_budget(overrides, message):
+    """compressor.kv_budget_bytes (resolved to tokens by the torch engine and the preflight) is refused beside
+    anything else that states the budget in tokens, with method full, and on the SGLang engine, naming the fields;
+    alone (kv_budget back at its default) it loads."""
+    with pytest.raises(ConfigError, match="^" + message):
+        load_config("tiny", overrides)
+    run = load_config("tiny", ["actors.engine.compressor.kv_budget_bytes=9000",
+                               "actors.engine.compressor.kv_budget=512"])
+    assert run.actors.engine.compressor.kv_budget_bytes == 9000
