@@ -475,6 +475,9 @@ def test_weight_sync_fingerprint_setting_is_checked_and_its_probe_fits_the_small
     tiers = ["actors.engine.compressor.kv_budget=12", "actors.engine.compressor.window=4",
              "actors.engine.compressor.budget_tiers=confidence"]
     assert rollout_config(load_config("tiny", tiers, check_files=False)).fingerprint_tokens == 6   # 12 x 0.5
+    by_bytes = ["actors.engine.compressor.kv_budget_bytes=100000", "actors.engine.compressor.kv_budget=512",
+                "actors.engine.compressor.window=4"]   # tokens known at the engine only: the least, window + 1
+    assert rollout_config(load_config("tiny", by_bytes, check_files=False)).fingerprint_tokens == 5
     assert cfg.learner.weight_sync_fingerprint_every == 1 and rollout_config(cfg).fingerprint_every == 1
     every = load_config("tiny", ["learner.weight_sync_fingerprint_every=4"], check_files=False)
     assert rollout_config(every).fingerprint_every == 4
