@@ -53,10 +53,10 @@ def test_straight_through_backward_is_the_unquantized_forwards_gradient(q):
     assert not torch.equal(quantize_dequantize(k.detach(), q), k.detach())   # the quantizer did round
 
 
-def quant_rollouts(kv_dtype: str):
-    """(model, groups off the wire) of R-KV rollouts whose cache stores K/V at `kv_dtype` (token_head scale)."""
+def quant_rollouts(kv_dtype: str, kv_scale: str = "token_head"):
+    """(model, groups off the wire) of R-KV rollouts whose cache stores K/V at `kv_dtype` / `kv_scale`."""
     model = tiny_model("llama", layers=3)
-    cfg = CompressorConfig(method="rkv", kv_budget=12, window=4, interval=5, kv_dtype=kv_dtype)
+    cfg = CompressorConfig(method="rkv", kv_budget=12, window=4, interval=5, kv_dtype=kv_dtype, kv_scale=kv_scale)
     cfg.validate()
     engine = TorchEngine(model, tiny_tokenizer(), cfg, record_evictions=True)
     out = engine.generate(PROMPTS + [list(range(20, 36))],
@@ -65,14 +65,15 @@ def quant_rollouts(kv_dtype: str):
     return model, groups
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8"])
-def test_replayed_logp_of_a_quantized_cache_equals_logp_sparse_and_the_unquantized_replay_does_not(kv_dtype):
+@pytest.mark.parametrize("kv_dtype,kv_scale", [("fp8_e4m3", "token_head"), ("int8", "token_head"),
+                                               ("int4", "token_head"), ("fp8_e4m3", "layer"), ("bf16", "token_head")])
+def test_replayed_logp_of_a_quantized_cache_equals_logp_sparse_and_the_unquantized_replay_does_not(kv_dtype, kv_scale):
     """At max_staleness 0: the replayed log-probs (qdq of K/V after RoPE at every position) are within 1e-3 of the
     sampler's logp_sparse (the share of tokens above 1e-4 reported); the control, the same replay without the qdq on
     the same batch, is off by more than 1e-2; the learner's step reports replay_logp_max_abs <= 1e-3 and, with
     learner.replay_quant_gap, replay_quant_gap = max |replay with - without the qdq| (the fused path declined)."""
-    model, groups = quant_rollouts(kv_dtype)
-    assert {g.kv_quant for g in groups} == {f"{kv_dtype}/token_head"}
+    model, groups = quant_rollouts(kv_dtype, kv_scale)
+    assert {g.kv_quant for g in groups} == {KVQuant(kv_dtype, kv_scale).name}
     learner = Learner(copy.deepcopy(model), LearnerConfig(lr=1e-3, kl_coef=0.0, policy_target="sparse",
                                                            micro_batch_size=3, replay_quant_gap=True))
     batch = learner.collate(groups)
@@ -84,7 +85,7 @@ def test_replayed_logp_of_a_quantized_cache_equals_logp_sparse_and_the_unquantiz
     gap = (learner._at_response(with_qdq, batch, rows) - batch.logp_sparse).abs()[mask]
     control = (learner._at_response(without, batch, rows) - batch.logp_sparse).abs()[mask]
     share = float((gap > 1e-4).float().mean())
-    print(f"{kv_dtype}: replay max |dlogp| {float(gap.max()):.2e}, share of {gap.numel()} tokens above 1e-4 "
+    print(f"{kv_dtype}/{kv_scale}: replay max |dlogp| {float(gap.max()):.2e}, share of {gap.numel()} tokens above 1e-4 "
           f"{share:.4f}; without qdq {float(control.max()):.2e}")
     assert float(gap.max()) <= 1e-3, f"max {float(gap.max()):.2e}, share above 1e-4 {share:.4f}"
     assert float(control.max()) > 1e-2, "the quantization did not matter: the check would not see a missing qdq"
@@ -93,3 +94,15 @@ def test_replayed_logp_of_a_quantized_cache_equals_logp_sparse_and_the_unquantiz
     metrics = learner.step(groups, [0] * len(groups))
     assert metrics["replay_logp_max_abs"] <= 1e-3, metrics["replay_logp_max_abs"]
     assert metrics["replay_quant_gap"] == pytest.approx(quant_gap, abs=1e-6) and quant_gap > 1e-2
+
+
+def test_one_step_replays_one_quantizer():
+    """Groups of two quantizers in one batch (the consumer dead-letters the run's other one first): collate
+    refuses, naming both, rather than replaying one with the other's."""
+    import dataclasses
+
+    _, groups = quant_rollouts("int8")
+    mixed = [groups[0], dataclasses.replace(groups[1], kv_quant="fp8_e4m3/token_head")]
+    learner = Learner(tiny_model("llama", layers=3), LearnerConfig(kl_coef=0.0, policy_target="sparse"))
+    with pytest.raises(ValueError, match=r"different KV quantizers \['fp8_e4m3/token_head', 'int8/token_head'\]"):
+        learner.collate(mixed)
