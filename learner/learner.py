@@ -165,8 +165,7 @@ class Learner:
         """Eviction replay's forwards of micro-batch `rows`: the replayed one (differentiated when `grad`) and,
         with `dense`, one no-grad dense forward; with `unquantized`, one more no-grad replayed forward without the
         KV quantize-dequantize (logp_unquantized [n, T]). Returns logp (replayed, [n, T]), entropy (replayed, no
-        grad) and,
-        with `dense`, logp_dense [n, T], accept_exact [n, T] (Sparrow's sum_v min(p, q) from both whole
+        grad) and, with `dense`, logp_dense [n, T], accept_exact [n, T] (Sparrow's sum_v min(p, q) from both whole
         distributions), dense_topk [n, T, K] when the batch has top-k ids, and with grad and distill_coef > 0
         distill [n, T] = KL(pi_dense || pi_replayed) per token (differentiable); all 0 on padding."""
         mask = batch.response_mask[rows].to(self.device)
