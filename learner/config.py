@@ -134,8 +134,8 @@ class LearnerConfig:
     the replayed forwards quantize-dequantize K/V as the sampler stored them, learner/replay.py): also report
     `replay_quant_gap`, max |replayed logp_old - the same replay without the quantize-dequantize| over the step's
     trained tokens (what the quantization changes). It costs one more no-grad replayed forward per micro-batch of
-    the recompute (about a fifth more step time), and a step that would take logp_old from its training forward
-    (fuse_logp_old) recomputes it instead. false: not measured."""
+    the recompute (its two forwards become three; not timed), and a step that would take logp_old from its
+    training forward (fuse_logp_old) recomputes it instead. false: not measured."""
 
     # --- checkpoints ---------------------------------------------------------------------------------------
     checkpoint_dir: str = ""
