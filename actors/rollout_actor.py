@@ -367,7 +367,7 @@ class RolloutWorker:
                 run_id=self.run_id, group_id=uuid.uuid4().hex, prompt_id=prompt.prompt_id,
                 weight_version=batch.version, temperature=params.temperature, compressor=a.engine.compressor.method,
                 kv_budget=budget, samples=records, actor_id=self.actor_id, created_at=time.time(), budget_tier=tier,
-                prompt_index=index))
+                prompt_index=index, kv_quant=a.engine.compressor.kv_quant().name))
             mean_reward = sum(r.reward for r in records) / len(records)
             confidences[prompt.prompt_id] = min(1.0, max(0.0, mean_reward))
             if tier:
@@ -444,8 +444,11 @@ class RolloutWorker:
         Base budget: the learner's controlled budget from Redis (budget_control mismatch; the learner publishes
         it before it broadcasts the weights of the same version, so reading it after the weight version makes
         the batch use a budget at least as new as its weights), else the schedule at `version`. With tiers,
-        each prompt's budget is the base times its tier's scale (compressors.budget.tier_budget)."""
+        each prompt's budget is the base times its tier's scale (compressors.budget.tier_budget). With
+        compressor.kv_budget_bytes: the tokens the engine resolved it to (constant; nothing else varies it)."""
         c = self.cfg.actors.engine.compressor
+        if c.kv_budget_bytes:
+            return [self.engine.compressor_cfg.kv_budget] * len(batch), [""] * len(batch)
         if c.budget_control == "mismatch":
             base = rs.read_kv_budget(self.redis, self.run_id, c.kv_budget)
         else:

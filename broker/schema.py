@@ -12,11 +12,14 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """2: optional top-k log-probs per response token (header `topk`, arrays topk_ids / topk_logprobs).
 3: optional eviction record per sample (header `eviction`, zlib blobs after the arrays; docs/SPEC.md §2.4).
 4: optional trainable mask per response token (header `trainable`; multi-turn rollouts, docs/multi-turn.md):
-a reader of version 3 would train on environment tokens, so it must refuse the message."""
+a reader of version 3 would train on environment tokens, so it must refuse the message.
+5: the KV quantizer each group was sampled with (header `kv_quant`: compressors.kv_quant.KVQuant.name, e.g. "model",
+"bf16", "int8/token_head"): a reader of version 4 would replay a quantized sampler at the model's precision, so it
+must refuse the message; the learner dead-letters a group whose quantizer is not its run's (kv_quant_mismatch)."""
 
 
 @dataclass
@@ -69,15 +72,18 @@ class TrajectoryGroup:
     prompt_index: int = -1
     """Position of the prompt in the run's prompt stream (broker.prompts: the i-th prompt handed out is
     prompt i mod the data size), so the learner can checkpoint the data position; -1 when unknown."""
+    kv_quant: str = "model"
+    """The precision the sampler stored K/V at (compressors.kv_quant.KVQuant.name of compressor.kv_dtype /
+    kv_scale: "model", "bf16", "fp8_e4m3/token_head", "fp8_e4m3/layer", "int8/token_head", "int4/token_head"),
+    which the learner's replay quantize-dequantizes with (learner/replay.py)."""
 
 
 class SchemaError(ValueError):
     """A trajectory group that cannot go on (or come off) the wire. `reason` is a short code stored with
     the dead letter (schema_version, not_msgpack, missing_field, bad_field, bad_dtype, bad_shape,
     length_mismatch, too_many_tokens, bad_token_id, message_too_large, logp_not_finite, logp_positive (both
-    also for topk_logprobs),
-    reward_not_finite, no_samples; the consumer adds run_id_mismatch and no_eviction_record); the message names
-    field and sample."""
+    also for topk_logprobs), reward_not_finite, no_samples; the consumer adds run_id_mismatch, no_eviction_record
+    and kv_quant_mismatch); the message names field and sample."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
@@ -89,7 +95,7 @@ class SchemaError(ValueError):
 # back (prompt_ids, response_ids, logp_sparse of all samples), described by the header. Columnar, so that
 # validation is a few numpy reductions per group; the arrays are copied once when encoding and are numpy
 # views on the message when decoding. Header entries:
-#   schema_version, the TrajectoryGroup scalars (_GROUP_FIELDS),
+#   schema_version, the TrajectoryGroup scalars (_GROUP_FIELDS; kv_quant from version 5),
 #   prompt_lens [G], response_lens [G]        sample i owns the i-th slice of each array
 #   prompt_ids, response_ids, logp_sparse     [dtype str, shape [n]] of the samples' arrays concatenated
 #   finish_reason, reward, kv_retained_tokens, kv_peak_bytes   lists of G values (_SAMPLE_FIELDS)
@@ -113,7 +119,7 @@ TOPK_BYTES_PER_ENTRY = 6
 """Wire bytes per top-k entry of a response token: int32 id + float16 log-prob."""
 _FP16_LOWEST = float(np.finfo(np.float16).min)
 _GROUP_FIELDS = {"run_id": str, "group_id": str, "prompt_id": str, "weight_version": int, "temperature": float,
-                 "compressor": str, "kv_budget": int, "actor_id": str, "created_at": float}
+                 "compressor": str, "kv_budget": int, "actor_id": str, "created_at": float, "kv_quant": str}
 _OPTIONAL_GROUP_FIELDS = {"budget_tier": (str, ""), "prompt_index": (int, -1)}
 """Header fields added after schema version 1: written always, read with their default when absent."""
 _SAMPLE_FIELDS = {"finish_reason": str, "reward": float, "kv_retained_tokens": int, "kv_peak_bytes": int}

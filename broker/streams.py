@@ -282,12 +282,15 @@ class GroupConsumer:
     messages of a dead consumer are taken over after cfg.claim_min_idle_ms (XAUTOCLAIM).
     `counters`: this consumer's consumed, dropped_stale, dead_lettered, duplicates, reclaimed.
     `require_eviction_record`: a group without eviction records is dead-lettered (reason no_eviction_record): the
-    learner replays them (learner.policy_target=sparse) and never trains such a group dense in silence."""
+    learner replays them (learner.policy_target=sparse) and never trains such a group dense in silence.
+    `kv_quant`: the run's KV quantizer (compressors.kv_quant.KVQuant.name); a group sampled with another
+    (`TrajectoryGroup.kv_quant`) is dead-lettered (reason kv_quant_mismatch), never replayed with the wrong one;
+    None: not checked."""
 
     def __init__(self, client: redis.Redis, cfg: BrokerConfig, run_id: str, consumer_name: str,
-                 require_eviction_record: bool = False):
+                 require_eviction_record: bool = False, kv_quant: str | None = None):
         self.client, self.cfg, self.run_id, self.name = client, cfg, run_id, consumer_name
-        self.require_eviction_record = require_eviction_record
+        self.require_eviction_record, self.kv_quant = require_eviction_record, kv_quant
         self.stream = rs.key(run_id, cfg.stream)
         self.counters = {name: 0 for name in COUNTERS}
         self._in_flight: dict[bytes, str] = {}  # msg_id -> group_id, read and not yet committed
@@ -360,6 +363,10 @@ class GroupConsumer:
                 if self.require_eviction_record and group.samples[0].eviction_steps is None:
                     raise SchemaError("no_eviction_record", f"group {group.group_id!r} carries no eviction record "
                                                             "(learner.policy_target=sparse replays one)")
+                if self.kv_quant is not None and group.kv_quant != self.kv_quant:
+                    raise SchemaError("kv_quant_mismatch", f"group {group.group_id!r} was sampled with KV stored "
+                                      f"at {group.kv_quant!r}, the run's compressor.kv_dtype/kv_scale is "
+                                      f"{self.kv_quant!r}")
                 groups.append((msg_id, group))
             except SchemaError as e:
                 dead.append((msg_id, e, payload))

@@ -12,6 +12,8 @@ TIERS = ("off", "confidence")
 PHASES = ("request", "aligned")
 H2O_RECENT = 64
 """h2o_recent's default (a method other than h2o must leave it so: it reads no such field)."""
+KV_BUDGET = 512
+"""kv_budget's default (tokens)."""
 BUDGET_METRICS = ("accept_p5", "accept_p1", "accept_p50", "accept_mean", "accept_upper_p5",
                   "xi_p1", "xi_p5", "xi_p50", "xi_sym_p1", "xi_sym_p5", "xi_sym_p50")
 """accept_*: Sparrow's per-token acceptance rate (learner/acceptance.py; needs actors.sampling.topk_logprobs);
@@ -25,7 +27,7 @@ class CompressorConfig:
     """KV eviction policy: one of rkv | snapkv | h2o | streamingllm | random | full (full = dense, no eviction;
     random: a uniform choice per layer and KV head, scored by a hash of the sample's seed, layer, KV head, token
     position and event, Random Attention, arXiv 2609.03430 §3)."""
-    kv_budget: int = 512
+    kv_budget: int = KV_BUDGET
     """B: tokens kept per sequence, per layer, per KV head after a compression (prompt included)."""
     window: int = 8
     """W: observation window; the last W queries score the cache and the last W tokens are always kept."""
@@ -86,8 +88,17 @@ class CompressorConfig:
     """Precision K/V are stored at (compressors/kv_quant.py): model (the model dtype, as stored so far) | bf16 |
     fp8_e4m3 | int8 | int4 (two per byte; head_dim even), the last three with a scale per kv_scale. The budget
     stays in tokens; bytes per token: KVQuant.token_bytes. The torch engine stores it (actors/engines/
-    batch_cache.py: every query reads the dequantized K/V, compression scores them); a run (deploy/config.py)
-    refuses any but model while the learner's replay, the preflight and the SGLang engine do not know it."""
+    batch_cache.py: every query reads the dequantized K/V, compression scores them) and each trajectory group says
+    it (broker/schema.py kv_quant), learner.policy_target=sparse replays it (learner/replay.py) and the preflight
+    counts its bytes (actors/engines/kv_memory.py); a run (deploy/config.py check_kv_precision) refuses any but
+    model on the SGLang engine, and with method full under policy_target sparse (no record to replay it along)."""
+    kv_budget_bytes: int = 0
+    """The budget in bytes instead of tokens (0: off, kv_budget counts): per sequence, K and V of every layer and KV
+    head as stored at kv_dtype, scales included. The torch engine keeps floor(kv_budget_bytes / token bytes) tokens,
+    token bytes = KVQuant.token_bytes of the model's shape (`with_byte_budget`); the preflight sizes with the same
+    count. Refused with a kv_budget other than its default 512 (a preset's included: set it back to 512), a budget
+    schedule, budget_control or budget_tiers (they speak
+    tokens), method full, and where it holds no more than `window` tokens; the SGLang engine does not run it."""
     kv_scale: str = "token_head"
     """Scale granularity of fp8_e4m3 / int8 / int4: token_head (one float32 amax / qmax scale per token, layer and
     KV head, K and V each their own, 4 B counted in the bytes) | layer (a static per-layer scale 1.0, SGLang's fp8
@@ -198,7 +209,8 @@ class CompressorConfig:
         pool_kernel odd and >= 1 (same padding); 0 <= similarity_threshold <= 1; for h2o
         window <= h2o_recent < kv_budget; sinks, protect_values >= 0, protect_prompt off | all | last:<n>, and
         sinks + n + protect_values + window (h2o: h2o_recent) < kv_budget (streamingllm with sinks alone: <=);
-        for random h2o_recent left at its default (h2o's field); kv_dtype / kv_scale (_validate_kv_precision).
+        for random h2o_recent left at its default (h2o's field); kv_dtype / kv_scale (_validate_kv_precision);
+        kv_budget_bytes alone as the budget (_validate_byte_budget).
         """
         if self.method not in METHODS:
             raise ValueError(f"compressor.method={self.method!r} is unknown; expected one of {METHODS}")
@@ -225,9 +237,56 @@ class CompressorConfig:
             if self.h2o_recent >= self.kv_budget:
                 raise ValueError(
                     f"compressor.h2o_recent={self.h2o_recent} must be < compressor.kv_budget={self.kv_budget}")
+        self._validate_byte_budget()   # first: the budget variants _validate_budget_control checks speak tokens
         self._validate_protection()
         self._validate_budget_control()
         self._validate_kv_precision()
+
+    def _validate_byte_budget(self) -> None:
+        """kv_budget_bytes >= 0; when set, nothing else states the budget (kv_budget left at its default, no
+        schedule, controller or tiers: they speak tokens) and a method that evicts."""
+        if self.kv_budget_bytes < 0:
+            raise ValueError(f"compressor.kv_budget_bytes={self.kv_budget_bytes} must be >= 0 (0: off)")
+        if not self.kv_budget_bytes:
+            return
+        set_too = [f"compressor.{name}={value}" for name, value, default in (
+            ("kv_budget", self.kv_budget, KV_BUDGET), ("budget_schedule", self.budget_schedule, "constant"),
+            ("budget_control", self.budget_control, "off"), ("budget_tiers", self.budget_tiers, "off"))
+            if value != default]
+        if set_too:
+            raise ValueError(f"compressor.kv_budget_bytes={self.kv_budget_bytes} with {', '.join(set_too)}: the byte "
+                             "budget is the one budget, constant (schedules, the controller and tiers speak tokens): "
+                             "set one of them")
+        if self.method == "full":
+            raise ValueError(f"compressor.kv_budget_bytes={self.kv_budget_bytes} with compressor.method=full: "
+                             "nothing is evicted to keep within it")
+
+    def with_byte_budget(self, token_bytes: int) -> "CompressorConfig":
+        """This config with kv_budget_bytes resolved to tokens: kv_budget = floor(kv_budget_bytes / token_bytes)
+        (token_bytes: one token's stored K and V over all layers and KV heads, KVQuant.token_bytes), kv_budget_bytes
+        0, validated; itself when kv_budget_bytes is 0. Raises ValueError naming compressor.kv_budget_bytes when
+        that holds no more than `window` tokens (or another check fails at that budget)."""
+        if not self.kv_budget_bytes:
+            return self
+        from compressors.kv_quant import budget_tokens
+        tokens = budget_tokens(self.kv_budget_bytes, token_bytes)
+        if tokens <= self.window:
+            raise ValueError(f"compressor.kv_budget_bytes={self.kv_budget_bytes} holds {tokens} tokens of "
+                             f"{token_bytes} B (compressor.kv_dtype={self.kv_dtype}): expected more than "
+                             f"compressor.window={self.window}, i.e. >= {(self.window + 1) * token_bytes} B")
+        resolved = dataclasses.replace(self, kv_budget=tokens, kv_budget_bytes=0)
+        try:
+            resolved.validate()
+        except ValueError as e:
+            raise ValueError(f"compressor.kv_budget_bytes={self.kv_budget_bytes} ({tokens} tokens of {token_bytes} B): "
+                             f"{e}") from None
+        return resolved
+
+    def kv_quant(self):
+        """The KV quantizer of kv_dtype / kv_scale: compressors.kv_quant.KVQuant (its `name` travels with each
+        trajectory group, broker/schema.py)."""
+        from compressors.kv_quant import KVQuant
+        return KVQuant(self.kv_dtype, self.kv_scale)
 
     def _validate_kv_precision(self) -> None:
         """kv_dtype and kv_scale known and a possible pair (KVQuant.check: layer with fp8_e4m3 only, so a scale

@@ -1,7 +1,6 @@
 """Quantized KV storage: the one function that stores K or V at a lower precision and reads it back. The torch
-engine's cache (actors/engines/batch_cache.py) stores K/V with it; the learner's replayed forward is to call the same
-function (`straight_through`) so both see the same values at the same positions. Until it does, a run
-(deploy/config.py) refuses any `compressor.kv_dtype` other than `model`.
+engine's cache (actors/engines/batch_cache.py) stores K/V with it; the learner's replayed forward calls the same
+function (`straight_through`, learner/replay.py) so both see the same values at the same positions.
 
 A K or V vector is one token's `head_dim` values for one layer and KV head. Precisions (`compressor.kv_dtype`):
 

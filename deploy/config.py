@@ -136,13 +136,15 @@ def rollout_config(run: RunConfig) -> RolloutConfig:
 
 def fingerprint_tokens(run: RunConfig) -> int:
     """Tokens per sequence of the weight-sync fingerprint's probe, the same for the learner and every actor:
-    broker.fingerprint.probe_tokens of the smallest KV budget the run may use (none with compressor method full);
-    0 with learner.weight_sync_fingerprint=off. Raises ValueError when that budget is below the probe's minimum
-    (the config check refuses the run first: check_fingerprint)."""
+    broker.fingerprint.probe_tokens of the smallest KV budget the run may use (none with compressor method full;
+    with compressor.kv_budget_bytes, whose tokens the engine resolves from the model, the least it may hold:
+    window + 1); 0 with learner.weight_sync_fingerprint=off. Raises ValueError when that budget is below the probe's
+    minimum (the config check refuses the run first: check_fingerprint)."""
     if run.learner.weight_sync_fingerprint == "off":
         return 0
     compressor = run.actors.engine.compressor
-    return probe_tokens(compressor.budget_range()[0] if compressor.method != "full" else None)
+    smallest = compressor.window + 1 if compressor.kv_budget_bytes else compressor.budget_range()[0]
+    return probe_tokens(smallest if compressor.method != "full" else None)
 
 
 def check_fingerprint(run: RunConfig) -> None:
@@ -402,16 +404,36 @@ def check_ranges(run: RunConfig) -> None:
 
 
 def check_kv_precision(run: RunConfig) -> None:
-    """compressor.kv_dtype other than model (actors.engine.compressor, eval.sparse_compressor) refused in one line:
-    the torch engine stores it, but the learner's replay would not quantize (off-policy), the preflight and
-    kv_retained_ratio count model-dtype bytes, no group says which precision sampled it, and the SGLang engine
-    stores the model dtype."""
-    for path, compressor in (("actors.engine.compressor", run.actors.engine.compressor),
-                             ("eval.sparse_compressor", run.eval.sparse_compressor)):
-        if compressor is not None:
-            check(compressor.kv_dtype == "model", f"{path}.kv_dtype={compressor.kv_dtype!r}: quantized KV is "
-                  "stored by the torch engine only, not yet replayed by the learner nor counted by the preflight: "
-                  "use model")
+    """Quantized KV (compressor.kv_dtype other than model; docs/kv_cache.md "Quantized KV") runs on the torch engine,
+    which stores it, sends it with each group and is sized by the preflight, and learner.policy_target=sparse replays
+    it along the eviction record. Refused in one line (ConfigError): on the SGLang engine (its pool stores the model
+    dtype under our backend), naming actors.engine.backend and compressor.kv_dtype; with policy_target sparse and
+    method full (no eviction record: nothing would replay the quantization); learner.replay_quant_gap where it
+    would measure nothing (no replay, or kv_dtype model). With policy_target dense the quantization is part of the
+    sampler's mismatch, corrected as eviction is."""
+    compressor = run.actors.engine.compressor
+    check(compressor.kv_dtype == "model" or run.actors.engine.backend != "sglang",
+          f"actors.engine.compressor.kv_dtype={compressor.kv_dtype!r} with actors.engine.backend=sglang: its KV pool "
+          "stores the model dtype under the sparse backend (quantized KV runs on the torch engine): use "
+          "actors.engine.backend=torch or kv_dtype model")
+    check(compressor.kv_dtype == "model" or compressor.method != "full" or run.learner.policy_target != "sparse",
+          f"actors.engine.compressor.kv_dtype={compressor.kv_dtype!r} with method full and "
+          "learner.policy_target=sparse: the learner replays the quantization along the eviction record, which "
+          "method full does not send: use a compressing method, or learner.policy_target=dense (the correction "
+          "then treats the quantization as mismatch)")
+    measured = run.learner.replays(compressor.method) and compressor.kv_dtype != "model"
+    check(not run.learner.replay_quant_gap or measured,
+          f"learner.replay_quant_gap=true measures the replay of a quantized KV cache: it needs "
+          f"learner.policy_target=sparse (now {run.learner.policy_target!r}), a compressing "
+          f"actors.engine.compressor.method (now {compressor.method!r}) and actors.engine.compressor.kv_dtype other "
+          f"than model (now {compressor.kv_dtype!r})")
+
+
+def derived_params(run: RunConfig) -> dict[str, str]:
+    """MLflow params beyond the config's own keys: `kv/dtype`, the KV quantizer the rollouts store K/V with
+    (compressors.kv_quant.KVQuant.name of actors.engine.compressor.kv_dtype / kv_scale, e.g. "int8/token_head"),
+    the spelling each trajectory group carries."""
+    return {"kv/dtype": run.actors.engine.compressor.kv_quant().name}
 
 
 def check_sglang(run: RunConfig) -> None:

@@ -29,7 +29,7 @@ from broker import run_state as rs  # noqa: E402
 from broker.redis_server import LocalRedis, RedisInUse  # noqa: E402
 from broker.streams import connect, queue_depth, unreachable  # noqa: E402
 from deploy.actor_pool import ActorPool, RunFailed  # noqa: E402
-from deploy.config import RunConfig, to_dict  # noqa: E402
+from deploy.config import RunConfig, derived_params, to_dict  # noqa: E402
 from deploy.console import Console, training_target  # noqa: E402
 from deploy.model_cache import resolve_model  # noqa: E402
 from deploy.record import open_record  # noqa: E402
@@ -286,7 +286,7 @@ def _open_services(cfg: RunConfig, stack: ExitStack, record, console: Console, r
     # how `sparse-rl scale --run <id>` finds the broker, and `--resume` the MLflow run and checkpoints
     write_run_info(run_dir, run_id, cfg.broker, mlflow_uri=tracker.uri, mlflow_run_id=tracker.run_id,
                    checkpoint_dir=cfg.learner.checkpoint_dir)
-    changed = tracker.log_params(to_dict(cfg))
+    changed = tracker.log_params({**to_dict(cfg), **derived_params(cfg)})
     if report is not None:
         tracker.log_params(report.params())
     if record.resumed:

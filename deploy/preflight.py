@@ -128,6 +128,7 @@ class PreflightReport:
                   "fits_seqs_dense": self.fits(self.dense_per_seq), "fits_seqs_sparse": self.fits(self.sparse_per_seq),
                   "model_layers": self.shape.layers, "model_kv_heads": self.shape.kv_heads,
                   "model_head_dim": self.shape.head_dim, "kv_dtype_bytes": self.shape.dtype_bytes,
+                  "kv_bytes_per_token": self.shape.bytes_per_token,
                   "group_wire_bytes": self.group_bytes, "broker_queue_bytes": self.queue_bytes,
                   "compression_event_bytes": self.event_bytes, "sglang_query_ring_bytes": self.ring_bytes}
         return {f"preflight_result.{k}": str(v) for k, v in values.items()}
@@ -142,7 +143,8 @@ class PreflightReport:
                     f"{'?' if fits is None else f'{fits:,}':>14}")
 
         lines = [f"preflight: {s.layers} layers x {s.kv_heads} KV heads x head_dim {s.head_dim} x {s.dtype_bytes} B "
-                 f"({s.bytes_per_token:,} B of K/V per token); engine {self.engine}, {self.method}, "
+                 + (f"stored at {s.vector_bytes} B per K or V vector " if s.stored_vector_bytes else "")
+                 + f"({s.bytes_per_token:,} B of K/V per token); engine {self.engine}, {self.method}, "
                  + (f"budget {self.kv_budget} (largest the run uses) + interval {self.interval}"
                     if self.method != "full" else "no KV compression"),
                  f"  prompt {self.prompt_tokens} + response {self.max_new_tokens} tokens; one actor batch = "
@@ -250,10 +252,15 @@ def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: i
     if cfg.learner.lora.enabled:   # a preset model's targets: its files exist from here
         check_lora_targets(cfg, model_path)
     hf = AutoConfig.from_pretrained(model_path)
-    shape = ModelShape.from_hf_config(hf, a.engine.dtype)
+    shape = ModelShape.from_hf_config(hf, a.engine.dtype, c.kv_dtype, c.kv_scale)
     prompt = prompt_tokens or longest_prompt(cfg, model_path)
     new = a.sampling.max_new_tokens
     low, high = c.budget_range()
+    if c.kv_budget_bytes:   # the tokens the torch engine keeps at this model's bytes per token
+        try:
+            low = high = c.with_byte_budget(shape.bytes_per_token).kv_budget
+        except ValueError as e:
+            raise ConfigError(str(e).replace("compressor.", "actors.engine.compressor.")) from None
     compress = c.method != "full"
     if a.env.factory:   # multi-turn: up to env.max_total_tokens after the prompt, over every turn
         turn_new, new = min(new, a.env.max_total_tokens), max(new, a.env.max_total_tokens)

@@ -26,9 +26,14 @@ from deploy.config import PRESET_MODELS, ConfigError, RunConfig, load_config, ma
 from deploy.scale import RUN_INFO
 from learner.checkpoint import read_client_state
 
-MUST_MATCH = ("seed", "actors.data", "model", "learner.ranks", "learner.zero_stage")
+MUST_MATCH = ("seed", "actors.data", "model", "learner.ranks", "learner.zero_stage",
+              "actors.engine.compressor.kv_dtype", "actors.engine.compressor.kv_scale")
 """Config fields a resume or fork cannot change: the prompt order (seed, actors.data) the data position refers
-to, and what the checkpoint's shards fit (model, learner.ranks, learner.zero_stage)."""
+to, what the checkpoint's shards fit (model, learner.ranks, learner.zero_stage), and the KV quantizer its groups
+were sampled and replayed with (compressor.kv_dtype / kv_scale: each group carries it, broker/schema.py, and the
+learner dead-letters another)."""
+SAVED_DEFAULTS = {"actors.engine.compressor.kv_dtype": "model", "actors.engine.compressor.kv_scale": "token_head"}
+"""A MUST_MATCH field's value in a config.yaml written before it existed."""
 
 OWNER = "OWNER"
 """File in a checkpoint directory: the run directory that writes its checkpoints."""
@@ -199,14 +204,15 @@ def _check_unchanged(run_dir: Path, cfg: RunConfig, what: str) -> None:
     changed = []
     for name in MUST_MATCH:
         old, new = _dotted(saved, name), _dotted(now, name)
+        old = SAVED_DEFAULTS.get(name) if old is None else old
         pairs = {f"{name}.{k}": (old.get(k), new.get(k)) for k in {**old, **new}} if isinstance(new, dict) \
             else {name: (old, new)}
         if name == "model":
             pairs = {name: (old, new)} if _model_dir(old) != _model_dir(new) else {}
         changed += [f"{k}={b!r} (the checkpoint's: {a!r})" for k, (a, b) in sorted(pairs.items()) if a != b]
     if changed:
-        raise ConfigError(f"{what}: {'; '.join(changed)}: the checkpoint's prompt order and shards need the values "
-                          f"it was trained with; drop these overrides, or start a new run")
+        raise ConfigError(f"{what}: {'; '.join(changed)}: the checkpoint's prompt order, shards and KV quantizer "
+                          f"need the values it was trained with; drop these overrides, or start a new run")
 
 
 def _dotted(tree: dict, name: str):

@@ -35,6 +35,7 @@ class LearnerBatch:
     topk_ids: Annotated[Tensor | None, "int64 [S, T, K]"] = None          # every sample's top-k (SPEC §4, Sparrow)
     topk_logprobs: Annotated[Tensor | None, "float32 [S, T, K]"] = None
     replay_evicted_at: Annotated[Tensor | None, "int32 [S, layers, heads, L]"] = None   # learner/replay.py
+    kv_quant: str = "model"        # the groups' KV quantizer (TrajectoryGroup.kv_quant), which replay applies
 
     @property
     def size(self) -> int:
@@ -56,6 +57,7 @@ class LossInputs:
     logp_ref: Annotated[Tensor | None, "float32 [S, T]"] = None         # kl_coef > 0
     logp_dense: Annotated[Tensor | None, "float32 [S, T]"] = None       # replaying: the dense forward's
     accept_exact: Annotated[Tensor | None, "float32 [S, T]"] = None     # replaying: sum_v min(p, q)
+    logp_unquantized: Annotated[Tensor | None, "float32 [S, T]"] = None  # replay_quant_gap: replay without qdq
     weights: Annotated[Tensor | None, "float32 [S, T]"] = None          # the correction's importance weights
     loss_mask: Annotated[Tensor | None, "float32 [S, T]"] = None        # after veto and token mask
     metrics: dict[str, float] = field(default_factory=dict)            # the correction's (SPEC §4)
@@ -67,9 +69,12 @@ def collate(groups: list[TrajectoryGroup], replay: bool, staleness: list[int] | 
 
     Raises:
         ValueError: naming the group and sample whose logp_sparse length differs from its response, whose
-            prompt is empty, or a group without samples / with temperature <= 0.
+            prompt is empty, a group without samples / with temperature <= 0, or groups of different kv_quant.
     """
     rows = []
+    quants = {group.kv_quant for group in groups}
+    if len(quants) > 1:
+        raise ValueError(f"the groups were sampled with different KV quantizers {sorted(quants)}: one step replays one")
     for g, group in enumerate(groups):
         if not group.samples:
             raise ValueError(f"group {group.group_id!r} has no samples")
@@ -94,7 +99,8 @@ def collate(groups: list[TrajectoryGroup], replay: bool, staleness: list[int] | 
         temperature=torch.tensor([t for _, t, _ in rows], dtype=torch.float32),
         seq_len=torch.zeros(S, dtype=torch.long),
         fresh=(torch.ones(S, dtype=torch.bool) if staleness is None
-               else torch.tensor([staleness[g] == 0 for g in group_index.tolist()])))
+               else torch.tensor([staleness[g] == 0 for g in group_index.tolist()])),
+        kv_quant=groups[0].kv_quant if groups else "model")
     widths = {None if s.topk_ids is None else s.topk_ids.shape[1] for _, _, s in rows}
     K = widths.pop() if len(widths) == 1 else None
     if K:

@@ -129,6 +129,13 @@ class LearnerConfig:
     """With policy_target sparse: coefficient of the dense-teacher term, KL(pi_dense || pi_replayed) over the
     response tokens (aggregated like the policy loss), added to the GRPO loss (Shadow Mask Distillation,
     arXiv 2605.06850); 0 = replay alone. Metric `distill_kl`."""
+    replay_quant_gap: bool = False
+    """With policy_target sparse on groups sampled from a quantized KV cache (compressor.kv_dtype other than model:
+    the replayed forwards quantize-dequantize K/V as the sampler stored them, learner/replay.py): also report
+    `replay_quant_gap`, max |replayed logp_old - the same replay without the quantize-dequantize| over the step's
+    trained tokens (what the quantization changes). It costs one more no-grad replayed forward per micro-batch of
+    the recompute (its two forwards become three; not timed), and a step that would take logp_old from its
+    training forward (fuse_logp_old) recomputes it instead. false: not measured."""
 
     # --- checkpoints ---------------------------------------------------------------------------------------
     checkpoint_dir: str = ""
@@ -212,6 +219,8 @@ class LearnerConfig:
             (not (math.isfinite(self.distill_coef) and self.distill_coef > 0) or self.policy_target == "sparse",
              "distill_coef", "the dense-teacher term needs learner.policy_target=sparse (the student is the "
              "replayed forward)"),
+            (not self.replay_quant_gap or self.policy_target == "sparse", "replay_quant_gap",
+             "it measures the replayed forward: needs learner.policy_target=sparse"),
         ]
         errors = [f"LearnerConfig.{name}={getattr(self, name)!r}: {rule}" for ok, name, rule in checks if not ok]
         errors += self._lora_errors()

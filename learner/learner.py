@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM
 from broker.lora import add_adapter, base_identity
 from broker.schema import TrajectoryGroup
 from broker.weight_sync import WeightSender
+from compressors.kv_quant import KVQuant
 from learner.acceptance import acceptance_metrics
 from learner.batching import LearnerBatch, LossInputs, collate, micro_batches, teacher_forced, token_balanced_split
 from learner.config import LearnerConfig
@@ -121,10 +122,11 @@ class Learner:
         return logp, entropy
 
     def log_probs(self, model: nn.Module, batch: LearnerBatch, rows: torch.Tensor,
-                  replay: bool = False) -> torch.Tensor:
+                  replay: bool = False, quant: bool = True) -> torch.Tensor:
         """float32 [len(rows), T, V]: log_softmax(logits / temperature) at the positions predicting each response
         token (padding slots: any valid position), from one teacher-forced forward of `model`; with `replay`, the
-        forward hides the keys each sample's eviction record says its sampler no longer saw (learner/replay.py)."""
+        forward hides the keys each sample's eviction record says its sampler no longer saw and, with `quant` and
+        a quantized `batch.kv_quant`, reads K/V at the sampler's stored precision (learner/replay.py)."""
         L = int(batch.seq_len[rows].max())
         index = batch.response_index[rows].to(self.device)
         # the lm_head runs only over the window of positions that predict response tokens (HF
@@ -132,6 +134,8 @@ class Learner:
         start = int(index[:, 0].min())
         window = torch.arange(start, max(L - 1, start + 1), device=self.device)
         extra = {"replay_evicted_at": batch.replay_evicted_at[rows, :, :, :L].to(self.device)} if replay else {}
+        if replay and quant and batch.kv_quant != "model":
+            extra["replay_kv_quant"] = KVQuant.parse(batch.kv_quant)
         logits = model(input_ids=batch.input_ids[rows, :L].to(self.device),
                        attention_mask=batch.attention_mask[rows, :L].to(self.device),
                        logits_to_keep=window, **extra).logits
@@ -151,16 +155,27 @@ class Learner:
         """Whether steps on `batch` replay the rollouts' evictions (policy_target sparse, records present)."""
         return self.cfg.policy_target == "sparse" and batch.replay_evicted_at is not None
 
-    def _replay_forward(self, batch: LearnerBatch, rows: torch.Tensor, grad: bool, dense: bool = True) -> dict:
+    def quant_gap(self, batch: LearnerBatch) -> bool:
+        """Whether a step on `batch` measures replay_quant_gap: learner.replay_quant_gap, replaying, and the
+        groups sampled from a quantized KV cache (batch.kv_quant other than model)."""
+        return self.cfg.replay_quant_gap and self.replays(batch) and batch.kv_quant != "model"
+
+    def _replay_forward(self, batch: LearnerBatch, rows: torch.Tensor, grad: bool, dense: bool = True,
+                        unquantized: bool = False) -> dict:
         """Eviction replay's forwards of micro-batch `rows`: the replayed one (differentiated when `grad`) and,
-        with `dense`, one no-grad dense forward. Returns logp (replayed, [n, T]), entropy (replayed, no grad) and,
-        with `dense`, logp_dense [n, T], accept_exact [n, T] (Sparrow's sum_v min(p, q) from both whole
+        with `dense`, one no-grad dense forward; with `unquantized`, one more no-grad replayed forward without the
+        KV quantize-dequantize (logp_unquantized [n, T]). Returns logp (replayed, [n, T]), entropy (replayed, no
+        grad) and, with `dense`, logp_dense [n, T], accept_exact [n, T] (Sparrow's sum_v min(p, q) from both whole
         distributions), dense_topk [n, T, K] when the batch has top-k ids, and with grad and distill_coef > 0
         distill [n, T] = KL(pi_dense || pi_replayed) per token (differentiable); all 0 on padding."""
         mask = batch.response_mask[rows].to(self.device)
         with contextlib.nullcontext() if grad else torch.no_grad():
             replayed = self.log_probs(self.engine, batch, rows, replay=True)
         out = {"logp": self._at_response(replayed, batch, rows), "entropy": _entropy(replayed, mask)}
+        if unquantized:
+            with torch.no_grad():
+                plain = self.log_probs(self.engine, batch, rows, replay=True, quant=False)
+            out["logp_unquantized"] = self._at_response(plain, batch, rows)
         if not dense:
             return out
         with torch.no_grad():
@@ -188,6 +203,8 @@ class Learner:
             t.logp_ref = torch.zeros(shape, device=device)
         if self.replays(batch):
             t.logp_dense, t.accept_exact = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
+        if self.quant_gap(batch):
+            t.logp_unquantized = torch.zeros(shape, device=device)
         if recompute:
             self._correct(groups, t, self._recompute(t))
         return t
@@ -205,8 +222,10 @@ class Learner:
                     self._padding_recompute(batch, replay, t.logp_ref is not None)
                     continue
                 if replay:   # logp_old replayed; the dense forward for the mismatch metrics
-                    r = self._replay_forward(batch, rows, grad=False)
+                    r = self._replay_forward(batch, rows, grad=False, unquantized=t.logp_unquantized is not None)
                     t.logp_old[rows], t.entropy[rows] = r["logp"], r["entropy"]
+                    if t.logp_unquantized is not None:
+                        t.logp_unquantized[rows] = r["logp_unquantized"]
                     t.logp_dense[rows], t.accept_exact[rows] = r["logp_dense"], r["accept_exact"]
                     if dense_topk is not None:
                         dense_topk[rows] = r["dense_topk"]
@@ -218,7 +237,7 @@ class Learner:
                                                                                with_entropy=True)
                 if t.logp_ref is not None:
                     t.logp_ref[rows] = self.reference_logprobs(batch, rows)
-        for x in (t.logp_old, t.entropy, t.logp_ref, dense_topk, t.logp_dense, t.accept_exact):
+        for x in (t.logp_old, t.entropy, t.logp_ref, dense_topk, t.logp_dense, t.accept_exact, t.logp_unquantized):
             if x is not None:   # each row is non-zero on one rank: the sum is exact
                 all_reduce(x, self.world_size)
         return dense_topk
@@ -228,7 +247,7 @@ class Learner:
         the other ranks' micro-batch (with LoRA the reference forward runs through the engine too)."""
         row = torch.zeros(1, dtype=torch.long)
         if replay:
-            self._replay_forward(batch, row, grad=False)
+            self._replay_forward(batch, row, grad=False, unquantized=self.quant_gap(batch))
         else:
             self.response_logprobs(self.engine, batch, row)
         if reference and self.peft is not None:
@@ -260,6 +279,8 @@ class Learner:
             applied = metrics
             _, _, metrics = sparse_correction(dense, logp_sparse, t.mask, **self._correction_options())
             metrics.update(replay_metrics(t.logp_old, dense, logp_sparse, t.mask, t.fresh, t.accept_exact, applied))
+        if t.logp_unquantized is not None:   # learner.replay_quant_gap: what the KV quantization changes
+            metrics["replay_quant_gap"] = logp_gap(t.logp_old, t.logp_unquantized, t.mask.bool())
         metrics.update(tier_metrics(groups, self.cfg, dense, logp_sparse, t.mask))
         if dense_topk is not None:   # Sparrow's per-token acceptance rate (arXiv 2606.08446, SPEC §4): accept_*
             metrics.update(acceptance_metrics(t.batch.topk_logprobs.to(self.device), dense_topk, t.mask))
@@ -268,11 +289,12 @@ class Learner:
     def fusable(self, batch: LearnerBatch) -> bool:
         """Whether a step on `batch` (collated) takes logp_old from its training forward (`learner.fuse_logp_old`):
         on-policy (one PPO epoch, one minibatch), one rank, ZeRO stage 0, fp32 (the gradients are the
-        parameters' .grad), no reference model, no top-k log-probs to score."""
+        parameters' .grad), no reference model, no top-k log-probs to score, no replay_quant_gap to measure."""
         cfg = self.cfg
         one_minibatch = cfg.minibatch_size == 0 or cfg.minibatch_size >= batch.size
         return (cfg.fuse_logp_old and cfg.ppo_epochs == 1 and one_minibatch and self.world_size == 1
-                and cfg.zero_stage == 0 and cfg.dtype == "fp32" and cfg.kl_coef == 0 and batch.topk_ids is None)
+                and cfg.zero_stage == 0 and cfg.dtype == "fp32" and cfg.kl_coef == 0 and batch.topk_ids is None
+                and not self.quant_gap(batch))
 
     # ------------------------------------------------------------------------------------------------------
     def _num_tokens(self, t: LossInputs, mb_rows: torch.Tensor) -> float | None:

@@ -13,7 +13,11 @@ column" (actors/engines/torch_engine.py) re-based to the sample.
 `replay_evicted_at` (int32 [B, layers, heads, L], local query index of each key's eviction) it builds each
 layer's mask from that O(layers x heads x L) record: on the CPU a boolean [B, H, L, L] for SDPA (the reference
 path), on CUDA a FlexAttention block mask (compiled; bench/replay_gpu_check.py checks it against SDPA); without the
-keyword it is transformers' SDPA attention, so one model serves the dense and the replayed forward.
+keyword it is transformers' SDPA attention, so one model serves the dense and the replayed forward. With the keyword
+`replay_kv_quant` (compressors.kv_quant.KVQuant, the sampler's compressor.kv_dtype / kv_scale) it first
+quantize-dequantizes the layer's K and V (after RoPE, at every position, with the engine's own function
+`straight_through`: identity backward), the values the sampler's queries read from its quantized cache
+(docs/kv_cache.md "Quantized KV").
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from compressors.kv_quant import straight_through
 
 EVICTION_NEVER = np.iinfo(np.uint16).max
 """eviction_steps value of a key no query of the sample lost."""
@@ -36,9 +42,13 @@ def replay_attention(module, query, key, value, attention_mask, dropout: float =
     the learner's forward has no KV cache). With `replay_evicted_at` in kwargs, attention under the eviction
     record of layer `module.layer_idx` (GQA: query head h reads KV head h // (Hq / Hkv)): FlexAttention on CUDA,
     SDPA with a boolean mask elsewhere (`replay_backend` sdpa | flex forces one); else SDPA as transformers does
-    it. Returns (attn_output [B, L, Hq, D], None)."""
+    it. With `replay_kv_quant` (a KVQuant) key and value are read through `straight_through` first. Returns
+    (attn_output [B, L, Hq, D], None)."""
     evicted_at = kwargs.pop("replay_evicted_at", None)
     backend = kwargs.pop("replay_backend", "auto")   # auto | sdpa | flex (bench/replay_gpu_check.py compares them)
+    quant = kwargs.pop("replay_kv_quant", None)
+    if quant is not None:   # the sampler's stored precision: forward qdq, backward identity
+        key, value = straight_through(key, quant), straight_through(value, quant)
     if evicted_at is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)

@@ -179,7 +179,8 @@ class LearnerStep:
         self.phase = phase or (lambda phase, starts_step=False: None)
         self.redis = connect(cfg.broker)
         self.consumer = GroupConsumer(self.redis, cfg.broker, run_id, "learner-0",
-                                      require_eviction_record=cfg.learner.replays(cfg.compressor.method))
+                                      require_eviction_record=cfg.learner.replays(cfg.compressor.method),
+                                      kv_quant=cfg.compressor.kv_quant().name)
         self.counters = {"groups_trained": 0, **resume.counters}
         self.trained_ids = list(resume.trained_ids)  # the last step's groups: skipped as duplicates after a resume
         rs.mark_consumed(self.redis, run_id, self.trained_ids)  # (the set survives a Redis that lost its data)

@@ -8,9 +8,12 @@ The torch engine (actors/engines/torch_engine.py) allocates, per layer, K and V 
 
 (P = prompt width of the batch, the longest prompt; N = max_new_tokens), and reports as a sequence's peak KV
 bytes (`Sample.kv_peak_bytes`) these buffers plus the largest K/V transient beside them: one layer's prompt
-K/V at prefill (P tokens), or one compaction chunk (min(32, B) tokens) when compressing. This module is that
-formula, so the preflight can size a run before anything starts; tests/actors/engines/test_torch_engine.py checks it
-against the engine's measured buffers.
+K/V at prefill (P tokens, model dtype), or one compaction chunk (min(32, B) tokens, stored precision) when
+compressing, or, with compressor.kv_dtype stored in another dtype than the model's, one layer's K/V dequantized for a
+read (capacity tokens, model dtype). At a quantized kv_dtype the buffers hold codes and scales
+(`ModelShape.stored_vector_bytes`, compressors.kv_quant.KVQuant.vector_bytes). This module is that formula, so the
+preflight can size a run before anything starts; tests/actors/engines/test_torch_engine.py and
+test_kv_quant_cache.py check it against the engine's measured buffers.
 
 `compression_event_bytes` bounds the transient device memory of one compression call of the SGLang sparse backend
 (actors/engines/sglang/triton_backend.py), which lives outside SGLang's KV pool; `event_chunk_rows` /
@@ -29,26 +32,68 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 @dataclass(frozen=True)
 class ModelShape:
-    """KV-relevant shape of a decoder: layers, KV heads, head dim (elements), bytes per element of the cache."""
+    """KV-relevant shape of a decoder: layers, KV heads, head dim (elements), bytes per element of the model dtype
+    (K/V as computed and read), and how the cache stores them (compressor.kv_dtype)."""
     layers: int
     kv_heads: int
     head_dim: int
     dtype_bytes: int
+    stored_vector_bytes: int = 0
+    """Bytes one stored K or V vector takes, its scale included (compressors.kv_quant.KVQuant.vector_bytes);
+    0: the model dtype, head_dim x dtype_bytes."""
+    read_copy: bool = False
+    """True when the stored codes are not of the model dtype: a read dequantizes one layer's K/V (every slot) into a
+    model-dtype transient."""
+
+    @property
+    def vector_bytes(self) -> int:
+        """Stored bytes of one K or V vector (one token, layer and KV head), scale included."""
+        return self.stored_vector_bytes or self.head_dim * self.dtype_bytes
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V of one token over all layers and KV heads, bytes."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        """K and V of one token over all layers and KV heads as stored (codes and scales), bytes."""
+        return 2 * self.layers * self.kv_heads * self.vector_bytes
+
+    @property
+    def slot_layer_bytes(self) -> int:
+        """Stored K and V of one token in one layer (all KV heads), bytes."""
+        return 2 * self.kv_heads * self.vector_bytes
+
+    @property
+    def model_slot_layer_bytes(self) -> int:
+        """K and V of one token in one layer at the model dtype (a prefill's or a read's transient), bytes."""
+        return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
 
     @classmethod
-    def from_hf_config(cls, config, dtype: str) -> "ModelShape":
+    def from_hf_config(cls, config, dtype: str, kv_dtype: str = "model", kv_scale: str = "token_head") -> "ModelShape":
         """From a transformers config (num_hidden_layers, num_key_value_heads or num_attention_heads, head_dim or
-        hidden_size / num_attention_heads) and the engine dtype name (fp32 | bf16). Raises KeyError for another
-        dtype name."""
+        hidden_size / num_attention_heads), the engine dtype name (fp32 | bf16) and compressor.kv_dtype /
+        kv_scale (compressors/kv_quant.py). Raises KeyError for another dtype name, ValueError for an unknown
+        kv_dtype / kv_scale."""
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        return cls(config.num_hidden_layers, kv_heads, head_dim, DTYPE_BYTES[dtype])
+        shape = cls(config.num_hidden_layers, kv_heads, head_dim, DTYPE_BYTES[dtype])
+        if kv_dtype == "model":
+            return shape
+        import torch  # late: only a quantized cache needs the quantizer's dtypes
+
+        from compressors.kv_quant import KVQuant
+        quant = KVQuant(kv_dtype, kv_scale)
+        quant.check(head_dim)
+        model = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        return cls(shape.layers, kv_heads, head_dim, shape.dtype_bytes, quant.vector_bytes(head_dim, shape.dtype_bytes),
+                   quant.code_dtype(model) != model)
+
+
+def _peak(shape: ModelShape, capacity: int, prefill_tokens: int, chunk_tokens: int) -> int:
+    """One sequence's buffers of `capacity` slots per layer at the stored precision plus the largest transient: a
+    prefill of `prefill_tokens` (model dtype), a compaction chunk of `chunk_tokens` (stored; 0: none), and with
+    `shape.read_copy` one layer's K/V read back at the model dtype (capacity slots), bytes."""
+    read = shape.model_slot_layer_bytes * capacity if shape.read_copy else 0
+    transient = max(shape.model_slot_layer_bytes * prefill_tokens, shape.slot_layer_bytes * chunk_tokens, read)
+    return shape.layers * shape.slot_layer_bytes * capacity + transient
 
 
 def cache_capacity(prompt_tokens: int, max_new_tokens: int, kv_budget: int, interval: int, compress: bool) -> int:
@@ -68,12 +113,8 @@ def kv_peak_bytes_per_sequence(shape: ModelShape, prompt_tokens: int, max_new_to
     if min(prompt_tokens, max_new_tokens) < 1 or (compress and min(kv_budget, interval) < 1):
         raise ValueError(f"prompt_tokens={prompt_tokens}, max_new_tokens={max_new_tokens}, kv_budget={kv_budget}, "
                          f"interval={interval}: expected >= 1")
-    per_slot_layer = 2 * shape.kv_heads * shape.head_dim * shape.dtype_bytes  # K + V of one token in one layer
     capacity = cache_capacity(prompt_tokens, max_new_tokens, kv_budget, interval, compress)
-    transient = per_slot_layer * prompt_tokens
-    if compress:
-        transient = max(transient, per_slot_layer * min(COMPACT_CHUNK, kv_budget))
-    return shape.layers * per_slot_layer * capacity + transient
+    return _peak(shape, capacity, prompt_tokens, min(COMPACT_CHUNK, kv_budget) if compress else 0)
 
 
 def episode_kv_peak_bytes_per_sequence(shape: ModelShape, prompt_tokens: int, max_new_tokens: int, total_tokens: int,
@@ -84,19 +125,17 @@ def episode_kv_peak_bytes_per_sequence(shape: ModelShape, prompt_tokens: int, ma
     ids (the longest observation with its template tokens, + 1: the last sampled id) into the kept cache, whose
     older part its prefill compresses to kv_budget, so its buffers hold at most kv_budget + interval +
     longest_prefill slots (dense: prompt_tokens + total_tokens, the whole episode), plus one layer's prefill K/V
-    (or, compressing, a compaction chunk). Whatever the number of turns; `total_tokens`: the most tokens of the
+    (or, compressing, a compaction chunk; with `shape.read_copy`, one layer's K/V read back at the model dtype,
+    if larger). Whatever the number of turns; `total_tokens`: the most tokens of the
     episode after its prompt (actors.env.max_total_tokens). Token counts are ints >= 1; raises ValueError for a
     count < 1."""
     if min(total_tokens, longest_prefill) < 1:
         raise ValueError(f"total_tokens={total_tokens}, longest_prefill={longest_prefill}: expected >= 1")
     first = kv_peak_bytes_per_sequence(shape, prompt_tokens, max_new_tokens, kv_budget, interval, compress)
-    per_slot_layer = 2 * shape.kv_heads * shape.head_dim * shape.dtype_bytes
     if not compress:
-        return max(first, shape.layers * per_slot_layer * (prompt_tokens + total_tokens)
-                   + per_slot_layer * max(prompt_tokens, longest_prefill))
-    later = shape.layers * per_slot_layer * (kv_budget + interval + longest_prefill) + per_slot_layer * max(
-        longest_prefill, min(COMPACT_CHUNK, kv_budget))
-    return max(first, later)
+        return max(first, _peak(shape, prompt_tokens + total_tokens, max(prompt_tokens, longest_prefill), 0))
+    return max(first, _peak(shape, kv_budget + interval + longest_prefill, longest_prefill,
+                            min(COMPACT_CHUNK, kv_budget)))
 
 
 SIMILARITY_BLOCK = 1 << 24

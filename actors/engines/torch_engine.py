@@ -58,7 +58,8 @@ class TorchEngine:
     model: the HF causal LM; its weights are used as they are (no copy); put in eval mode.
     tokenizer: HF tokenizer of the model (EOS ids, stop-string decoding).
     compressor_cfg: `CompressorConfig` (method rkv|snapkv|h2o|streamingllm|random|full, kv_budget, window, interval,
-        selection per_head|shared); validated by `build_compressor`.
+        selection per_head|shared, kv_dtype, kv_budget_bytes: resolved to kv_budget tokens here); validated by
+        `build_compressor`; ValueError naming compressor.kv_budget_bytes when it holds no more than window tokens.
     record_evictions: attach to every Sample its own eviction record (`Sample.eviction_steps`, see
         `sample_eviction_steps`: what the learner replays), and keep, after each `generate`,
         `last_eviction_record` (for tests of exactness): dict with
@@ -92,8 +93,6 @@ class TorchEngine:
             self.model.eval()
         self.tokenizer = tokenizer
         self.device = torch.device(device)
-        self.compressor_cfg = compressor_cfg
-        self.compressor = build_compressor(compressor_cfg)
         self.weight_version = weight_version
         self.vocab_size = int(cfg.vocab_size)
         self.record_evictions = record_evictions
@@ -112,6 +111,11 @@ class TorchEngine:
         self.kv_quant = KVQuant(compressor_cfg.kv_dtype, compressor_cfg.kv_scale)
         """The precision the batch cache stores K/V at (compressor.kv_dtype / kv_scale, BatchCache)."""
         self.kv_quant.check(self.head_dim)
+        self.compressor_cfg = compressor_cfg.with_byte_budget(self.kv_quant.token_bytes(
+            self.num_layers, self.kv_heads, self.head_dim, next(model.parameters()).element_size()))
+        """The compressor config the engine runs: compressor.kv_budget_bytes resolved to kv_budget tokens at this
+        model's shape and kv_dtype (CompressorConfig.with_byte_budget)."""
+        self.compressor = build_compressor(self.compressor_cfg)
         # apply_rotary_pos_emb of the model's own modeling file (identical for Llama and Qwen2).
         self._apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None

@@ -165,10 +165,8 @@ def test_bad_config_names_the_field(override, field):
      "actors.engine.compressor.kv_dtype='model': a static per-layer scale"),
     ("eval.sparse_compressor.kv_scale=layer", "eval.sparse_compressor.kv_scale='layer' with "
      "eval.sparse_compressor.kv_dtype='model'"),
-    ("actors.engine.compressor.kv_dtype=int8", "actors.engine.compressor.kv_dtype='int8': quantized KV is stored "
-     "by the torch engine only, not yet replayed by the learner"),
-    ("eval.sparse_compressor.kv_dtype=fp8_e4m3", "eval.sparse_compressor.kv_dtype='fp8_e4m3': quantized KV is "
-     "stored by the torch engine only"),
+    ("learner.replay_quant_gap=true", "learner.replay_quant_gap=True: it measures the replayed forward: needs "
+     "learner.policy_target=sparse"),
 ])
 def test_component_errors_name_the_dotted_field(override, message):
     """Components name their own fields (LearnerConfig.eps, compressor.kv_budget); the run config reports
@@ -326,8 +324,7 @@ def test_yaml_syntax_error_is_one_line_with_file_line_column(tmp_path):
     ("broker.url=redis://127.0.0.1:{port}/0", "broker.url='redis://127.0.0.1:{port}/0': Redis does not answer"),
     ("ray.address=127.0.0.1:{port}", "ray.address='127.0.0.1:{port}': cannot connect"),
     ("learner.lr=-1", "learner.lr=-1.0: expected a finite value >= 0"),
-    ("actors.engine.compressor.kv_dtype=fp8_e4m3", "actors.engine.compressor.kv_dtype='fp8_e4m3': quantized KV is "
-     "stored by the torch engine only"),
+    ("learner.replay_quant_gap=true", "learner.replay_quant_gap=True: it measures the replayed forward"),
 ])
 def test_cli_bad_input_exits_2_before_anything_starts(override, message, tmp_path):
     port = closed_port()
@@ -478,6 +475,9 @@ def test_weight_sync_fingerprint_setting_is_checked_and_its_probe_fits_the_small
     tiers = ["actors.engine.compressor.kv_budget=12", "actors.engine.compressor.window=4",
              "actors.engine.compressor.budget_tiers=confidence"]
     assert rollout_config(load_config("tiny", tiers, check_files=False)).fingerprint_tokens == 6   # 12 x 0.5
+    by_bytes = ["actors.engine.compressor.kv_budget_bytes=100000", "actors.engine.compressor.kv_budget=512",
+                "actors.engine.compressor.window=4"]   # tokens known at the engine only: the least, window + 1
+    assert rollout_config(load_config("tiny", by_bytes, check_files=False)).fingerprint_tokens == 5
     assert cfg.learner.weight_sync_fingerprint_every == 1 and rollout_config(cfg).fingerprint_every == 1
     every = load_config("tiny", ["learner.weight_sync_fingerprint_every=4"], check_files=False)
     assert rollout_config(every).fingerprint_every == 4
@@ -538,3 +538,66 @@ def test_weight_checksums_are_refused_on_sglang():
     assert load_config("tiny", ["learner.weight_sync_verify=true"], check_files=False).learner.weight_sync_verify
     with pytest.raises(ConfigError, match=r"learner.weight_sync_verify=true .*actors.engine.backend=sglang"):
         load_config("tiny", ["learner.weight_sync_verify=true", "actors.engine.backend=sglang"], check_files=False)
+
+
+def test_the_kv_quantizer_is_an_mlflow_param():
+    """deploy/config.py derived_params: `kv/dtype` is the KVQuant name the groups carry (logged beside the config's
+    own keys by the driver)."""
+    from deploy.config import derived_params
+    from deploy.tracking import public_params
+    assert public_params(derived_params(load_config("tiny")))["kv/dtype"] == "model"
+
+
+def test_quantized_kv_loads_on_the_torch_engine_and_is_refused_where_nothing_stores_or_replays_it():
+    """kv_dtype int8 / fp8_e4m3 load on the torch engine (the actors' and eval.sparse_compressor's: the evaluation
+    under its own cache stores it too); refused in one line on the SGLang engine, naming actors.engine.backend and
+    the field, and with method full under policy_target sparse (no eviction record to replay it along)."""
+    run = load_config("tiny", ["actors.engine.compressor.kv_dtype=int8", "learner.policy_target=sparse",
+                               "eval.sparse_compressor.method=rkv", "eval.sparse_compressor.kv_dtype=fp8_e4m3"])
+    assert run.actors.engine.compressor.kv_quant().name == "int8/token_head"
+    assert run.eval.sparse_compressor.kv_quant().name == "fp8_e4m3/token_head"
+    with pytest.raises(ConfigError, match=r"^actors\.engine\.compressor\.kv_dtype='fp8_e4m3' with "
+                                          r"actors\.engine\.backend=sglang: its KV pool stores the model dtype"):
+        load_config("tiny", ["actors.engine.compressor.kv_dtype=fp8_e4m3", "actors.engine.backend=sglang"])
+    with pytest.raises(ConfigError, match=r"^actors\.engine\.compressor\.kv_dtype='int8' with method full and "
+                                          r"learner\.policy_target=sparse: "):
+        load_config("tiny", ["actors.engine.compressor.kv_dtype=int8", "actors.engine.compressor.method=full",
+                             "learner.policy_target=sparse"])
+    assert load_config("tiny", ["actors.engine.compressor.kv_dtype=int8", "actors.engine.compressor.method=full"])
+
+
+def test_replay_quant_gap_without_a_quantized_cache_to_replay_is_refused():
+    """learner.replay_quant_gap with policy_target sparse but kv_dtype model would measure nothing: one line naming
+    the fields (deploy/config.py check_kv_precision)."""
+    with pytest.raises(ConfigError, match=r"^learner\.replay_quant_gap=true measures the replay of a quantized KV "
+                                          r"cache: .*actors\.engine\.compressor\.kv_dtype other than model \(now "
+                                          r"'model'\)$"):
+        load_config("tiny", ["learner.policy_target=sparse", "learner.replay_quant_gap=true"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["actors.engine.compressor.kv_budget_bytes=-1"], r"actors\.engine\.compressor\.kv_budget_bytes=-1 must be >= 0"),
+    (["actors.engine.compressor.kv_budget_bytes=9000"],      # the tiny preset sets kv_budget=48
+     r"actors\.engine\.compressor\.kv_budget_bytes=9000 with actors\.engine\.compressor\.kv_budget=48: the byte "
+     r"budget is the one budget"),
+    (["actors.engine.compressor.kv_budget_bytes=9000", "actors.engine.compressor.kv_budget=512",
+      "actors.engine.compressor.budget_schedule=linear", "actors.engine.compressor.kv_budget_final=600"],
+     r"actors\.engine\.compressor\.kv_budget_bytes=9000 with actors\.engine\.compressor\.budget_schedule=linear: "),
+    (["actors.engine.compressor.kv_budget_bytes=9000", "actors.engine.compressor.kv_budget=512",
+      "actors.engine.compressor.budget_tiers=confidence"],
+     r"actors\.engine\.compressor\.kv_budget_bytes=9000 with actors\.engine\.compressor\.budget_tiers=confidence: "),
+    (["actors.engine.compressor.kv_budget_bytes=9000", "actors.engine.compressor.kv_budget=512",
+      "actors.engine.compressor.method=full"],
+     r"actors\.engine\.compressor\.kv_budget_bytes=9000 with actors\.engine\.compressor\.method=full: nothing"),
+    (["actors.engine.compressor.kv_budget_bytes=9000", "actors.engine.compressor.kv_budget=512",
+      "actors.engine.backend=sglang"], r"actors\.engine\.compressor\.kv_budget_bytes=9000: the SGLang engine"),
+])
+def test_a_byte_budget_is_the_one_budget(overrides, message):
+    """compressor.kv_budget_bytes (resolved to tokens by the torch engine and the preflight) is refused beside
+    anything else that states the budget in tokens, with method full, and on the SGLang engine, naming the fields;
+    alone (kv_budget back at its default) it loads."""
+    with pytest.raises(ConfigError, match="^" + message):
+        load_config("tiny", overrides)
+    run = load_config("tiny", ["actors.engine.compressor.kv_budget_bytes=9000",
+                               "actors.engine.compressor.kv_budget=512"])
+    assert run.actors.engine.compressor.kv_budget_bytes == 9000

@@ -53,10 +53,21 @@ CONFIGS = [
     ["actors.engine.compressor.method=streamingllm", "actors.engine.compressor.kv_budget=64",
      "actors.engine.compressor.interval=32", "actors.sampling.max_new_tokens=48",
      "actors.engine.compressor.budget_tiers=confidence"],   # sized with the largest tier budget, 96
+    ["actors.engine.compressor.method=rkv", "actors.engine.compressor.kv_budget=48",   # quantized KV: codes + scales
+     "actors.engine.compressor.interval=16", "actors.sampling.max_new_tokens=32",
+     "actors.engine.compressor.kv_dtype=int8"],
+    ["actors.engine.compressor.method=snapkv", "actors.engine.compressor.kv_budget=24",
+     "actors.engine.compressor.interval=8", "actors.sampling.max_new_tokens=64", "actors.engine.dtype=bf16",
+     "actors.engine.compressor.kv_dtype=fp8_e4m3"],
+    ["actors.engine.compressor.method=rkv", "actors.engine.compressor.kv_budget_bytes=7700",   # 48 x 160 B int8
+     "actors.engine.compressor.kv_budget=512",     # the tiny preset's 48 back to the default: one budget is set
+     "actors.engine.compressor.interval=16", "actors.sampling.max_new_tokens=32",
+     "actors.engine.compressor.kv_dtype=int8"],
 ]
 
 
-@pytest.mark.parametrize("overrides", CONFIGS, ids=["rkv-fp32", "snapkv-bf16", "dense", "streamingllm-tiers"])
+@pytest.mark.parametrize("overrides", CONFIGS, ids=["rkv-fp32", "snapkv-bf16", "dense", "streamingllm-tiers",
+                                                   "rkv-fp32-int8", "snapkv-bf16-fp8", "rkv-int8-bytes"])
 def test_prediction_matches_measured_peak_kv_bytes(overrides):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -79,6 +90,9 @@ def test_prediction_matches_measured_peak_kv_bytes(overrides):
     params = SamplingParams(temperature=1.0, max_new_tokens=a.sampling.max_new_tokens, n=a.sampling.samples_per_prompt,
                             seed=0, ignore_eos=True)
     high = budget_range(a.engine.compressor)[1]
+    if a.engine.compressor.kv_budget_bytes:                             # the tokens the engine resolves it to
+        high = engine.compressor_cfg.kv_budget
+        assert report.kv_budget == high == 48
     samples = [s for g in engine.generate(batch, params, kv_budgets=[high, high]) for s in g]
     measured = max(s.kv_peak_bytes for s in samples)
     predicted = report.sparse_per_seq if a.engine.compressor.method != "full" else report.dense_per_seq
@@ -86,7 +100,8 @@ def test_prediction_matches_measured_peak_kv_bytes(overrides):
     # and per batch: the rows of one actor batch together
     assert 0.9 <= (predicted * len(samples)) / sum(s.kv_peak_bytes for s in samples) <= 1.1
     if a.engine.compressor.method != "full":                            # the dense column is the dense engine's
-        dense = TorchEngine(model, tok, type(a.engine.compressor)(method="full"))
+        c = a.engine.compressor                                         # (at the run's KV precision)
+        dense = TorchEngine(model, tok, type(c)(method="full", kv_dtype=c.kv_dtype, kv_scale=c.kv_scale))
         d = max(s.kv_peak_bytes for g in dense.generate(batch, params) for s in g)
         assert 0.9 <= report.dense_per_seq / d <= 1.1, (report.dense_per_seq, d)
         assert report.sparse_per_seq < report.dense_per_seq

@@ -47,3 +47,27 @@ def test_a_fork_in_the_other_mode_or_with_other_lora_settings_fails_at_record_op
         with pytest.raises(ConfigError, match=rf"^resume: {now}, but {saved}"):
             open_record(other)
     assert not (tmp_path / "other").exists()                   # nothing was made
+
+
+def test_a_resume_with_another_kv_quantizer_is_refused_and_an_older_record_reads_the_default(tmp_path):
+    """compressor.kv_dtype / kv_scale are MUST_MATCH (deploy/record.py): the run's groups carry the quantizer and its
+    learner dead-letters another, so a --resume that changes it is refused naming the field and both values before
+    anything is written; a config.yaml written before the fields existed reads as kv_dtype model, token_head."""
+    from deploy.record import _check_unchanged
+    from deploy.scale import RUN_INFO
+    run_dir = tmp_path / "runs" / "r1"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "latest").write_text("version_1")
+    (run_dir / RUN_INFO).write_text('{"run_id": "r1"}')
+    saved = load_config("tiny", [f"run_dir={tmp_path / 'runs'}"])
+    saved.actors.engine.compressor.kv_dtype = "int8"
+    OmegaConf.save(OmegaConf.structured(saved), run_dir / "config.yaml")
+    now = load_config("tiny", [f"run_dir={tmp_path / 'runs'}", "train.steps=3"])
+    with pytest.raises(ConfigError, match=rf"^--resume {run_dir}: actors\.engine\.compressor\.kv_dtype='model' "
+                                          r"\(the checkpoint's: 'int8'\): the checkpoint's prompt order, shards and "
+                                          r"KV quantizer need the values it was trained with"):
+        open_record(now, resume=run_dir)
+    older = OmegaConf.to_container(OmegaConf.structured(now))
+    del older["actors"]["engine"]["compressor"]["kv_dtype"], older["actors"]["engine"]["compressor"]["kv_scale"]
+    OmegaConf.save(OmegaConf.create(older), run_dir / "config.yaml")
+    _check_unchanged(run_dir, now, "--resume")                  # model / token_head: nothing changed

@@ -41,9 +41,10 @@ def make_groups(num_groups: int = 2, G: int = 4, seed: int = 0, weight_version: 
 
 
 def wire_groups(out, compressor: str, kv_budgets: list[int], group_ids: list[str],
-                weight_version: int = 0, temperature: float = 1.0) -> list[TrajectoryGroup]:
+                weight_version: int = 0, temperature: float = 1.0, kv_quant: str = "model") -> list[TrajectoryGroup]:
     """An engine's `generate` output (a list of samples per prompt) as TrajectoryGroups through the wire
-    (encode_group, decode_group): sample k of a prompt has reward k, group i is prompt i's."""
+    (encode_group, decode_group): sample k of a prompt has reward k, group i is prompt i's; `kv_quant` the
+    engine's KVQuant name."""
     groups = []
     for i, samples in enumerate(out):
         records = [SampleRecord(np.asarray(s.prompt_ids, np.int32), np.asarray(s.response_ids, np.int32),
@@ -51,7 +52,8 @@ def wire_groups(out, compressor: str, kv_budgets: list[int], group_ids: list[str
                                 eviction_steps=s.eviction_steps) for k, s in enumerate(samples)]
         groups.append(decode_group(encode_group(TrajectoryGroup(
             run_id="r", group_id=group_ids[i], prompt_id=f"p{i}", weight_version=weight_version,
-            temperature=temperature, compressor=compressor, kv_budget=kv_budgets[i], samples=records))))
+            temperature=temperature, compressor=compressor, kv_budget=kv_budgets[i], samples=records,
+            kv_quant=kv_quant))))
     return groups
 
 

@@ -61,8 +61,9 @@ def unsupported_compressor_settings(cfg) -> list[str]:
     """The settings of CompressorConfig `cfg` the sparse SGLang backends cannot run yet, as `field=value` strings
     (empty: all supported). Its `select` gets each layer's values and index, not the samples' seeds, events or
     true positions and prompt lengths: method h2o (per-slot attention mass) and random (seeds, events, positions),
-    protect_prompt (positions, prompt lengths), protect_values (supplied, untested on its lane) and a kv_dtype
-    other than model (its pool stores the model dtype) are refused. Sinks run there as for streamingllm (the
+    protect_prompt (positions, prompt lengths), protect_values (supplied, untested on its lane), a kv_dtype
+    other than model (its pool stores the model dtype) and kv_budget_bytes (resolved to tokens by the torch engine
+    only) are refused. Sinks run there as for streamingllm (the
     first valid slots)."""
     bad = [f"method={cfg.method}"] if cfg.method in ("h2o", "random") else []
     if cfg.protect_prompt != "off":
@@ -71,4 +72,6 @@ def unsupported_compressor_settings(cfg) -> list[str]:
         bad.append(f"protect_values={cfg.protect_values}")
     if cfg.kv_dtype != "model":
         bad.append(f"kv_dtype={cfg.kv_dtype}")
+    if cfg.kv_budget_bytes:
+        bad.append(f"kv_budget_bytes={cfg.kv_budget_bytes}")
     return bad

@@ -115,6 +115,48 @@ def test_kv_dtype_model_is_unchanged():
         assert a.kv_peak_bytes == b.kv_peak_bytes
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("q", QUANTS, ids=lambda q: q.name)
+def test_the_preflight_predicts_the_quantized_peak(q, dtype):
+    """kv_memory.kv_peak_bytes_per_sequence with ModelShape.from_hf_config(kv_dtype, kv_scale): predicted / measured
+    peak = 1.0 (+- 0.1 allowed) for every precision, dense and R-KV (budget 12 + interval 5), on an fp32 and a bf16
+    model (bf16 codes in a bf16 model are read without a copy)."""
+    model = tiny_model("llama", dtype=dtype)
+    name = "fp32" if dtype == torch.float32 else "bf16"
+    shape = ModelShape.from_hf_config(model.config, name, q.dtype, q.scale)
+    assert shape.bytes_per_token == q.token_bytes(LAYERS, KV_HEADS, HEAD_DIM, dtype.itemsize)
+    P, N = max(map(len, PROMPTS)), 30
+    for method in ("full", "rkv"):
+        cfg = CompressorConfig(method=method, kv_budget=12, window=4, interval=5, kv_dtype=q.dtype, kv_scale=q.scale)
+        out = TorchEngine(model, tiny_tokenizer(), cfg).generate(
+            PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=N, n=2, seed=4, ignore_eos=True))
+        measured = max(s.kv_peak_bytes for s in flat(out))
+        predicted = kv_peak_bytes_per_sequence(shape, P, N, 12, 5, compress=method != "full")
+        assert abs(predicted / measured - 1) <= 0.1 and predicted == measured, (method, predicted, measured)
+
+
+@pytest.mark.parametrize("q", [KVQuant("model"), KVQuant("int8"), KVQuant("int4")], ids=lambda q: q.name)
+def test_a_byte_budget_keeps_the_tokens_that_fit_at_the_precision(q):
+    """compressor.kv_budget_bytes = 14.5 tokens' bytes at the precision: the engine keeps kv_budget = 14 tokens
+    (floor), each sample holds at most 14 + interval, its peak is the preflight's at 14 tokens; the same bytes hold
+    more tokens at a lower precision; a byte budget of window tokens' bytes is refused naming the field."""
+    token = TOKEN_BYTES[q.name]
+    cfg = CompressorConfig(method="rkv", kv_budget_bytes=token * 29 // 2, window=4, interval=5, kv_dtype=q.dtype)
+    cfg.validate()
+    engine = TorchEngine(tiny_model("llama"), tiny_tokenizer(), cfg)
+    assert engine.compressor_cfg.kv_budget == 14 and engine.compressor.cfg.kv_budget == 14
+    P, N = max(map(len, PROMPTS)), 30
+    samples = flat(engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=N, n=2, seed=4,
+                                                           ignore_eos=True)))
+    assert all(s.kv_retained_tokens <= 14 + 5 for s in samples) and max(s.kv_retained_tokens for s in samples) > 14
+    shape = ModelShape.from_hf_config(engine.model.config, "fp32", q.dtype, q.scale)
+    assert {s.kv_peak_bytes for s in samples} == {kv_peak_bytes_per_sequence(shape, P, N, 14, 5, compress=True)}
+    with pytest.raises(ValueError, match=rf"^compressor\.kv_budget_bytes={4 * token} holds 4 tokens of {token} B "
+                                         rf"\(compressor\.kv_dtype={q.dtype}\): expected more than "
+                                         r"compressor\.window=4"):
+        TorchEngine(tiny_model("llama"), tiny_tokenizer(), dataclasses.replace(cfg, kv_budget_bytes=4 * token))
+
+
 def test_the_sglang_backend_refuses_a_quantized_kv_dtype():
     """Its pool stores the model dtype: kv_dtype is one of the settings it cannot run (named field=value)."""
     from actors.engines.sglang.contract import unsupported_compressor_settings
@@ -140,3 +182,17 @@ def test_a_kept_quantized_episode_continues_at_its_precision():
     ref = reference_logp(model, [whole], len(episode), 1.0, kv_quant=q, key_valid=key_valid)[0]
     model.set_attn_implementation("sdpa")
     assert torch.allclose(torch.from_numpy(second.logp_sparse).double(), ref, atol=2e-6, rtol=1e-6)
+
+
+def test_the_actor_publishes_the_tokens_a_byte_budget_holds():
+    """actors/rollout_actor.py batch_budgets: with compressor.kv_budget_bytes every prompt's budget (what its group's
+    kv_budget says on the wire) is the engine's resolved token budget, not compressor.kv_budget's default."""
+    from types import SimpleNamespace
+
+    from actors.rollout_actor import RolloutWorker
+    cfg = CompressorConfig(method="rkv", kv_budget_bytes=160 * 20, window=4, interval=5, kv_dtype="int8")
+    engine = TorchEngine(tiny_model("llama"), tiny_tokenizer(), cfg)
+    worker = SimpleNamespace(cfg=SimpleNamespace(actors=SimpleNamespace(engine=SimpleNamespace(compressor=cfg)),
+                                                 train_steps=10),
+                             engine=engine)
+    assert RolloutWorker.batch_budgets(worker, ["p", "q"], version=3) == ([20, 20], ["", ""])
