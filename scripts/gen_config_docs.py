@@ -64,9 +64,9 @@ sparse-rl train --resume runs/<run id> train.steps=20    # a run's own config.ya
   top-level `configs/` links there), named by their file name: {presets}. Each opens with a comment saying what it
   runs, and sets only what differs from the defaults.
 - **Overrides** are the dotted names of the tables below; each value is parsed as YAML: `learner.seed=null`,
-  `broker.url=''`, `'eval.modes=[dense, sparse]'`, `'actors.engine.sglang.engine_kwargs={{random_seed: 0}}'`
-  (quote brackets and braces for the shell). Every key exists already: there is no Hydra-style `+key=value` or
-  defaults list, and a section is set field by field (`learner.lr=...`, not `learner=...`).
+  `"broker.url=''"`, `'eval.modes=[dense, sparse]'`, `'actors.engine.sglang.engine_kwargs={{random_seed: 0}}'`
+  (quote empty strings, brackets and braces for the shell). Every key exists already: there is no Hydra-style
+  `+key=value` or defaults list, and a section is set field by field (`learner.lr=...`, not `learner=...`).
 - **Your own YAML file** has the nesting of the dotted names, and is composed over the defaults (not over a
   preset: start from a copy of one to keep its settings):
 
