@@ -106,8 +106,9 @@ class RunConfig:
     """Parent directory of run directories (checkpoints, mlflow.db, plots, the resolved config)."""
     model: str = MISSING
     """A local Hugging Face model directory (with config.json; `~` is expanded), or a preset model built on
-    first use: smollm2-135m-instruct | tiny-llama. Checked at start: a path that does not exist or has no
-    config.json fails naming `model`. A value shaped like a hub id, `org/name` (no leading '/', '.' or '~',
+    first use (deploy/model_cache.py): smollm2-135m-instruct | smollm2-135m-count-warm | smollm2-135m-lookup-warm |
+    smollm2-135m-lookup-stress-warm (warmed up on a task, cached) | tiny-llama | tiny-char. Checked at start: a
+    path that does not exist or has no config.json fails naming `model`. A value shaped like a hub id, `org/name` (no leading '/', '.' or '~',
     exactly one '/', and no such local path), is let through unchecked for clusters with hub access:
     transformers downloads it on every node that loads it, and fails there when the hub is unreachable."""
     seed: int = 0
