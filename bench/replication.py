@@ -17,7 +17,10 @@ and, by --arms only, two ablations of sparse_rl (docs/results.md 6.11): sparse_r
 (learner.token_mask=false) and sparse_rl_flat_tis (learner.tis_cap=1e-6: every importance weight 1 after the
 normalisation, veto and token mask kept); and eviction replay (docs/results.md 6.12): sparse_replay
 (learner.policy_target=sparse: the learner replays each rollout's evictions, the sparse_rl correction kept on
-the replayed xi) and sparse_replay_distill (the same + learner.distill_coef=1.0, the dense-teacher KL).
+the replayed xi) and sparse_replay_distill (the same + learner.distill_coef=1.0, the dense-teacher KL); and KV
+precision at equal bytes (docs/results.md section 11): fp8_replay_eqbytes and fp8_replay_halfbytes (sparse_replay
+with K/V stored in fp8_e4m3, a float32 scale per token and KV head, under a byte budget: fp32 R-KV 48's stored bytes,
+180 tokens, or half of them, 90 tokens; run at --budgets 48, the label of the bytes they stand for).
 --only-seeds runs a subset of the seeds, e.g.
 
     python bench/replication.py --arms dense,naive_sparse,sparse_rl,sparse_rl_no_token_mask,sparse_rl_flat_tis \
@@ -86,6 +89,21 @@ ARMS.update({  # does the score matter under replay? (docs/results.md section 10
     "random_naive": [*ARMS["naive_sparse"], "actors.engine.compressor.method=random"],
     "rkv_protect_replay": [*ARMS["sparse_replay"], *PROTECT],
     "random_protect_replay": [*ARMS["sparse_replay"], "actors.engine.compressor.method=random", *PROTECT],
+})
+TOKEN_BYTES_FP32 = 46_080
+"""K and V of one token over SmolLM2-135M's 30 layers and 3 KV heads at fp32 (head_dim 576 / 9 = 64): 2 x 30 x 3 x
+64 x 4 B = `KVQuant("model").token_bytes(30, 3, 64, 4)`, 512 B per layer and KV head (tested against the model's
+config in tests/bench/test_replication_verdicts.py)."""
+FP32_48_BYTES = 48 * TOKEN_BYTES_FP32
+"""The stored K/V bytes per sequence of fp32 R-KV 48 (`sparse_replay` at budget 48): 2,211,840 B. At fp8_e4m3 with a
+float32 scale per token and KV head a token takes 12,240 B (136 B per layer and KV head), so these bytes keep
+floor(2,211,840 / 12,240) = 180 tokens and half of them (1,105,920 B) 90 (compressors.kv_quant.budget_tokens)."""
+FP8 = ["actors.engine.compressor.kv_dtype=fp8_e4m3", "actors.engine.compressor.kv_scale=token_head",
+       "actors.engine.compressor.kv_budget=512"]   # kv_budget at its default: a byte budget refuses any other
+ARMS.update({  # KV precision at equal bytes (docs/results.md section 11); by --arms only, at --budgets 48
+    "fp8_replay_eqbytes": [*ARMS["sparse_replay"], *FP8, f"actors.engine.compressor.kv_budget_bytes={FP32_48_BYTES}"],
+    "fp8_replay_halfbytes": [*ARMS["sparse_replay"], *FP8,
+                             f"actors.engine.compressor.kv_budget_bytes={FP32_48_BYTES // 2}"],
 })
 SPARSE_ARMS = tuple(a for a in ARMS if a != "dense")
 EVAL_BEFORE = {"dense", "sparse_rl"}
@@ -274,17 +292,7 @@ def run_one(args, arm: str, budget: int | None, seed: int, name: str | None = No
     """One `sparse-rl train` in a subprocess (a fresh Ray and Redis per run); its console goes to a log file. A
     `name` other than the run's (a replicate) is trained and timed but gets no record."""
     out, replicate, name = args.out, name is not None, name or run_name(arm, budget, seed)
-    overrides = [*args.overrides, *ARMS[arm], f"seed={seed}", f"learner.seed={seed}", f"name={name}",
-                 f"run_dir={out / 'runs'}", f"mlflow.tracking_uri=sqlite:///{out / 'mlflow.db'}",
-                 "mlflow.experiment=replication", f"train.steps={args.steps}", "eval.enabled=true",
-                 f"eval.before={str(arm in EVAL_BEFORE).lower()}", "eval.data=train_task",
-                 # eval.draw=1: the held-out draw the committed records were scored on (repeated questions kept:
-                 # 56-60 distinct of the grid's 64); the default draw 2 (distinct) would score other items
-                 f"eval.limit={args.eval_limit}", "eval.draw=1", f"broker.max_staleness={args.max_staleness}"]
-    if budget is not None:
-        overrides.append(f"actors.engine.compressor.kv_budget={budget}")
-    else:  # its sparse evaluation under the first budget's compressor (its own rollouts use none)
-        overrides += compressor_overrides(args, args.budgets[0])
+    overrides = train_overrides(args, arm, budget, seed, name)
     log = out / "logs" / f"{name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"[{time.strftime('%H:%M:%S')}] {name}: running (log {log})", flush=True)
@@ -299,6 +307,24 @@ def run_one(args, arm: str, budget: int | None, seed: int, name: str | None = No
     if not replicate:
         record_of_run(args, name)
     print(f"[{time.strftime('%H:%M:%S')}] {name}: done in {wall:.0f} s", flush=True)
+
+
+def train_overrides(args, arm: str, budget: int | None, seed: int, name: str) -> list[str]:
+    """The dotted overrides of one run's `sparse-rl train`. The budget comes before the arm's own overrides, so an
+    arm that sizes its cache in bytes (kv_budget_bytes beside kv_budget=512) keeps them: its budget is the grid's
+    label, the bytes it stands for (FP32_48_BYTES)."""
+    out = args.out
+    overrides = [*args.overrides, *([] if budget is None else [f"actors.engine.compressor.kv_budget={budget}"]),
+                 *ARMS[arm], f"seed={seed}", f"learner.seed={seed}", f"name={name}",
+                 f"run_dir={out / 'runs'}", f"mlflow.tracking_uri=sqlite:///{out / 'mlflow.db'}",
+                 "mlflow.experiment=replication", f"train.steps={args.steps}", "eval.enabled=true",
+                 f"eval.before={str(arm in EVAL_BEFORE).lower()}", "eval.data=train_task",
+                 # eval.draw=1: the held-out draw the committed records were scored on (repeated questions kept:
+                 # 56-60 distinct of the grid's 64); the default draw 2 (distinct) would score other items
+                 f"eval.limit={args.eval_limit}", "eval.draw=1", f"broker.max_staleness={args.max_staleness}"]
+    if budget is None:  # its sparse evaluation under the first budget's compressor (its own rollouts use none)
+        overrides += compressor_overrides(args, args.budgets[0])
+    return overrides
 
 
 def record_wall(out: Path, name: str, wall: float) -> None:
@@ -498,14 +524,15 @@ def replay_verdicts(arms: dict[str, dict[int, dict]], dense: dict[int, dict], de
     return out
 
 
-def replay_exact(runs: dict[int, dict], steps: int) -> dict:
-    """R4 of docs/results.md 6.12 over one arm's runs {seed: run_stats}: `replay_logp_max_abs` <= 1e-4 on every step
-    of every run and each run's largest `replay_dense_gap_max` > 1e-2."""
+def replay_exact(runs: dict[int, dict], steps: int, bound: float = 1e-4) -> dict:
+    """R4 of docs/results.md 6.12 over one arm's runs {seed: run_stats}: `replay_logp_max_abs` <= `bound` (1e-4;
+    1e-3 for a quantized cache, section 11) on every step of every run and each run's largest
+    `replay_dense_gap_max` > 1e-2."""
     seeds = sorted(runs)
     worst = [runs[s].get("replay_logp_max_abs_max") for s in seeds]
     gaps = [runs[s].get("replay_dense_gap_max_max") for s in seeds]
     every_step = all(runs[s].get("replay_logp_max_abs_steps") == steps for s in seeds)
-    return {"holds": bool(every_step and all(w is not None and w <= 1e-4 for w in worst)
+    return {"holds": bool(every_step and all(w is not None and w <= bound for w in worst)
                           and all(g is not None and g > 1e-2 for g in gaps)),
             "replay_logp_max_abs": dict(zip(seeds, worst)), "replay_dense_gap_max": dict(zip(seeds, gaps)),
             "measured_on_every_step": bool(every_step)}
@@ -551,6 +578,86 @@ def scorer_verdicts(arms: dict[str, dict[int, dict]], steps: int) -> dict:
                          "random_naive_eval_sparse_reward": other, "seeds_higher": int(higher), "spread": SPREAD,
                          "per_seed": per_seed}
     return out
+
+
+EQUAL_BYTES = {"fp8_replay_eqbytes": ("sparse_replay", 1.0), "fp8_replay_halfbytes": ("sparse_replay", 0.5)}
+"""docs/results.md section 11: each quantized arm, the fp32 R-KV arm it is compared with, and the share of that
+arm's measured KV bytes per sequence it is meant to use."""
+FINAL_MARGIN = 0.05
+"""Training reward: how far below the reference's final reward an arm may end (sections 10 and 11)."""
+BYTES_TOLERANCE = 0.05
+"""Section 11: a run is at its stated bytes iff its measured KV peak per sequence is within 5 % of its target."""
+
+
+def equal_bytes_verdicts(arms: dict[str, dict[int, dict]], steps: int) -> dict:
+    """The rules of docs/results.md section 11 at one budget (arms: {arm: {seed: run_stats}}; means over the seeds
+    both the arm and its reference ran), per arm of EQUAL_BYTES whose reference ran:
+    - target: the reference's measured `eval/sparse/kv_peak_bytes` (per sequence, the held-out items under its
+      cache; mean over the seeds) times the arm's share; `at_stated_bytes` iff every seed of the arm measured within
+      BYTES_TOLERANCE of it (a seed without the figure is not);
+    - `reward_verdict`: "better" iff the held-out reward under its own cache > the reference's + SPREAD, the final
+      training reward >= the reference's - FINAL_MARGIN and the held-out reward is higher in >= 2 seeds; else "no
+      worse" iff held-out >= the reference's - SPREAD and final >= the reference's - FINAL_MARGIN; else "worse";
+    - `verdict`: the reward verdict, or "not at the stated bytes" where `at_stated_bytes` fails;
+    - reported beside them: held-out dense, kv_retained_ratio per seed and `exact` (replay_logp_max_abs <= 1e-3 on
+      every step, `replay_exact`)."""
+    out: dict = {}
+    for arm, (ref, share) in EQUAL_BYTES.items():
+        runs, base = arms.get(arm, {}), arms.get(ref, {})
+        seeds = sorted(set(runs) & set(base))
+        if not seeds:
+            continue
+        own, ref_eval = (mean(r[s].get("eval/sparse/reward") for s in seeds) for r in (runs, base))
+        final, ref_final = (mean(r[s]["final_reward"] for s in seeds) for r in (runs, base))
+        higher = sum(runs[s].get("eval/sparse/reward") > base[s].get("eval/sparse/reward") for s in seeds)
+        if own > ref_eval + SPREAD and final >= ref_final - FINAL_MARGIN and higher >= 2:
+            reward = "better"
+        elif own >= ref_eval - SPREAD and final >= ref_final - FINAL_MARGIN:
+            reward = "no worse"
+        else:
+            reward = "worse"
+        ref_bytes = mean(base[s].get("eval/sparse/kv_peak_bytes") for s in seeds)
+        target = None if ref_bytes is None else share * ref_bytes
+        measured = {s: runs[s].get("eval/sparse/kv_peak_bytes") for s in seeds}
+        at_bytes = target is not None and all(m is not None and abs(m / target - 1) <= BYTES_TOLERANCE
+                                              for m in measured.values())
+        out[arm] = {
+            "verdict": reward if at_bytes else "not at the stated bytes", "reward_verdict": reward,
+            "against": ref, "at_stated_bytes": bool(at_bytes), "target_kv_peak_bytes": target, "share": share,
+            "kv_peak_bytes": measured, "eval_sparse_reward": own, "ref_eval_sparse_reward": ref_eval,
+            "final_reward": final, "ref_final_reward": ref_final, "seeds_higher": int(higher),
+            "eval_dense_reward": mean(runs[s].get("eval/dense/reward") for s in seeds),
+            "ref_eval_dense_reward": mean(base[s].get("eval/dense/reward") for s in seeds),
+            "kv_retained_ratio": {s: runs[s].get("kv_retained_ratio") for s in seeds},
+            "exact": replay_exact({s: runs[s] for s in seeds}, steps, bound=1e-3),
+            "per_seed": {s: {"eval_sparse": runs[s].get("eval/sparse/reward"),
+                             "ref_eval_sparse": base[s].get("eval/sparse/reward"), "final": runs[s]["final_reward"],
+                             "ref_final": base[s]["final_reward"]} for s in seeds}}
+    return out
+
+
+def equal_bytes_text(v: dict, budget: int) -> list[str]:
+    """Section 11's verdicts at `budget` in markdown, one line per arm with its rule's numbers and every seed's."""
+    def f(x):
+        return "n/a" if x is None else f"{x:.3g}" if isinstance(x, float) and abs(x) < 1e-2 else f"{x:.3f}" \
+            if isinstance(x, float) else str(x)
+
+    lines = []
+    for arm, r in v.items():
+        target = r["target_kv_peak_bytes"]
+        lines.append(
+            f"- budget {budget}, {arm}: **{r['verdict']}** (rewards: {r['reward_verdict']}): held-out under its cache "
+            f"{f(r['eval_sparse_reward'])} vs {r['against']} {f(r['ref_eval_sparse_reward'])} (+-{SPREAD}), higher "
+            f"in {r['seeds_higher']} seeds; final {f(r['final_reward'])} vs {f(r['ref_final_reward'])} "
+            f"(-{FINAL_MARGIN}); held-out dense {f(r['eval_dense_reward'])} vs {f(r['ref_eval_dense_reward'])}; KV "
+            f"peak B per sequence " + ", ".join(f"seed {s}: {'n/a' if m is None else f'{m:,.0f}'}"
+                                                for s, m in r["kv_peak_bytes"].items())
+            + f" vs target {'n/a' if target is None else f'{target:,.0f}'} ({r['share']} x {r['against']}'s, "
+            f"+-{BYTES_TOLERANCE:.0%}); kv kept " + ", ".join(f(x) for x in r["kv_retained_ratio"].values())
+            + f"; replay exact (<= 1e-3 every step): {'yes' if r['exact']['holds'] else 'no'}; "
+            + "; ".join(f"seed {s}: held-out {f(x['eval_sparse'])} (ref {f(x['ref_eval_sparse'])}), final "
+                        f"{f(x['final'])} (ref {f(x['ref_final'])})" for s, x in r["per_seed"].items()))
+    return lines
 
 
 MARGIN = 0.1
@@ -639,6 +746,9 @@ def report(args) -> dict:
         scorer = scorer_verdicts(arms, args.steps)
         if scorer:
             block["scorer"] = scorer
+        equal_bytes = equal_bytes_verdicts(arms, args.steps)
+        if equal_bytes:
+            block["equal_bytes"] = equal_bytes
         if cfg.actors.env.factory:   # a multi-turn config: section 9's rules
             block["episodes"] = episode_verdicts(arms, dense, dense_sparse, args.steps)
         result[f"budget_{b}"] = block
@@ -724,6 +834,7 @@ def verdicts_text(result: dict, budgets) -> str:
             lines.append(f"- budget {b}, {name.upper()}: **{verdict}**: {why}")
         lines += replay_verdicts_text(block.get("replay", {}), b)
         lines += [f"- budget {b}, {name}: {json.dumps(v)}" for name, v in block.get("scorer", {}).items()]
+        lines += equal_bytes_text(block.get("equal_bytes", {}), b)
         lines += episode_verdicts_text(block.get("episodes", {}), b)
     return "\n".join(lines) + "\n"
 

@@ -301,3 +301,132 @@ def test_scorer_arms_differ_from_their_baselines_in_the_compressor_only(tmp_path
     assert {(comp[a].protect_prompt, comp[a].sink_tokens) for a in ("rkv_protect_replay", "random_protect_replay")} \
         == {("all", 4)}
     assert (comp["random_replay"].protect_prompt, comp["random_replay"].sink_tokens) == ("off", 0)
+
+
+SMOLLM2_135M = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
+"""The KV-relevant fields of SmolLM2-135M's config.json (the model smollm2-count-warm warms up)."""
+
+
+def test_equal_bytes_arms_are_sparse_replay_with_fp8_kv_at_fp32_r_kv_48s_bytes_and_half(tmp_path):
+    """section 11's arms: 2 x 30 layers x 3 KV heads x 64 x 4 B = 46,080 B per token at fp32 (512 B per layer and
+    KV head), x 48 = 2,211,840 B; fp8_e4m3 with a float32 scale: 2 x 30 x 3 x (64 + 4) = 12,240 B (136 B), so 180
+    tokens fit the bytes (2,203,200 B) and 90 fit half of them (1,101,600 B of 1,105,920). The arms differ from
+    sparse_replay in the compressor only, and keep their bytes when the grid's budget 48 is set before them."""
+    import json
+    from types import SimpleNamespace
+
+    from compressors.kv_quant import KVQuant, budget_tokens
+    from deploy.config import ConfigError, load_config
+
+    config = SimpleNamespace(**SMOLLM2_135M)
+    cached = Path.home() / ".cache" / "sparse-rl" / "smollm2-135m-count-warm" / "config.json"
+    if cached.exists():   # the warmed-up model, where this machine has it
+        assert {k: json.loads(cached.read_text())[k] for k in SMOLLM2_135M} == SMOLLM2_135M
+    head_dim = config.hidden_size // config.num_attention_heads
+    fp32 = KVQuant("model").token_bytes(config.num_hidden_layers, config.num_key_value_heads, head_dim, 4)
+    fp8 = KVQuant("fp8_e4m3", "token_head").token_bytes(config.num_hidden_layers, config.num_key_value_heads,
+                                                        head_dim, 4)
+    assert (fp32, fp8) == (replication.TOKEN_BYTES_FP32, 12_240) == (46_080, 12_240)
+    assert replication.FP32_48_BYTES == 48 * fp32 == 2_211_840
+    assert budget_tokens(2_211_840, fp8) == 180 and budget_tokens(2_211_840 // 2, fp8) == 90
+
+    args = replication.parse_args(["--arms", "sparse_replay,fp8_replay_eqbytes,fp8_replay_halfbytes", "--budgets",
+                                   "48", "--out", str(tmp_path)])
+    cfg = {arm: load_config(args.config, replication.train_overrides(args, arm, 48, 0, arm), check_files=False)
+           for arm in args.arms}
+    comp = {arm: c.actors.engine.compressor for arm, c in cfg.items()}
+    assert (comp["sparse_replay"].kv_dtype, comp["sparse_replay"].kv_budget, comp["sparse_replay"].kv_budget_bytes) \
+        == ("model", 48, 0)
+    for arm, bytes_ in (("fp8_replay_eqbytes", 2_211_840), ("fp8_replay_halfbytes", 1_105_920)):
+        c = comp[arm]
+        assert (c.kv_dtype, c.kv_scale, c.kv_budget, c.kv_budget_bytes) == ("fp8_e4m3", "token_head", 512, bytes_)
+        assert (c.method, c.window, c.interval) == (comp["sparse_replay"].method, 8, 8)
+        assert cfg[arm].learner == cfg["sparse_replay"].learner and cfg[arm].learner.policy_target == "sparse"
+        with pytest.raises(ConfigError, match="kv_budget"):   # the budget after the arm: refused, not run
+            load_config(args.config, [*args.overrides, *replication.ARMS[arm],
+                                      "actors.engine.compressor.kv_budget=48"], check_files=False)
+    assert {arm for arm, _, _ in replication.grid(replication.parse_args(["--out", str(tmp_path)]))}.isdisjoint(
+        replication.EQUAL_BYTES)
+
+
+def test_equal_bytes_arms_predicted_kv_peak_is_within_5_percent_of_their_targets():
+    """The preflight's formula (prompt 46 + response 176 tokens, interval 8): fp32 R-KV 48 peaks at 56 slots x 30
+    layers x 1,536 B + a 46-token prefill of one layer (70,656 B) = 2,651,136 B per sequence (the committed records'
+    eval/sparse/kv_peak_bytes); fp8 at 180 tokens at 188 slots x 30 x 408 B + one layer read back at fp32 (188 x
+    1,536 = 288,768 B) = 2,589,888 B (-2.3 % of 2,651,136); at 90 tokens 98 x 30 x 408 + 98 x 1,536 = 1,350,048 B
+    (+1.8 % of half, 1,325,568)."""
+    from types import SimpleNamespace
+
+    from actors.engines.kv_memory import ModelShape, kv_peak_bytes_per_sequence
+
+    config = SimpleNamespace(**SMOLLM2_135M)
+    fp32 = ModelShape.from_hf_config(config, "fp32")
+    fp8 = ModelShape.from_hf_config(config, "fp32", "fp8_e4m3", "token_head")
+    ref = kv_peak_bytes_per_sequence(fp32, 46, 176, 48, 8, compress=True)
+    eq, half = (kv_peak_bytes_per_sequence(fp8, 46, 176, b, 8, compress=True) for b in (180, 90))
+    assert (ref, eq, half) == (2_651_136, 2_589_888, 1_350_048)
+    assert abs(eq / ref - 1) <= replication.BYTES_TOLERANCE and abs(half / (ref / 2) - 1) <= replication.BYTES_TOLERANCE
+
+
+def fp8_run(final, eval_sparse, kv=2_589_888, eval_dense=0.9, worst=2e-4, steps=20):
+    return {**replay_run(final, eval_dense=eval_dense, eval_sparse=eval_sparse, worst=worst, steps=steps),
+            "eval/sparse/kv_peak_bytes": kv, "kv_retained_ratio": 0.8}
+
+
+def equal_bytes(arm, runs, ref=None):
+    """equal_bytes_verdicts for `arm` ({seed: run_stats}) against fp32 R-KV 48: by default finals 0.95, held-out
+    under its cache 0.90, held-out dense 0.94, KV peak 2,651,136 B per sequence in every seed."""
+    ref = ref or {s: fp8_run(0.95, 0.90, kv=2_651_136, eval_dense=0.94) for s in range(3)}
+    return replication.equal_bytes_verdicts({"sparse_replay": ref, arm: runs}, steps=20)[arm]
+
+
+def test_equal_bytes_reward_rules_by_hand():
+    """Reference: final 0.95, held-out 0.90. better: held-out > 0.946, final >= 0.90, higher in >= 2 seeds; no worse:
+    held-out >= 0.854 and final >= 0.90; worse otherwise."""
+    eq = "fp8_replay_eqbytes"
+    v = equal_bytes(eq, {s: fp8_run(0.91, 0.95) for s in range(3)})             # 0.95 > 0.946, 0.91 >= 0.90
+    assert v["verdict"] == "better" and v["seeds_higher"] == 3 and v["at_stated_bytes"]
+    assert v["target_kv_peak_bytes"] == 2_651_136 and v["ref_eval_dense_reward"] == pytest.approx(0.94)
+    assert equal_bytes(eq, {s: fp8_run(0.91, 0.945) for s in range(3)})["verdict"] == "no worse"   # 0.945 <= 0.946
+    assert equal_bytes(eq, {s: fp8_run(0.89, 0.95) for s in range(3)})["verdict"] == "worse"       # 0.89 < 0.90
+    assert equal_bytes(eq, {s: fp8_run(0.95, 0.855) for s in range(3)})["verdict"] == "no worse"   # 0.855 >= 0.854
+    assert equal_bytes(eq, {s: fp8_run(0.95, 0.853) for s in range(3)})["verdict"] == "worse"      # 0.853 < 0.854
+    # held-out per seed against the reference's 0.80, 0.95, 0.95 (mean 0.90): both means 0.953 > 0.946
+    ref = {s: fp8_run(0.95, x, kv=2_651_136) for s, x in enumerate([0.80, 0.95, 0.95])}
+    two = {s: fp8_run(0.95, x) for s, x in enumerate([1.0, 0.96, 0.90])}        # higher in seeds 0 and 1
+    one = {s: fp8_run(0.95, x) for s, x in enumerate([1.0, 0.93, 0.93])}        # higher in seed 0 only
+    assert equal_bytes(eq, two, ref)["verdict"] == "better" and equal_bytes(eq, two, ref)["seeds_higher"] == 2
+    assert equal_bytes(eq, one, ref)["verdict"] == "no worse" and equal_bytes(eq, one, ref)["seeds_higher"] == 1
+
+
+def test_equal_bytes_needs_every_seed_within_5_percent_of_its_target():
+    """Half the reference's 2,651,136 B: target 1,325,568 B, 5 % of it 66,278.4 B: 1,259,289.6 .. 1,391,846.4."""
+    half = "fp8_replay_halfbytes"
+
+    def runs(*kv):
+        return {s: fp8_run(0.95, 0.90, kv=k) for s, k in enumerate(kv)}
+
+    v = equal_bytes(half, runs(1_350_048, 1_391_800, 1_259_300))
+    assert v["target_kv_peak_bytes"] == 1_325_568 and v["at_stated_bytes"] and v["verdict"] == "no worse"
+    for kv in ((1_350_048, 1_391_900, 1_350_048), (1_259_200, 1_350_048, 1_350_048), (1_350_048, None, 1_350_048)):
+        v = equal_bytes(half, runs(*kv))
+        assert v["verdict"] == "not at the stated bytes" and v["reward_verdict"] == "no worse", kv
+    # the equal-bytes arm measured at the half arm's bytes: its rewards do not count either
+    assert equal_bytes("fp8_replay_eqbytes", runs(1_350_048, 1_350_048, 1_350_048))["verdict"] \
+        == "not at the stated bytes"
+
+
+def test_equal_bytes_exactness_text_and_missing_reference():
+    """Replay of a quantized cache is held to 1e-3 (not 1e-4) on every step; without the reference nothing is
+    decided."""
+    eq = "fp8_replay_eqbytes"
+    assert equal_bytes(eq, {s: fp8_run(0.95, 0.90, worst=9e-4) for s in range(3)})["exact"]["holds"]
+    assert not equal_bytes(eq, {s: fp8_run(0.95, 0.90, worst=2e-3) for s in range(3)})["exact"]["holds"]
+    assert not equal_bytes(eq, {s: fp8_run(0.95, 0.90, steps=19) for s in range(3)})["exact"]["holds"]
+    assert replication.equal_bytes_verdicts({eq: {s: fp8_run(0.95, 0.9) for s in range(3)}}, steps=20) == {}
+    v = replication.equal_bytes_verdicts({"sparse_replay": {s: fp8_run(0.95, 0.90, kv=2_651_136) for s in range(3)},
+                                          eq: {s: fp8_run(0.91, 0.95) for s in range(3)}}, steps=20)
+    line, = replication.equal_bytes_text(v, 48)
+    assert line.startswith("- budget 48, fp8_replay_eqbytes: **better** (rewards: better): held-out under its cache "
+                           "0.950 vs sparse_replay 0.900 (+-0.046), higher in 3 seeds; final 0.910 vs 0.950")
+    assert "seed 0: 2,589,888" in line and "vs target 2,651,136 (1.0 x sparse_replay's, +-5%)" in line
