@@ -110,7 +110,8 @@ class RunConfig:
     smollm2-135m-lookup-stress-warm (warmed up on a task, cached) | tiny-llama | tiny-char. Checked at start: a
     path that does not exist or has no config.json fails naming `model`. A value shaped like a hub id,
     `org/name` (no leading '/', '.' or '~', exactly one '/', and no such local path), is let through unchecked
-    for clusters with hub access: transformers downloads it on every node that loads it, and fails there when the hub is unreachable."""
+    for clusters with hub access: transformers downloads it on every node that loads it, and fails there when
+    the hub is unreachable."""
     seed: int = 0
     """Seed of prompt order and sampling, and of the learner's minibatch shuffling unless `learner.seed` is set
     (resolve_learner_seed)."""
