@@ -89,14 +89,14 @@ class Measured:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="2 timed steps each (default 5)")
+    parser.add_argument("--quick", action="store_true", help="3 timed steps each (default 7)")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--groups", type=int, default=2, help="groups of 4 samples in the batch (default 2)")
     parser.add_argument("--rank", type=int, default=0, help="LoRA rank (default deploy.preflight.LORA_SIZED_RANK)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default the main job's "
                                                               "train.learner_num_cpus)")
     args = parser.parse_args()
-    steps = args.steps or (2 if args.quick else 5)
+    steps = args.steps or (3 if args.quick else 7)
     from transformers import AutoConfig
 
     from deploy.cli import MAIN_JOB
@@ -105,7 +105,7 @@ def main() -> None:
     from deploy.preflight import LORA_SIZED_RANK, learner_memory
 
     job = load_config(MAIN_JOB, check_files=False)
-    threads = args.threads or job.train.learner_num_cpus
+    threads = args.threads or int(job.train.learner_num_cpus)
     torch.set_num_threads(threads)
     model_dir = resolve_model(job.model)
     hf = AutoConfig.from_pretrained(model_dir)
