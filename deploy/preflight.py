@@ -35,6 +35,11 @@ for sglang_request_rows, max_running_requests + 1 or, unset, up to 4,097 rows; `
 It also sizes the broker's queue: one group's wire bytes (broker.schema.group_wire_bytes: 8 bytes per response
 token, + 6 K with actors.sampling.topk_logprobs = K, 120 at K = 20) times the groups the stream can hold
 (broker.high_watermark + one actor batch); a group over broker.max_message_bytes fails.
+
+And it sizes the learner (printed, never refused): the training state one learner rank holds (weights, gradients,
+fp32 master copies, Adam's moments, the KL reference; `learner_memory`) with full fine-tuning and with LoRA (the
+run's learner.lora, or rank LORA_SIZED_RANK for a full fine-tuning run), under the run's learner.dtype,
+learner.zero_stage and learner.ranks; activations are not counted. bench/lora.py measures both on the main job.
 """
 from __future__ import annotations
 
@@ -52,15 +57,40 @@ from actors.engines.kv_memory import (
     record_bytes_per_request,
     sglang_request_rows,
 )
+from broker.lora import LoraConfig
 from broker.schema import group_wire_bytes
 from deploy.config import ConfigError, RunConfig, check_lora_targets
 from learner.config import LearnerConfig
 
 GIB = 1 << 30
+LORA_SIZED_RANK = 16
+"""The adapter rank at which the preflight sizes a full fine-tuning run's LoRA alternative (learner.lora's other
+settings at their defaults; bench/lora.py measures the same); a LoRA run is sized at its own learner.lora."""
 
 
 class PreflightError(ConfigError):
     """The run's KV demand does not fit its memory; the message names the fields and the numbers."""
+
+
+@dataclass
+class LearnerMemory:
+    """Training state one learner rank holds, bytes, by `learner_memory`'s arithmetic (activations and ZeRO's working
+    buffers are not counted)."""
+    parameters: int
+    """Weights held (the frozen base under LoRA included; ZeRO-3: this rank's share) + fp32 master copies of the
+    trained ones."""
+    gradients: int
+    """Gradients of the trained parameters, in the training dtype."""
+    optimizer_state: int
+    """Adam's two fp32 moments of the trained parameters."""
+    reference: int
+    """The KL term's frozen reference copy (learner.kl_coef > 0 without LoRA), in the training dtype; else 0."""
+    trainable: int
+    """Parameters trained (the adapter's under LoRA), a count over the whole model."""
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state + self.reference
 
 
 @dataclass
@@ -107,6 +137,15 @@ class PreflightReport:
     `memory_bytes`; 0 otherwise."""
     ring_rows: int = 0
     """Request rows that ring is sized for (actors.engines.kv_memory.sglang_request_rows)."""
+    learner_full: LearnerMemory | None = None
+    """Training state per learner rank with full fine-tuning (`learner_memory`, the run's learner settings)."""
+    learner_lora: LearnerMemory | None = None
+    """The same with LoRA: the run's learner.lora, or rank LORA_SIZED_RANK for a full fine-tuning run; None when its
+    targets are not modules `lora_parameter_count` knows."""
+    lora_rank: int = 0
+    """The rank `learner_lora` is sized at."""
+    lora_run: bool = False
+    """The run trains a LoRA adapter (learner.lora on)."""
 
     @property
     def dense_per_batch(self) -> int:
@@ -130,7 +169,9 @@ class PreflightReport:
                   "model_head_dim": self.shape.head_dim, "kv_dtype_bytes": self.shape.dtype_bytes,
                   "kv_bytes_per_token": self.shape.bytes_per_token,
                   "group_wire_bytes": self.group_bytes, "broker_queue_bytes": self.queue_bytes,
-                  "compression_event_bytes": self.event_bytes, "sglang_query_ring_bytes": self.ring_bytes}
+                  "compression_event_bytes": self.event_bytes, "sglang_query_ring_bytes": self.ring_bytes,
+                  "learner_state_bytes_full": self.learner_full and self.learner_full.total,
+                  "learner_state_bytes_lora": self.learner_lora and self.learner_lora.total}
         return {f"preflight_result.{k}": str(v) for k, v in values.items()}
 
     def table(self) -> str:
@@ -167,8 +208,85 @@ class PreflightReport:
                    if self.record_rows else "")
         lines.append(f"  broker: {self.group_bytes:,} B per group on the wire{records}, {self.queue_bytes:,} B at the "
                      "high watermark")
+        if self.learner_full is not None:
+            lines.append(self.learner_line())
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+    def learner_line(self) -> str:
+        """The table's learner line: training state per rank with full fine-tuning and with LoRA, and their ratio,
+        e.g. `learner state per rank (weights + gradients + Adam, no activations): full fine-tuning 2,152,... B
+        (2.00 GiB); LoRA rank 16, 4,884,480 trainable parameters: 616,... B (0.57 GiB), 0.29x full`, the run's
+        own mode marked `(this run)`."""
+        full, lora = self.learner_full, self.learner_lora
+        mark = {True: " (this run)", False: ""}
+        line = (f"  learner state per rank (weights + gradients + Adam, no activations): full fine-tuning"
+                f"{mark[not self.lora_run]} {full.total:,} B ({full.total / GIB:.2f} GiB); ")
+        if lora is None:
+            return line + f"LoRA rank {self.lora_rank}: not sized (a target module outside Llama/Qwen2's linear layers)"
+        return (line + f"LoRA rank {self.lora_rank}{mark[self.lora_run]}, {lora.trainable:,} trainable parameters: "
+                f"{lora.total:,} B ({lora.total / GIB:.2f} GiB), {lora.total / full.total:.2f}x full")
+
+
+def _decoder_dims(hf) -> tuple[int, int, int, int, int, int, int]:
+    """(hidden, vocab, layers, attention heads, head_dim, KV heads, intermediate) of a Llama/Qwen2-shaped decoder's
+    Hugging Face config."""
+    h, heads = hf.hidden_size, hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or h // heads
+    kv = getattr(hf, "num_key_value_heads", None) or heads
+    return h, hf.vocab_size, hf.num_hidden_layers, heads, head_dim, kv, getattr(hf, "intermediate_size", 4 * h)
+
+
+def lora_parameter_count(hf, lora: LoraConfig) -> int:
+    """Parameters of a LoRA adapter of rank r on `lora.target_modules` of a Llama/Qwen2-shaped decoder (Hugging Face
+    config `hf`): r x (in_features + out_features) per target module (A is [r, in], B [out, r]), in every layer
+    (q/k/v/o_proj, gate/up/down_proj) or once (lm_head). Raises ValueError for a target that is none of these."""
+    h, v, n, heads, head_dim, kv, inter = _decoder_dims(hf)
+    shapes = {"q_proj": (h, heads * head_dim, n), "k_proj": (h, kv * head_dim, n), "v_proj": (h, kv * head_dim, n),
+              "o_proj": (heads * head_dim, h, n), "gate_proj": (h, inter, n), "up_proj": (h, inter, n),
+              "down_proj": (inter, h, n), "lm_head": (h, v, 1)}
+    unknown = sorted(set(lora.target_modules) - set(shapes))
+    if unknown:
+        raise ValueError(f"learner.lora.target_modules: {', '.join(unknown)}: not a linear module of a Llama/Qwen2 "
+                         f"decoder ({', '.join(shapes)})")
+    return sum(lora.rank * (i + o) * count for i, o, count in (shapes[t] for t in set(lora.target_modules)))
+
+
+def learner_memory(hf, learner: LearnerConfig, lora: LoraConfig | None = None) -> LearnerMemory:
+    """Training state one learner rank holds (LearnerMemory, bytes) for a Llama/Qwen2-shaped model (Hugging Face
+    config `hf`) under `learner` (dtype, zero_stage, ranks, kl_coef), with full fine-tuning, or with the LoRA
+    adapter `lora` (enabled) on the frozen base. Per trained parameter: its weight and gradient in the training dtype
+    (4 B fp32, 2 B bf16), an fp32 master copy (4 B) where DeepSpeed keeps one (bf16, or any ZeRO stage >= 1), Adam's
+    two fp32 moments (8 B): 16 B with fp32 at stage 0, 16 B with bf16 (2 + 2 + 4 + 8). The frozen base holds its
+    weights only; full fine-tuning with kl_coef > 0 also a reference copy. Over N = learner.ranks, ZeRO stage 1
+    shards the master copies and moments, 2 also the gradients, 3 also the weights (each / N, rounded up). Raises
+    ValueError for a LoRA target `lora_parameter_count` does not know."""
+    w = 4 if learner.dtype == "fp32" else 2
+    n, stage = learner.ranks, learner.zero_stage
+    base = _parameter_count(hf)
+    adapter = lora is not None and lora.enabled
+    trained = lora_parameter_count(hf, lora) if adapter else base
+    held = base + trained if adapter else base
+    master = 4 if learner.dtype != "fp32" or stage >= 1 else 0
+
+    def per_rank(nbytes: int, from_stage: int) -> int:
+        return -(-nbytes // n) if stage >= from_stage else nbytes
+    return LearnerMemory(parameters=per_rank(held * w, 3) + per_rank(trained * master, 1),
+                         gradients=per_rank(trained * w, 2), optimizer_state=per_rank(trained * 8, 1),
+                         reference=base * w if learner.kl_coef > 0 and not adapter else 0, trainable=trained)
+
+
+def learner_sizing(learner: LearnerConfig, hf) -> tuple[LearnerMemory, LearnerMemory | None, int]:
+    """(full fine-tuning's LearnerMemory, LoRA's or None when its targets are unknown to `lora_parameter_count`, the
+    LoRA rank sized) for the run's learner settings: LoRA at learner.lora when it is on, else at rank
+    LORA_SIZED_RANK with learner.lora's other settings."""
+    lora = learner.lora if learner.lora.enabled else LoraConfig(
+        rank=LORA_SIZED_RANK, alpha=learner.lora.alpha, target_modules=learner.lora.target_modules)
+    full = learner_memory(hf, learner)
+    try:
+        return full, learner_memory(hf, learner, lora), lora.rank
+    except ValueError:
+        return full, None, lora.rank
 
 
 def _available_memory(cfg: RunConfig, weight_bytes: int) -> tuple[int | None, str]:
@@ -293,6 +411,8 @@ def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: i
     report.event_bytes, report.event_rows, report.event_live = event
     report.record_bytes, report.record_requests = records
     report.ring_bytes, report.ring_rows = ring
+    report.learner_full, report.learner_lora, report.lora_rank = learner_sizing(cfg.learner, hf)
+    report.lora_run = cfg.learner.lora.enabled
     check_report(cfg, report, low)
     report.warnings += lora_warnings(cfg)
     return report
@@ -408,11 +528,7 @@ def sglang_records(cfg: RunConfig, shape: ModelShape, budget: int, prompt: int, 
 
 def _parameter_count(hf) -> int:
     """Parameters of a Llama/Qwen2-shaped decoder from its config (embeddings, attention, MLP, norms, head)."""
-    h, v, n = hf.hidden_size, hf.vocab_size, hf.num_hidden_layers
-    heads = hf.num_attention_heads
-    head_dim = getattr(hf, "head_dim", None) or h // heads
-    kv = getattr(hf, "num_key_value_heads", None) or heads
-    inter = getattr(hf, "intermediate_size", 4 * h)
+    h, v, n, heads, head_dim, kv, inter = _decoder_dims(hf)
     attn = h * heads * head_dim * 2 + h * kv * head_dim * 2
     per_layer = attn + 3 * h * inter + 2 * h
     head = 0 if getattr(hf, "tie_word_embeddings", False) else v * h

@@ -1,10 +1,12 @@
 """KV capacity preflight (docs/SPEC.md §5.1): the byte formula by hand, the prediction against the torch engine's
-measured peak KV bytes on real model files (several configs, within 10%), and the start / fail rules."""
+measured peak KV bytes on real model files (several configs, within 10%), and the start / fail rules; the learner's
+sizing (full fine-tuning and LoRA) by hand and against a real learner's measured state."""
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,9 +18,11 @@ from actors.engines.kv_memory import (
     query_ring_bytes,
     record_bytes_per_request,
 )
+from broker.lora import LoraConfig
 from deploy.config import load_config
 from deploy.model_cache import TINY_LLAMA, resolve_model
-from deploy.preflight import PreflightError, preflight
+from deploy.preflight import PreflightError, learner_memory, lora_parameter_count, preflight
+from learner.config import LearnerConfig
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[2]
@@ -135,6 +139,11 @@ def test_fits_sparse_not_dense_passes_and_a_large_budget_warns():
     assert "engine torch, full, no KV compression" in dense.table() and not dense.warnings
     assert "234,496" in table and "375,808" in table and "seqs that fit" in table
     params = report.params()
+    # the learner line: full fine-tuning (the run's) next to LoRA at rank 16, from learner_memory
+    full, lora = report.learner_full, report.learner_lora
+    assert f"full fine-tuning (this run) {full.total:,} B" in table
+    assert f"LoRA rank 16, {lora.trainable:,} trainable parameters: {lora.total:,} B" in table
+    assert params["preflight_result.learner_state_bytes_lora"] == str(lora.total) and lora.total < full.total
     assert params["preflight_result.kv_bytes_per_seq_sparse"] == "58624"
     # budget 200 >= 101 + 32: nothing would be evicted
     wide = preflight(load_config("tiny", base[1:] + ["actors.engine.compressor.kv_budget=200"]),
@@ -346,3 +355,58 @@ def test_sglang_preflight_counts_the_query_ring_by_hand():
     assert query_ring_bytes(5, 2, 0, 4, 16, 4) == 120
     with pytest.raises(ValueError, match="rows=0"):
         query_ring_bytes(0, 2, 8, 4, 16, 4)
+
+
+TINY = SimpleNamespace(hidden_size=8, vocab_size=32, num_hidden_layers=2, num_attention_heads=2, head_dim=4,
+                       num_key_value_heads=1, intermediate_size=16, tie_word_embeddings=True)
+"""A Llama-shaped config small enough to size by hand."""
+
+
+def test_learner_memory_by_hand():
+    # parameters: attention 8*2*4*2 (q, o) + 8*1*4*2 (k, v) = 192, MLP 3*8*16 = 384, 2 norms 16 -> 592 per layer;
+    # 2 layers 1,184 + embeddings 32*8 = 256 + final norm 8 (tied head) = 1,448
+    # LoRA rank 2 per layer: q 2*(8+8) 32, k 2*(8+4) 24, v 24, o 32, gate 2*(8+16) 48, up 48, down 48 = 256; x 2 = 512
+    lora = LoraConfig(rank=2)
+    assert lora_parameter_count(TINY, lora) == 512
+    assert lora_parameter_count(TINY, LoraConfig(rank=2, target_modules=["q_proj", "lm_head"])) == 2 * 32 + 2 * 40
+    with pytest.raises(ValueError, match="c_attn: not a linear module of a Llama/Qwen2 decoder"):
+        lora_parameter_count(TINY, LoraConfig(rank=2, target_modules=["c_attn"]))
+    # fp32, ZeRO-0, 1 rank: 16 B per parameter (weight 4, gradient 4, Adam 8; no master copy)
+    full = learner_memory(TINY, LearnerConfig(kl_coef=0.0))
+    assert (full.parameters, full.gradients, full.optimizer_state, full.reference) == (5_792, 5_792, 11_584, 0)
+    assert full.total == 1_448 * 16 == 23_168 and full.trainable == 1_448
+    # LoRA: the base and the adapter held at 4 B (1,960 x 4 = 7,840), the adapter's gradient 2,048 and Adam 4,096
+    lo = learner_memory(TINY, LearnerConfig(kl_coef=0.0), lora)
+    assert (lo.parameters, lo.gradients, lo.optimizer_state, lo.reference, lo.total) == (7_840, 2_048, 4_096, 0, 13_984)
+    # bf16, ZeRO-3 over 2 ranks, kl_coef 0.1: weights 1,448*2/2 = 1,448 + fp32 master 1,448*4/2 = 2,896; gradients
+    # 2,896/2 = 1,448; Adam 11,584/2 = 5,792; the reference 1,448*2 = 2,896, unsharded
+    sharded = LearnerConfig(kl_coef=0.1, dtype="bf16", zero_stage=3, ranks=2)
+    full3 = learner_memory(TINY, sharded)
+    assert (full3.parameters, full3.gradients, full3.optimizer_state, full3.reference) == (4_344, 1_448, 5_792, 2_896)
+    # LoRA has no reference copy: (1,960*2)/2 + 512*4/2 = 2,984; 512*2/2 = 512; 512*8/2 = 2,048
+    lo3 = learner_memory(TINY, sharded, lora)
+    assert (lo3.parameters, lo3.gradients, lo3.optimizer_state, lo3.reference) == (2_984, 512, 2_048, 0)
+    # ZeRO-1 over 2 ranks, fp32: master copy and moments sharded, weights and gradients not
+    one = learner_memory(TINY, LearnerConfig(kl_coef=0.0, zero_stage=1, ranks=2))
+    assert (one.parameters, one.gradients, one.optimizer_state) == (5_792 + 2_896, 5_792, 5_792)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_learner_memory_matches_the_learners_measured_state(lora):
+    """The main job's learner settings (fp32, ZeRO-0, 1 rank) on a tiny Llama: the arithmetic equals the state a real
+    learner holds at its optimizer step (Learner.state_bytes; Adam's moments from the step before) to 1%."""
+    from learner.learner import Learner
+    from tests.learner.conftest import make_groups, tiny_llama
+
+    cfg = LearnerConfig(lr=1e-3, kl_coef=0.0, lora=LoraConfig(rank=4) if lora else LoraConfig())
+    measured = {}
+    learner = Learner(tiny_llama(), cfg, phase=lambda name: name == "optimizer step" and measured.update(
+        learner.state_bytes()))
+    for _ in range(2):
+        learner.step(make_groups(), staleness=[0, 0])
+    predicted = learner_memory(tiny_llama().config, cfg, cfg.lora)
+    assert predicted.trainable == learner.parameter_counts()["trainable"]
+    for kind in ("parameters", "gradients"):
+        assert measured[kind] == getattr(predicted, kind), kind
+    assert 1 <= measured["optimizer_state"] / predicted.optimizer_state < 1.01   # + Adam's step counters
+    assert measured["total"] / predicted.total < 1.01
