@@ -63,16 +63,20 @@ def make_model(seed: int = 0) -> LlamaForCausalLM:
                                         max_position_embeddings=256, tie_word_embeddings=True))
 
 
-def make_groups(seed: int = 0) -> list[TrajectoryGroup]:
+def make_groups(seed: int = 0, groups: int = GROUPS, samples: int = G, prompt: int = PROMPT, response: int = RESPONSE,
+                vocab: int = VOCAB, kv_budget: int = 512, finish: str = "stop") -> list[TrajectoryGroup]:
+    """`groups` groups of `samples` samples (bench/lora.py reuses it): random prompt ids [prompt] per group, random
+    response ids [response] per sample, logp_sparse -log(vocab) per token, rewards alternating 0 / 1 (a non-zero
+    advantage)."""
     rng = np.random.default_rng(seed)
-    groups = []
-    for g in range(GROUPS):
-        prompt = rng.integers(0, VOCAB, PROMPT).astype(np.int32)
-        samples = [SampleRecord(prompt_ids=prompt, response_ids=rng.integers(0, VOCAB, RESPONSE).astype(np.int32),
-                                logp_sparse=np.full(RESPONSE, -np.log(VOCAB), np.float32), finish_reason="stop",
-                                reward=float(i % 2)) for i in range(G)]
-        groups.append(TrajectoryGroup("bench", f"g{g}", f"p{g}", 0, 1.0, "rkv", 512, samples))
-    return groups
+    out = []
+    for g in range(groups):
+        ids = rng.integers(0, vocab, prompt).astype(np.int32)
+        records = [SampleRecord(prompt_ids=ids, response_ids=rng.integers(0, vocab, response).astype(np.int32),
+                                logp_sparse=np.full(response, -np.log(vocab), np.float32), finish_reason=finish,
+                                reward=float(i % 2)) for i in range(samples)]
+        out.append(TrajectoryGroup("bench", f"g{g}", f"p{g}", 0, 1.0, "rkv", kv_budget, records))
+    return out
 
 
 def plain_torch_step(model, optimizer, ids, advantages) -> None:

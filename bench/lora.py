@@ -32,37 +32,33 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from broker.lora import LoraConfig  # noqa: E402
-from broker.schema import SampleRecord, TrajectoryGroup  # noqa: E402
+from broker.schema import TrajectoryGroup  # noqa: E402
 from broker.weight_sync import DTYPES  # noqa: E402
 
 PROMPT, SAMPLES = 48, 4
 
 
 def make_groups(groups: int, response: int, vocab: int, seed: int = 0) -> list[TrajectoryGroup]:
-    """`groups` groups of SAMPLES samples: random prompt ids [PROMPT] per group, random response ids [response] per
-    sample, logp_sparse -log(vocab) per token, rewards alternating 0 / 1 (a non-zero advantage)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for g in range(groups):
-        prompt = rng.integers(0, vocab, PROMPT).astype(np.int32)
-        samples = [SampleRecord(prompt_ids=prompt, response_ids=rng.integers(0, vocab, response).astype(np.int32),
-                                logp_sparse=np.full(response, -np.log(vocab), np.float32), finish_reason="length",
-                                reward=float(i % 2)) for i in range(SAMPLES)]
-        out.append(TrajectoryGroup("bench", f"g{g}", f"p{g}", 0, 1.0, "rkv", 48, samples))
-    return out
+    """`groups` groups of SAMPLES samples of PROMPT + `response` random ids at R-KV 48, cut at max length:
+    bench/learner.py's `make_groups` (loaded from its file: bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("bench_learner", Path(__file__).with_name("learner.py"))
+    bench_learner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_learner)
+    return bench_learner.make_groups(seed, groups, SAMPLES, PROMPT, response, vocab, kv_budget=48, finish="length")
 
 
 def sync_bytes(learner, bucket_mb: float) -> tuple[int, int, int]:

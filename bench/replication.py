@@ -636,27 +636,29 @@ def equal_bytes_verdicts(arms: dict[str, dict[int, dict]], steps: int) -> dict:
     return out
 
 
+def num(x) -> str:
+    """A verdict table's number: "n/a" for None, 3 significant digits below 1e-2, else 3 decimals."""
+    return "n/a" if x is None else f"{x:.3g}" if isinstance(x, float) and abs(x) < 1e-2 else f"{x:.3f}" \
+        if isinstance(x, float) else str(x)
+
+
 def equal_bytes_text(v: dict, budget: int) -> list[str]:
     """Section 11's verdicts at `budget` in markdown, one line per arm with its rule's numbers and every seed's."""
-    def f(x):
-        return "n/a" if x is None else f"{x:.3g}" if isinstance(x, float) and abs(x) < 1e-2 else f"{x:.3f}" \
-            if isinstance(x, float) else str(x)
-
     lines = []
     for arm, r in v.items():
         target = r["target_kv_peak_bytes"]
         lines.append(
             f"- budget {budget}, {arm}: **{r['verdict']}** (rewards: {r['reward_verdict']}): held-out under its cache "
-            f"{f(r['eval_sparse_reward'])} vs {r['against']} {f(r['ref_eval_sparse_reward'])} (+-{SPREAD}), higher "
-            f"in {r['seeds_higher']} seeds; final {f(r['final_reward'])} vs {f(r['ref_final_reward'])} "
-            f"(-{FINAL_MARGIN}); held-out dense {f(r['eval_dense_reward'])} vs {f(r['ref_eval_dense_reward'])}; KV "
+            f"{num(r['eval_sparse_reward'])} vs {r['against']} {num(r['ref_eval_sparse_reward'])} (+-{SPREAD}), higher "
+            f"in {r['seeds_higher']} seeds; final {num(r['final_reward'])} vs {num(r['ref_final_reward'])} "
+            f"(-{FINAL_MARGIN}); held-out dense {num(r['eval_dense_reward'])} vs {num(r['ref_eval_dense_reward'])}; KV "
             f"peak B per sequence " + ", ".join(f"seed {s}: {'n/a' if m is None else f'{m:,.0f}'}"
                                                 for s, m in r["kv_peak_bytes"].items())
             + f" vs target {'n/a' if target is None else f'{target:,.0f}'} ({r['share']} x {r['against']}'s, "
-            f"+-{BYTES_TOLERANCE:.0%}); kv kept " + ", ".join(f(x) for x in r["kv_retained_ratio"].values())
+            f"+-{BYTES_TOLERANCE:.0%}); kv kept " + ", ".join(num(x) for x in r["kv_retained_ratio"].values())
             + f"; replay exact (<= 1e-3 every step): {'yes' if r['exact']['holds'] else 'no'}; "
-            + "; ".join(f"seed {s}: held-out {f(x['eval_sparse'])} (ref {f(x['ref_eval_sparse'])}), final "
-                        f"{f(x['final'])} (ref {f(x['ref_final'])})" for s, x in r["per_seed"].items()))
+            + "; ".join(f"seed {s}: held-out {num(x['eval_sparse'])} (ref {num(x['ref_eval_sparse'])}), final "
+                        f"{num(x['final'])} (ref {num(x['ref_final'])})" for s, x in r["per_seed"].items()))
     return lines
 
 
@@ -841,30 +843,26 @@ def verdicts_text(result: dict, budgets) -> str:
 
 def replay_verdicts_text(replay: dict, budget: int) -> list[str]:
     """R1-R4 of docs/results.md 6.12 for each replay arm at `budget`, in markdown, with every seed's numbers."""
-    def f(x):
-        return "n/a" if x is None else f"{x:.3g}" if isinstance(x, float) and abs(x) < 1e-2 else f"{x:.3f}" \
-            if isinstance(x, float) else str(x)
-
     lines = []
     for arm, r in replay.items():
         for name, why in (
-                ("r1", lambda v: f"final {f(v['final_reward'])} vs 0.95 x dense {f(v['dense_final_reward'])} and naive "
-                                 f"{f(v['naive_final_reward'])} - 0.05; seeds within 0.05 of naive "
+                ("r1", lambda v: f"final {num(v['final_reward'])} vs 0.95 x dense {num(v['dense_final_reward'])} "
+                                 f"and naive {num(v['naive_final_reward'])} - 0.05; seeds within 0.05 of naive "
                                  f"{v['seeds_within_0.05_of_naive']}; " + "; ".join(
-                                     f"seed {s}: {f(x['final'])} (naive {f(x['naive_final'])}, dense "
-                                     f"{f(x['dense_final'])})" for s, x in v["per_seed"].items())),
-                ("r2", lambda v: f"held-out under the cache {f(v['eval_sparse_reward'])} vs dense-trained "
-                                 f"{f(v['dense_model_eval_sparse_reward'])}, Sparse-RL "
-                                 f"{f(v['sparse_rl_eval_sparse_reward'])}"
-                                 f", naive {f(v['naive_sparse_eval_sparse_reward'])} (spread {v['spread']}); refuted "
+                                     f"seed {s}: {num(x['final'])} (naive {num(x['naive_final'])}, dense "
+                                     f"{num(x['dense_final'])})" for s, x in v["per_seed"].items())),
+                ("r2", lambda v: f"held-out under the cache {num(v['eval_sparse_reward'])} vs dense-trained "
+                                 f"{num(v['dense_model_eval_sparse_reward'])}, Sparse-RL "
+                                 f"{num(v['sparse_rl_eval_sparse_reward'])}"
+                                 f", naive {num(v['naive_sparse_eval_sparse_reward'])} (spread {v['spread']}); refuted "
                                  f"against naive: {'yes' if v['refuted_against_naive'] else 'no'}; per seed "
-                                 + ", ".join(f(x) for x in v["per_seed"].values())),
-                ("r3", lambda v: f"held-out dense {f(v['eval_dense_reward'])} vs 0.95 x "
-                                 f"{f(v['dense_eval_dense_reward'])}"
-                                 "; per seed " + ", ".join(f(x) for x in v["per_seed"].values())),
+                                 + ", ".join(num(x) for x in v["per_seed"].values())),
+                ("r3", lambda v: f"held-out dense {num(v['eval_dense_reward'])} vs 0.95 x "
+                                 f"{num(v['dense_eval_dense_reward'])}"
+                                 "; per seed " + ", ".join(num(x) for x in v["per_seed"].values())),
                 ("r4", lambda v: "max replay_logp_max_abs per seed " + ", ".join(
-                                     f(x) for x in v["replay_logp_max_abs"].values()) + "; max replay_dense_gap_max "
-                                 + ", ".join(f(x) for x in v["replay_dense_gap_max"].values())
+                                     num(x) for x in v["replay_logp_max_abs"].values()) + "; max replay_dense_gap_max "
+                                 + ", ".join(num(x) for x in v["replay_dense_gap_max"].values())
                                  + f"; measured on every step: {'yes' if v['measured_on_every_step'] else 'no'}")):
             v = r.get(name)
             if v is None:
@@ -880,25 +878,22 @@ def replay_verdicts_text(replay: dict, budget: int) -> list[str]:
 
 def episode_verdicts_text(v: dict, budget: int) -> list[str]:
     """S1-S5 of docs/results.md section 9 for sparse_replay at `budget`, in markdown, with every seed's numbers."""
-    def f(x):
-        return "n/a" if x is None else f"{x:.3g}" if isinstance(x, float) and abs(x) < 1e-2 else f"{x:.3f}" \
-            if isinstance(x, float) else str(x)
-
     def seeds(per_seed: dict) -> str:
-        return "; ".join(f"seed {s}: " + ", ".join(f"{k} {f(x)}" for k, x in d.items()) for s, d in per_seed.items())
+        return "; ".join(f"seed {s}: " + ", ".join(f"{k} {num(x)}" for k, x in d.items()) for s, d in per_seed.items())
 
     texts = {
-        "s1": lambda r: f"final {f(r['final_reward'])} vs dense {f(r['dense_final_reward'])} - {MARGIN}; held-out "
-                        f"under the cache {f(r['eval_sparse_reward'])} vs the dense arm's held-out dense "
-                        f"{f(r['dense_eval_dense_reward'])} - {MARGIN}. " + seeds(r["per_seed"]),
-        "s2": lambda r: f"held-out under the cache {f(r['eval_sparse_reward'])} vs Sparse-RL "
-                        f"{f(r['sparse_rl_eval_sparse_reward'])} + {MARGIN}; seeds above {r['seeds_above']} of "
+        "s1": lambda r: f"final {num(r['final_reward'])} vs dense {num(r['dense_final_reward'])} - {MARGIN}; held-out "
+                        f"under the cache {num(r['eval_sparse_reward'])} vs the dense arm's held-out dense "
+                        f"{num(r['dense_eval_dense_reward'])} - {MARGIN}. " + seeds(r["per_seed"]),
+        "s2": lambda r: f"held-out under the cache {num(r['eval_sparse_reward'])} vs Sparse-RL "
+                        f"{num(r['sparse_rl_eval_sparse_reward'])} + {MARGIN}; seeds above {r['seeds_above']} of "
                         f"{len(r['per_seed'])}. " + seeds(r["per_seed"]),
-        "s3": lambda r: f"held-out under the cache {f(r['eval_sparse_reward'])} vs naive "
-                        f"{f(r['naive_sparse_eval_sparse_reward'])} +- {MARGIN}. " + seeds(r["per_seed"]),
-        "s4": lambda r: f"held-out under the cache {f(r['eval_sparse_reward'])} vs the dense-trained models "
-                        f"{f(r['dense_model_eval_sparse_reward'])} + {MARGIN}. " + seeds(r["per_seed"]),
-        "s5": lambda r: "max replay_logp_max_abs per seed " + ", ".join(f(x) for x in r["replay_logp_max_abs"].values())
+        "s3": lambda r: f"held-out under the cache {num(r['eval_sparse_reward'])} vs naive "
+                        f"{num(r['naive_sparse_eval_sparse_reward'])} +- {MARGIN}. " + seeds(r["per_seed"]),
+        "s4": lambda r: f"held-out under the cache {num(r['eval_sparse_reward'])} vs the dense-trained models "
+                        f"{num(r['dense_model_eval_sparse_reward'])} + {MARGIN}. " + seeds(r["per_seed"]),
+        "s5": lambda r: "max replay_logp_max_abs per seed "
+                        + ", ".join(num(x) for x in r["replay_logp_max_abs"].values())
                         + f"; measured on every step: {'yes' if r['measured_on_every_step'] else 'no'}"}
     if not v:
         return []
