@@ -105,6 +105,13 @@ ARMS.update({  # KV precision at equal bytes (docs/results.md section 11); by --
     "fp8_replay_halfbytes": [*ARMS["sparse_replay"], *FP8,
                              f"actors.engine.compressor.kv_budget_bytes={FP32_48_BYTES // 2}"],
 })
+LORA = ["learner.lora.rank=16", "learner.lora.alpha=32", "learner.lr=2e-4"]
+"""Section 12's LoRA, chosen before its runs: rank 16 and alpha 32 on every linear module (LoraConfig's defaults), lr
+10x the grid's full fine-tuning 2e-5 (Schulman et al., "LoRA Without Regret", 2025: with alpha / rank scaling the best
+LoRA lr is about 10x full fine-tuning's, and rank 1 already matches full fine-tuning in RL)."""
+ARMS.update({  # LoRA with adapter-only sync (docs/results.md section 12); by --arms only, at --budgets 48
+    "lora_replay": [*ARMS["sparse_replay"], *LORA],
+})
 SPARSE_ARMS = tuple(a for a in ARMS if a != "dense")
 EVAL_BEFORE = {"dense", "sparse_rl"}
 """Arms whose runs also score their model before training (the others share those models' starting point)."""
@@ -543,6 +550,12 @@ SCORER_PAIRS = {"random_replay": "sparse_replay", "streamingllm_replay": "sparse
 """docs/results.md section 10: each no-score arm and the R-KV arm with the same protection it is compared with."""
 
 
+def paired(arms: dict[str, dict[int, dict]], arm: str, ref: str) -> tuple[dict, dict, list[int]]:
+    """An arm's runs, its reference arm's and the seeds both ran ({seed: run_stats} each; [] if either is missing)."""
+    runs, base = arms.get(arm, {}), arms.get(ref, {})
+    return runs, base, sorted(set(runs) & set(base))
+
+
 def scorer_verdicts(arms: dict[str, dict[int, dict]], steps: int) -> dict:
     """The rules of docs/results.md section 10 at one budget (arms: {arm: {seed: run_stats}}; means over the seeds
     both arms ran). `matches_rkv` per no-score arm: held-out under its own cache >= the R-KV arm's - SPREAD and final
@@ -551,8 +564,7 @@ def scorer_verdicts(arms: dict[str, dict[int, dict]], steps: int) -> dict:
     the seeds. A rule whose runs are missing is left out."""
     out: dict = {}
     for arm, ref in SCORER_PAIRS.items():
-        runs, base = arms.get(arm, {}), arms.get(ref, {})
-        seeds = sorted(set(runs) & set(base))
+        runs, base, seeds = paired(arms, arm, ref)
         if not seeds:
             continue
         own, rkv = (mean(r[s].get("eval/sparse/reward") for s in seeds) for r in (runs, base))
@@ -603,8 +615,7 @@ def equal_bytes_verdicts(arms: dict[str, dict[int, dict]], steps: int) -> dict:
       every step, `replay_exact`)."""
     out: dict = {}
     for arm, (ref, share) in EQUAL_BYTES.items():
-        runs, base = arms.get(arm, {}), arms.get(ref, {})
-        seeds = sorted(set(runs) & set(base))
+        runs, base, seeds = paired(arms, arm, ref)
         if not seeds:
             continue
         own, ref_eval = (mean(r[s].get("eval/sparse/reward") for s in seeds) for r in (runs, base))
@@ -634,6 +645,65 @@ def equal_bytes_verdicts(arms: dict[str, dict[int, dict]], steps: int) -> dict:
                              "ref_eval_sparse": base[s].get("eval/sparse/reward"), "final": runs[s]["final_reward"],
                              "ref_final": base[s]["final_reward"]} for s in seeds}}
     return out
+
+
+LORA_PAIR = ("lora_replay", "sparse_replay")
+"""docs/results.md section 12: the LoRA arm and the full fine-tuning arm it is compared with."""
+
+
+def lora_verdicts(arms: dict[str, dict[int, dict]], steps: int) -> dict:
+    """The rules of docs/results.md section 12 at one budget (arms: {arm: {seed: run_stats}}; means over the seeds
+    both ran; {} if either arm is missing). "gain" = `reward_gain` (mean training reward of the last EDGE steps minus
+    the first EDGE), "final" = the last EDGE steps' mean:
+    - `r1`: LoRA's gain >= 0.8 x full fine-tuning's, LoRA's final >= full's - FINAL_MARGIN, and no seed's LoRA gain
+      below half of full fine-tuning's mean gain;
+    - `r3`: held-out reward under the run's own cache and dense, each >= full fine-tuning's - SPREAD;
+    - `r4`: `replay_exact` (replay_logp_max_abs <= 1e-4 on every step, replay_dense_gap_max > 1e-2);
+    - `decided`: "trains as full fine-tuning" iff r1, r3 and r4 hold, else "does not"."""
+    arm, ref = LORA_PAIR
+    runs, base, seeds = paired(arms, arm, ref)
+    if not seeds:
+        return {}
+    gain, ref_gain = (mean(r[s]["reward_gain"] for s in seeds) for r in (runs, base))
+    final, ref_final = (mean(r[s]["final_reward"] for s in seeds) for r in (runs, base))
+    low = [s for s in seeds if runs[s]["reward_gain"] < 0.5 * ref_gain]
+    r1 = {"holds": bool(gain >= 0.8 * ref_gain and final >= ref_final - FINAL_MARGIN and not low), "gain": gain,
+          "full_gain": ref_gain, "final_reward": final, "full_final_reward": ref_final, "seeds_below_half": low}
+    held = {m: tuple(mean(r[s].get(f"eval/{m}/reward") for s in seeds) for r in (runs, base))
+            for m in ("sparse", "dense")}
+    r3 = {"holds": all(own is not None and full is not None and own >= full - SPREAD for own, full in held.values()),
+          **{f"eval_{m}_reward": own for m, (own, _) in held.items()},
+          **{f"full_eval_{m}_reward": full for m, (_, full) in held.items()}}
+    r4 = replay_exact({s: runs[s] for s in seeds}, steps)
+    per_seed = {s: {"gain": runs[s]["reward_gain"], "full_gain": base[s]["reward_gain"],
+                    "final": runs[s]["final_reward"], "full_final": base[s]["final_reward"],
+                    "eval_sparse": runs[s].get("eval/sparse/reward"), "eval_dense": runs[s].get("eval/dense/reward"),
+                    "full_eval_sparse": base[s].get("eval/sparse/reward"),
+                    "full_eval_dense": base[s].get("eval/dense/reward")} for s in seeds}
+    ok = r1["holds"] and r3["holds"] and r4["holds"]
+    return {arm: {"against": ref, "r1": r1, "r3": r3, "r4": r4, "per_seed": per_seed,
+                  "decided": "trains as full fine-tuning" if ok else "does not"}}
+
+
+def lora_text(v: dict, budget: int) -> list[str]:
+    """Section 12's verdicts at `budget` in markdown: one line with each rule's numbers and every seed's."""
+    lines = []
+    for arm, r in v.items():
+        r1, r3 = r["r1"], r["r3"]
+        lines.append(
+            f"- budget {budget}, {arm}: **{r['decided']}** against {r['against']}: R1 "
+            f"{'holds' if r1['holds'] else 'fails'} (gain {num(r1['gain'])} vs 0.8 x {num(r1['full_gain'])}; final "
+            f"{num(r1['final_reward'])} vs {num(r1['full_final_reward'])} - {FINAL_MARGIN}; seeds below half of the "
+            f"full gain: {r1['seeds_below_half'] or 'none'}); R3 {'holds' if r3['holds'] else 'fails'} (held-out "
+            f"under its cache {num(r3['eval_sparse_reward'])} vs {num(r3['full_eval_sparse_reward'])}, dense "
+            f"{num(r3['eval_dense_reward'])} vs {num(r3['full_eval_dense_reward'])}, -{SPREAD}); R4 "
+            f"{'holds' if r['r4']['holds'] else 'fails'} (replay |dlogp| max "
+            + ", ".join(num(x) for x in r["r4"]["replay_logp_max_abs"].values()) + "); "
+            + "; ".join(f"seed {s}: gain {num(x['gain'])} (full {num(x['full_gain'])}), final {num(x['final'])} "
+                        f"(full {num(x['full_final'])}), held-out {num(x['eval_sparse'])} / {num(x['eval_dense'])} "
+                        f"(full {num(x['full_eval_sparse'])} / {num(x['full_eval_dense'])})"
+                        for s, x in r["per_seed"].items()))
+    return lines
 
 
 def num(x) -> str:
@@ -751,6 +821,9 @@ def report(args) -> dict:
         equal_bytes = equal_bytes_verdicts(arms, args.steps)
         if equal_bytes:
             block["equal_bytes"] = equal_bytes
+        lora = lora_verdicts(arms, args.steps)
+        if lora:
+            block["lora"] = lora
         if cfg.actors.env.factory:   # a multi-turn config: section 9's rules
             block["episodes"] = episode_verdicts(arms, dense, dense_sparse, args.steps)
         result[f"budget_{b}"] = block
@@ -837,6 +910,7 @@ def verdicts_text(result: dict, budgets) -> str:
         lines += replay_verdicts_text(block.get("replay", {}), b)
         lines += [f"- budget {b}, {name}: {json.dumps(v)}" for name, v in block.get("scorer", {}).items()]
         lines += equal_bytes_text(block.get("equal_bytes", {}), b)
+        lines += lora_text(block.get("lora", {}), b)
         lines += episode_verdicts_text(block.get("episodes", {}), b)
     return "\n".join(lines) + "\n"
 

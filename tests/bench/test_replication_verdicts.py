@@ -430,3 +430,52 @@ def test_equal_bytes_exactness_text_and_missing_reference():
     assert line.startswith("- budget 48, fp8_replay_eqbytes: **better** (rewards: better): held-out under its cache "
                            "0.950 vs sparse_replay 0.900 (+-0.046), higher in 3 seeds; final 0.910 vs 0.950")
     assert "seed 0: 2,589,888" in line and "vs target 2,651,136 (1.0 x sparse_replay's, +-5%)" in line
+
+
+def lora_run(gain, final, eval_sparse=0.95, eval_dense=0.95, worst=2e-5, steps=20):
+    return {**replay_run(final, eval_dense=eval_dense, eval_sparse=eval_sparse, worst=worst, steps=steps),
+            "reward_gain": gain}
+
+
+def test_lora_rules_r1_r3_r4_by_hand():
+    """docs/results.md section 12 at budget 48. Full fine-tuning (sparse_replay): gains 0.30, finals 0.95, held-out
+    0.96 / 0.95. LoRA gains 0.25, 0.25, 0.22 (mean 0.24 = 0.8 x 0.30; none below 0.15), finals 0.91 (>= 0.90),
+    held-out 0.92 / 0.91 (>= 0.914 / 0.904): trains as full fine-tuning. Then each rule broken at its boundary."""
+    full = {s: lora_run(0.30, 0.95, eval_sparse=0.96) for s in range(3)}
+    lora = {0: lora_run(0.25, 0.91, 0.92, 0.91), 1: lora_run(0.25, 0.91, 0.92, 0.91), 2: lora_run(0.22, 0.91, 0.92,
+                                                                                                   0.91)}
+
+    def decide(runs):
+        return replication.lora_verdicts({"sparse_replay": full, "lora_replay": runs}, steps=20)["lora_replay"]
+
+    v = decide(lora)
+    assert v["decided"] == "trains as full fine-tuning" and v["r1"]["gain"] == pytest.approx(0.24)
+    assert v["against"] == "sparse_replay" and v["r1"]["seeds_below_half"] == []
+    assert not decide({**lora, 2: lora_run(0.21, 0.91, 0.92, 0.91)})["r1"]["holds"]        # mean 0.2367 < 0.24
+    assert not decide({**lora, 2: lora_run(0.22, 0.87, 0.92, 0.91)})["r1"]["holds"]        # final 0.897 < 0.90
+    low = decide({0: lora_run(0.30, 0.91, 0.92, 0.91), 1: lora_run(0.30, 0.91, 0.92, 0.91),
+                  2: lora_run(0.14, 0.91, 0.92, 0.91)})                                      # mean 0.247, 0.14 < 0.15
+    assert not low["r1"]["holds"] and low["r1"]["seeds_below_half"] == [2]
+    assert not decide({s: lora_run(0.25, 0.91, 0.91, 0.91) for s in range(3)})["r3"]["holds"]   # 0.91 < 0.914
+    assert not decide({s: lora_run(0.25, 0.91, 0.92, 0.90) for s in range(3)})["r3"]["holds"]   # 0.90 < 0.904
+    worse = decide({**lora, 1: lora_run(0.25, 0.91, 0.92, 0.91, worst=2e-4)})
+    assert not worse["r4"]["holds"] and worse["decided"] == "does not"
+    assert replication.lora_verdicts({"lora_replay": lora}, steps=20) == {}
+    line, = replication.lora_text(replication.lora_verdicts({"sparse_replay": full, "lora_replay": lora}, 20), 48)
+    assert "**trains as full fine-tuning**" in line and "seed 2: gain 0.220 (full 0.300)" in line
+
+
+def test_lora_arm_is_sparse_replay_with_the_pre_registered_adapter(tmp_path):
+    """section 12's arm differs from sparse_replay in learner.lora and learner.lr only (rank 16, alpha 32, lr 2e-4)."""
+    from dataclasses import replace
+
+    from deploy.config import load_config
+
+    args = replication.parse_args(["--out", str(tmp_path)])
+    full, lora = (load_config(args.config, [*args.overrides, *replication.ARMS[a]], check_files=False)
+                  for a in ("sparse_replay", "lora_replay"))
+    assert (lora.learner.lora.rank, lora.learner.lora.alpha, lora.learner.lr, lora.learner.lora.dropout) \
+        == (16, 32.0, 2e-4, 0.0)
+    assert full.learner.lora.rank == 0 and full.learner.lr == 2e-5
+    assert replace(lora.learner, lora=full.learner.lora, lr=full.learner.lr) == full.learner
+    assert lora.actors == full.actors and lora.broker == full.broker
