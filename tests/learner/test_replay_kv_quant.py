@@ -53,9 +53,10 @@ def test_straight_through_backward_is_the_unquantized_forwards_gradient(q):
     assert not torch.equal(quantize_dequantize(k.detach(), q), k.detach())   # the quantizer did round
 
 
-def quant_rollouts(kv_dtype: str, kv_scale: str = "token_head"):
-    """(model, groups off the wire) of R-KV rollouts whose cache stores K/V at `kv_dtype` / `kv_scale`."""
-    model = tiny_model("llama", layers=3)
+def quant_rollouts(kv_dtype: str, kv_scale: str = "token_head", dtype=torch.float32):
+    """(model, groups off the wire) of R-KV rollouts whose cache stores K/V at `kv_dtype` / `kv_scale`; the model
+    at `dtype`."""
+    model = tiny_model("llama", layers=3, dtype=dtype)
     cfg = CompressorConfig(method="rkv", kv_budget=12, window=4, interval=5, kv_dtype=kv_dtype, kv_scale=kv_scale)
     cfg.validate()
     engine = TorchEngine(model, tiny_tokenizer(), cfg, record_evictions=True)
@@ -65,34 +66,61 @@ def quant_rollouts(kv_dtype: str, kv_scale: str = "token_head"):
     return model, groups
 
 
-@pytest.mark.parametrize("kv_dtype,kv_scale", [("fp8_e4m3", "token_head"), ("int8", "token_head"),
-                                               ("int4", "token_head"), ("fp8_e4m3", "layer"), ("bf16", "token_head")])
+QUANTIZERS = [("fp8_e4m3", "token_head"), ("int8", "token_head"), ("int4", "token_head"), ("fp8_e4m3", "layer"),
+              ("bf16", "token_head")]
+
+
+def replay_gaps(learner, batch, quant: bool = True):
+    """|replayed log-prob - logp_sparse| over the batch's response tokens (1-D), replayed with or without the qdq."""
+    rows = torch.arange(batch.size)
+    with torch.no_grad():
+        logp = learner.log_probs(learner.engine, batch, rows, replay=True, quant=quant)
+    return (learner._at_response(logp, batch, rows) - batch.logp_sparse).abs()[batch.response_mask]
+
+
+@pytest.mark.parametrize("kv_dtype,kv_scale", QUANTIZERS)
 def test_replayed_logp_of_a_quantized_cache_equals_logp_sparse_and_the_unquantized_replay_does_not(kv_dtype, kv_scale):
-    """At max_staleness 0: the replayed log-probs (qdq of K/V after RoPE at every position) are within 1e-3 of the
-    sampler's logp_sparse (the share of tokens above 1e-4 reported); the control, the same replay without the qdq on
-    the same batch, is off by more than 1e-2; the learner's step reports replay_logp_max_abs <= 1e-3 and, with
-    learner.replay_quant_gap, replay_quant_gap = max |replay with - without the qdq| (the fused path declined)."""
-    model, groups = quant_rollouts(kv_dtype, kv_scale)
+    """At max_staleness 0, fp64 model: the replayed log-probs (qdq of K/V after RoPE at every position) equal the
+    sampler's logp_sparse to 1e-6 (logp_sparse travels in fp32), on any CPU: at fp64 the engine's K/V and the
+    learner's agree far below any quantization step, so the same codes are stored and replayed. The control, the
+    same replay without the qdq on the same batch, is off by more than 1e-2. (DeepSpeed steps no fp64 gradients:
+    the learner's step is checked on the fp32 rollouts below.)"""
+    model, groups = quant_rollouts(kv_dtype, kv_scale, dtype=torch.float64)
     assert {g.kv_quant for g in groups} == {KVQuant(kv_dtype, kv_scale).name}
+    learner = Learner(copy.deepcopy(model), LearnerConfig(kl_coef=0.0, policy_target="sparse", micro_batch_size=3))
+    batch = learner.collate(groups)
+    gap, control = replay_gaps(learner, batch), replay_gaps(learner, batch, quant=False)
+    assert float(gap.max()) <= 1e-6, f"max {float(gap.max()):.2e}"
+    assert float(control.max()) > 1e-2, "the quantization did not matter: the check would not see a missing qdq"
+
+
+@pytest.mark.parametrize("kv_dtype,kv_scale", QUANTIZERS)
+def test_fp32_replay_of_a_quantized_cache_is_off_by_rare_code_flips_only(kv_dtype, kv_scale):
+    """fp32 model (the runs' precision): the engine computes a token's K/V in a decode step, the learner in one
+    forward over the sequence; their fp32 rounding differs (by CPU kernel: ATEN_CPU_CAPABILITY), and a value within
+    that rounding of a quantization boundary gets the neighbouring code, which moves every later log-prob of its row.
+    Measured on this batch (320 tokens; Xeon, torch 2.x): max |dlogp| 1.8e-4 (int8) / 6.7e-6 (fp8_e4m3) at avx512,
+    4.3e-3 (fp8_e4m3) at avx2, 2.5e-3 (int8) at default; 0 at fp64 (the test above). What holds on any CPU: the
+    replay stays at least 10x closer to logp_sparse than the same replay without the qdq (docs/kv_cache.md, "The
+    quantizer travels and is replayed"); the figure is printed. The learner's step reports the same
+    replay_logp_max_abs and, with learner.replay_quant_gap, replay_quant_gap = max |replay with - without the qdq|
+    (the fused path declined)."""
+    model, groups = quant_rollouts(kv_dtype, kv_scale)
     learner = Learner(copy.deepcopy(model), LearnerConfig(lr=1e-3, kl_coef=0.0, policy_target="sparse",
                                                            micro_batch_size=3, replay_quant_gap=True))
     batch = learner.collate(groups)
+    gap, control = replay_gaps(learner, batch), replay_gaps(learner, batch, quant=False)
+    print(f"{kv_dtype}/{kv_scale}: replay max |dlogp| {float(gap.max()):.2e}, share of {gap.numel()} tokens above "
+          f"1e-4 {float((gap > 1e-4).float().mean()):.4f}; without qdq {float(control.max()):.2e}")
+    assert float(gap.max()) * 10 < float(control.max())
     rows = torch.arange(batch.size)
-    mask = batch.response_mask
     with torch.no_grad():
-        with_qdq = learner.log_probs(learner.engine, batch, rows, replay=True)
-        without = learner.log_probs(learner.engine, batch, rows, replay=True, quant=False)
-    gap = (learner._at_response(with_qdq, batch, rows) - batch.logp_sparse).abs()[mask]
-    control = (learner._at_response(without, batch, rows) - batch.logp_sparse).abs()[mask]
-    share = float((gap > 1e-4).float().mean())
-    print(f"{kv_dtype}/{kv_scale}: replay max |dlogp| {float(gap.max()):.2e}, share of {gap.numel()} tokens above 1e-4 "
-          f"{share:.4f}; without qdq {float(control.max()):.2e}")
-    assert float(gap.max()) <= 1e-3, f"max {float(gap.max()):.2e}, share above 1e-4 {share:.4f}"
-    assert float(control.max()) > 1e-2, "the quantization did not matter: the check would not see a missing qdq"
-    quant_gap = float((learner._at_response(with_qdq - without, batch, rows)).abs()[mask].max())
+        diff = learner.log_probs(learner.engine, batch, rows, replay=True) \
+            - learner.log_probs(learner.engine, batch, rows, replay=True, quant=False)
+    quant_gap = float(learner._at_response(diff, batch, rows).abs()[batch.response_mask].max())
     assert not learner.fusable(batch)                           # the gap needs the recompute's forwards
     metrics = learner.step(groups, [0] * len(groups))
-    assert metrics["replay_logp_max_abs"] <= 1e-3, metrics["replay_logp_max_abs"]
+    assert metrics["replay_logp_max_abs"] == pytest.approx(float(gap.max()), abs=1e-6)
     assert metrics["replay_quant_gap"] == pytest.approx(quant_gap, abs=1e-6) and quant_gap > 1e-2
 
 
