@@ -29,6 +29,7 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 
 from broker.config import BrokerConfig  # noqa: E402
 from broker.faults import FAULTS_ENV  # noqa: E402
+from broker.fingerprint import tolerance  # noqa: E402
 from broker.lora import LoraConfig  # noqa: E402
 from broker.run_state import key, read_learner_version, run_counts  # noqa: E402
 from broker.schema import decode_group  # noqa: E402
@@ -218,6 +219,43 @@ def test_a_resumed_run_continues_its_record_and_trains_the_prompts_of_an_uninter
     assert tags["parent_run_id"] == first["run_id"] and tags["parent_mlflow_run_id"] == first["mlflow_run_id"]
     assert (Path(forked["run_dir"]) / "checkpoints" / "latest").read_text() == "version_5"
     assert (Path(run_dir) / "checkpoints" / "latest").read_text() == "version_4"  # the parent's are untouched
+
+
+@pytest.mark.system
+@pytest.mark.timeout(900)
+def test_a_lora_run_resumes_its_adapter_and_ends_where_an_uninterrupted_one_does(tmp_path, redis_server):
+    """learner.lora through `--resume` on tiny-learn (a reward the tiny model earns, so the adapter trains; the
+    tiny preset's rewards are all 0 and leave lora_B at 0): 2 steps with checkpoints (the adapter alone), stop,
+    resume to version 3. The resumed life syncs only the adapter (the actors start from the base and get version 2's
+    adapter first), every actor's fingerprint matches the learner's (fp32 tolerance), and its final adapter (peft's
+    format) equals that of one uninterrupted 3-step run with the same seed (1e-6; max_staleness 0, one actor: the
+    same rollouts), while version 2's differs from it by more than 1e-4: the resumed learner continued the adapter
+    and its Adam state (a fresh Adam's first step is lr x sign(g), not the resumed one's)."""
+    from safetensors.torch import load_file
+
+    common = [f"run_dir={tmp_path}", "actors.count=1", "broker.max_staleness=0", "eval.enabled=false",
+              "learner.lora.rank=4", "learner.checkpoint_interval=1", "learner.weight_sync_timeout_s=60"]
+    whole = train(load_config("tiny-learn", common + ["train.steps=3", f"broker.url={redis_server.url}"]))
+    first = train(load_config("tiny-learn", common + ["train.steps=2"]))
+    run_dir = first["run_dir"]
+    adapter = {name: load_file(Path(s["run_dir"]) / "final" / "adapter_model.safetensors") for name, s in
+               (("whole", whole), ("version 2", first))}
+    second = train(resume_config(run_dir, ["train.steps=3"]), resume=run_dir)
+    adapter["resumed"] = load_file(Path(run_dir) / "final" / "adapter_model.safetensors")
+
+    assert second["run_dir"] == run_dir and second["accounting"]["learner_version"] == 3
+    assert set(second["accounting"]["actor_versions"].values()) == {3}
+    client = MlflowClient(second["mlflow_uri"])
+    sent = metric_history(client, second["mlflow_run_id"], "weight_sync_bytes")
+    assert sent and all(m.value < 2**20 for m in sent), sent   # the adapter alone, also right after the resume
+    fingerprints = metric_history(client, second["mlflow_run_id"], "weight_sync_fingerprint_max_abs")
+    assert fingerprints and all(m.value <= tolerance("fp32") for m in fingerprints), fingerprints
+    assert set(adapter["resumed"]) == set(adapter["whole"])
+    assert max(float(t.abs().max()) for n, t in adapter["whole"].items() if "lora_B" in n) > 1e-3   # it trained
+    for name, t in adapter["whole"].items():
+        torch.testing.assert_close(adapter["resumed"][name], t, rtol=0, atol=1e-6, msg=name)
+    moved = max(float((adapter["whole"][n] - adapter["version 2"][n]).abs().max()) for n in adapter["whole"])
+    assert moved > 1e-4, moved   # step 3 moved the adapter: the equality above could fail
 
 
 @pytest.mark.system
