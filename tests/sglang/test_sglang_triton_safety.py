@@ -147,6 +147,14 @@ def test_sparse_engine_refuses_setting_at_start(setting, value):
         SGLangEngine("/nonexistent-model", compressor_cfg=SPARSE, **{setting: value})   # refused before SGLang starts
 
 
+def test_fp8_kv_pool_is_refused_quoting_the_try():
+    """SGLang's own fp8 KV pool under the sparse backend: refused before SGLang starts, naming the setting and quoting
+    in one line what the try on the CPU lane gave (contract.FP8_POOL_TRY; docs/sglang.md, "Refused at start")."""
+    with pytest.raises(ValueError, match=r"^engine setting kv_cache_dtype='fp8_e4m3': .*tried on the CPU lane \(SGLang "
+                                         r"0\.5\.23, TRITON_INTERPRET=1, .*CPU FP8 KV cache requires Intel AMX"):
+        SGLangEngine("/nonexistent-model", compressor_cfg=SPARSE, kv_cache_dtype="fp8_e4m3")
+
+
 def test_sparse_engine_turns_the_prefill_graph_off():
     """SGLang 0.5.23 defaults to a breakable (piecewise) prefill CUDA graph on CUDA: sparse mode sets it off
     (the CPU lane's default is off already, so this is the only place the GPU default is checked)."""

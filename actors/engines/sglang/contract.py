@@ -57,8 +57,13 @@ def record_path(directory: str, rid) -> str:
     return os.path.join(directory, str(rid).replace(os.sep, "_") + ".npy")
 
 
+FP8_POOL_TRY = ("SGLang's fp8 pool tried on the CPU lane (SGLang 0.5.23, TRITON_INTERPRET=1, 2026-12-07): ValueError: "
+                "CPU FP8 KV cache requires Intel AMX support. (with SGLang's CPU gates lifted, compression's gather: "
+                "NotImplementedError: \"scatter_gather_tensor_cpu\" not implemented for 'Float8_e4m3fn')")
+"""What running SGLang's own fp8 KV pool (`kv_cache_dtype=fp8_e4m3`) under the sparse backend gave, quoted by the
+refusals of compressor.kv_dtype and of kv_cache_dtype (docs/sglang.md, "Refused at start")."""
 KV_DTYPE_REFUSAL = ("the sparse backend's KV pool stores the model dtype (quantized KV, its replay and its "
-                    "preflight run on the torch engine, docs/kv_cache.md)")
+                    f"preflight run on the torch engine, docs/kv_cache.md); {FP8_POOL_TRY}")
 """Why compressor.kv_dtype other than model is refused on SGLang (unsupported_compressor_settings)."""
 
 

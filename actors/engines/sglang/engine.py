@@ -52,6 +52,7 @@ from actors.engines.base import EVICTION_NEVER, Sample, SamplingParams, check_pa
 from actors.engines.sglang.contract import (  # noqa: F401  (re-exported: the engine's callers name them here)
     COMPRESSOR_ENV,
     DECODE_GRAPH_BACKENDS,
+    FP8_POOL_TRY,
     JOINS_ENV,
     KV_BUDGET_RID,
     KV_STATS_ENV,
@@ -182,8 +183,9 @@ def check_sparse_kwargs(engine_kwargs: dict, backend: str = SPARSE_BACKEND) -> N
         if key == "kv_cache_dtype" and got in (None, "auto", str(engine_kwargs.get("dtype", "auto"))):
             continue
         if got != need:
+            tried = f"; {FP8_POOL_TRY}" if key == "kv_cache_dtype" else ""
             raise ValueError(f"engine setting {key}={got!r}: sparse KV compression needs {key}={need!r} "
-                             f"(docs/sglang.md, Sparse mode)")
+                             f"(docs/sglang.md, Sparse mode){tried}")
     got = engine_kwargs.get("attention_backend", backend)
     if got != backend:
         raise ValueError(f"engine setting attention_backend={got!r}: sparse mode runs in {backend!r}")
