@@ -449,10 +449,6 @@ def check_sglang(run: RunConfig) -> None:
             check_sparse_kwargs(run.actors.engine.sglang.kwargs())
         except ValueError as e:
             raise ConfigError(str(e).replace("engine setting ", "actors.engine.sglang.engine_kwargs.")) from None
-    check(not run.learner.lora.enabled, f"learner.lora.rank={run.learner.lora.rank} with actors.engine.backend=sglang: "
-          "the adapter-only weight sync reaches the torch engine only; applying each adapter version in SGLang (its "
-          "LoRA manager, one adapter name per version so that its radix cache never serves an old version's prefix) "
-          "is not built: use actors.engine.backend=torch, or learner.lora.rank=0")
     check(not run.learner.weight_sync_verify,
           "learner.weight_sync_verify=true checksums the torch engine's parameters after a swap; SGLang holds its "
           "weights in its scheduler process (actors.engine.backend=sglang): set learner.weight_sync_verify=false")

@@ -7,9 +7,39 @@ CPUs. This stand-in implements in torch the one op the dense decode path calls
 ``NotImplementedError`` when called, so importing works and a missing op fails loudly. Because
 ``torch.ops.sgl_kernel.convert_weight_packed`` does not exist, SGLang treats AMX as unavailable and uses its
 torch-native layers. See docs/sglang.md ("CPU test lane").
+
+Importing it also makes host-memory pinning a no-op when no accelerator is present (`pin_on_cpu_is_a_no_op`):
+SGLang's LoRA layers pin their host tensors unconditionally.
 """
 
+import functools
+
 import torch
+
+
+def pin_on_cpu_is_a_no_op() -> None:
+    """SGLang 0.5.23's LoRA layers and backends pin host tensors unconditionally (`torch.tensor(...,
+    pin_memory=True)` in srt/lora/layers.py, `.pin_memory()` in srt/lora/backend/torch_backend.py), which raises
+    `RuntimeError: pin_memory=True requires a CUDA or other accelerator backend` on a CPU-only torch. Without an
+    accelerator, drop `pin_memory` from torch's tensor factories and make `Tensor.pin_memory` return the tensor
+    itself (pinning only speeds host-to-device copies, of which there are none). Idempotent."""
+    if torch.accelerator.is_available() or getattr(torch, "_sparse_rl_pin_no_op", False):
+        return
+
+    def unpinned(factory):
+        @functools.wraps(factory)
+        def make(*args, **kwargs):
+            kwargs.pop("pin_memory", None)
+            return factory(*args, **kwargs)
+        return make
+
+    for name in ("tensor", "empty", "zeros", "ones", "full", "arange"):
+        setattr(torch, name, unpinned(getattr(torch, name)))
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+    torch._sparse_rl_pin_no_op = True
+
+
+pin_on_cpu_is_a_no_op()
 
 
 def assign_req_to_token_pool_cpu(
