@@ -69,13 +69,19 @@ def test_sglang_actors_train_through_the_pipeline(tmp_path, redis_server):
 @pytest.mark.timeout(900)
 def test_an_sglang_actor_trains_a_lora_adapter_through_the_pipeline(tmp_path, redis_server):
     """learner.lora on the SGLang engine (docs/sglang.md, "LoRA"): one actor, the adapter alone over the weight sync
-    after every step, applied through SGLang's LoRA manager (`lora_backend=torch_native` on the CPU); learner.lr 1e-2 so
-    that each version moves the policy. Every sync's fingerprint matches the learner's (adapter on) and the learner's
-    replay of the SGLang rollouts equals their log-probs; the final directory is the adapter."""
+    after every step, applied through SGLang's LoRA manager (`lora_backend=torch_native` on the CPU). The reward is the
+    first token's parity (tests/sglang/tiny.py: it varies within a group, so the adapter gets a gradient; the task's
+    own reward is 0 for every sample of a random model, B would stay 0 and an adapter never applied would go unseen)
+    at learner.lr 1e-2, so each version moves the policy. Every sync's fingerprint matches the learner's (adapter
+    on), the learner's replay of the SGLang rollouts equals their log-probs, and the final directory is an adapter
+    with B != 0."""
+    from broker.lora import load_saved_adapter
+
     cfg = load_config("tiny-sglang", [f"run_dir={tmp_path}", f"broker.url={redis_server.url}", "actors.count=1",
                                       "learner.lora.rank=8", "learner.lr=1e-2", "learner.weight_sync_timeout_s=120",
                                       "actors.engine.sglang.engine_kwargs.lora_backend=torch_native",
-                                      "learner.policy_target=sparse", "broker.max_staleness=0"])
+                                      "learner.policy_target=sparse", "broker.max_staleness=0",
+                                      "actors.reward.function=tests.sglang.tiny:first_token_parity"])
     summary = train(cfg)
 
     check_accounting(summary, steps=3, groups_per_step=cfg.train.groups_per_step,
@@ -88,7 +94,10 @@ def test_an_sglang_actor_trains_a_lora_adapter_through_the_pipeline(tmp_path, re
     assert max(history["weight_sync_fingerprint_max_abs"].values()) <= 1e-3, history
     assert max(history["replay_logp_max_abs"].values()) <= 1e-4, history
     assert max(history["weight_sync_bytes"].values()) < 2**20, history    # the adapter alone (tiny-llama: 12.9 MB)
-    assert (tmp_path / summary["run_id"] / "final" / "adapter_config.json").exists()
+    adapter = load_saved_adapter(tmp_path / summary["run_id"] / "final")
+    moved = max(float(t.abs().max()) for name, t in adapter.tensors if ".lora_B." in name)
+    print("largest |B| of the final adapter:", moved)
+    assert moved > 1e-3, "the adapter never moved: the fingerprint could not tell whether SGLang applies it"
 
 
 class SGLangProcesses(threading.Thread):

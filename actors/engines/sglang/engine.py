@@ -472,8 +472,8 @@ class SGLangEngine:
             single["rid"] = request["rid"][0]
         if "top_logprobs_num" in request:
             single["top_logprobs_num"] = request["top_logprobs_num"]
-        adapter = self._adapter_of(1)
-        single.update({"lora_path": adapter["lora_path"][0]} if adapter else {})
+        if self.adapter_name is not None:
+            single["lora_path"] = self.adapter_name
         return self.engine.async_generate(input_ids=list(ids), return_logprob=True, **single)
 
     @property
