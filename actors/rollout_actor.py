@@ -56,14 +56,12 @@ def build_engine(engine_cfg, model_path: str, compressor: CompressorConfig, torc
     `engine_cfg.sglang`'s settings);
     `record_evictions`: every sample carries its eviction record (both engines: the SGLang engine's `sparse_rl_kv`
     backend records it as the torch engine does, actors/engines/sglang/records.py); `lora`: the run's learner.lora
-    (the torch engine holds the learner's adapter; the config check refuses it with SGLang)."""
+    (both engines hold the learner's adapter: the torch engine in its peft layers, SGLang in its LoRA manager)."""
     torch.set_num_threads(torch_threads)
     if engine_cfg.backend == "sglang":
-        if lora is not None and lora.enabled:
-            raise ValueError("a LoRA adapter (learner.lora) runs on actors.engine.backend=torch only")
         from actors.engines.sglang.engine import SGLangEngine  # optional: SGLang is installed on GPU machines only
         return SGLangEngine(model_path, compressor, dtype={"fp32": "float32", "bf16": "bfloat16"}[engine_cfg.dtype],
-                            record_evictions=record_evictions, **engine_cfg.sglang.kwargs())
+                            record_evictions=record_evictions, lora=lora, **engine_cfg.sglang.kwargs())
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[engine_cfg.dtype]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()

@@ -123,6 +123,13 @@ def base_identity(model) -> dict[str, str]:
     return {"base_model": str(getattr(model.config, "_name_or_path", "")), "base_hash": h.hexdigest()}
 
 
+def saved_name(name: str) -> str:
+    """peft's saved key of the adapter parameter `name` (as adapter_parameters gives it): `model.layers.0.self_attn.
+    q_proj.lora_A.default.weight` -> `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`, the inverse of
+    load_saved_adapter's renaming (what SGLang's LoRA loader reads: actors/engines/sglang/lora.py)."""
+    return "base_model.model." + name.replace(f".{ADAPTER_NAME}.weight", ".weight")
+
+
 ADAPTER_CONFIG = "adapter_config.json"
 """The file that makes a directory a saved peft adapter (a LoRA run's `final`)."""
 

@@ -90,8 +90,9 @@ class CompressorConfig:
     stays in tokens; bytes per token: KVQuant.token_bytes. The torch engine stores it (actors/engines/
     batch_cache.py: every query reads the dequantized K/V, compression scores them) and each trajectory group says
     it (broker/schema.py kv_quant), learner.policy_target=sparse replays it (learner/replay.py) and the preflight
-    counts its bytes (actors/engines/kv_memory.py); a run (deploy/config.py check_kv_precision) refuses any but
-    model on the SGLang engine, and with method full under policy_target sparse (no record to replay it along)."""
+    counts its bytes (actors/engines/kv_memory.py); a run refuses any but model on the SGLang engine
+    (deploy/config.py check_sglang) and with method full under policy_target sparse (check_kv_precision: no record
+    to replay it along)."""
     kv_budget_bytes: int = 0
     """The budget in bytes instead of tokens (0: off, kv_budget counts): per sequence, K and V of every layer and KV
     head as stored at kv_dtype, scales included. The torch engine keeps floor(kv_budget_bytes / token bytes) tokens,

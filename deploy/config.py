@@ -18,7 +18,7 @@ from pathlib import Path
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from actors.engines.sglang.contract import unsupported_compressor_settings
+from actors.engines.sglang.contract import refusal_line, unsupported_compressor_settings
 from actors.rollout_config import ActorsConfig, EvalConfig, RolloutConfig
 from broker.config import BrokerConfig
 from broker.fingerprint import probe_tokens
@@ -408,16 +408,12 @@ def check_ranges(run: RunConfig) -> None:
 def check_kv_precision(run: RunConfig) -> None:
     """Quantized KV (compressor.kv_dtype other than model; docs/kv_cache.md "Quantized KV") runs on the torch engine,
     which stores it, sends it with each group and is sized by the preflight, and learner.policy_target=sparse replays
-    it along the eviction record. Refused in one line (ConfigError): on the SGLang engine (its pool stores the model
-    dtype under our backend), naming actors.engine.backend and compressor.kv_dtype; with policy_target sparse and
-    method full (no eviction record: nothing would replay the quantization); learner.replay_quant_gap where it
-    would measure nothing (no replay, or kv_dtype model). With policy_target dense the quantization is part of the
-    sampler's mismatch, corrected as eviction is."""
+    it along the eviction record. Refused in one line (ConfigError): with policy_target sparse and method full (no
+    eviction record: nothing would replay the quantization); learner.replay_quant_gap where it would measure nothing
+    (no replay, or kv_dtype model). With policy_target dense the quantization is part of the sampler's mismatch,
+    corrected as eviction is. On the SGLang engine check_sglang refuses kv_dtype with its own reason
+    (actors/engines/sglang/contract.py unsupported_compressor_settings)."""
     compressor = run.actors.engine.compressor
-    check(compressor.kv_dtype == "model" or run.actors.engine.backend != "sglang",
-          f"actors.engine.compressor.kv_dtype={compressor.kv_dtype!r} with actors.engine.backend=sglang: its KV pool "
-          "stores the model dtype under the sparse backend (quantized KV runs on the torch engine): use "
-          "actors.engine.backend=torch or kv_dtype model")
     check(compressor.kv_dtype == "model" or compressor.method != "full" or run.learner.policy_target != "sparse",
           f"actors.engine.compressor.kv_dtype={compressor.kv_dtype!r} with method full and "
           "learner.policy_target=sparse: the learner replays the quantization along the eviction record, which "
@@ -440,22 +436,19 @@ def derived_params(run: RunConfig) -> dict[str, str]:
 
 def check_sglang(run: RunConfig) -> None:
     """What a run on the SGLang engine (actors.engine.backend=sglang) cannot do, and its settings
-    (actors.engine.sglang) against the sparse backend's needs: ConfigError naming the fields (docs/sglang.md)."""
+    (actors.engine.sglang) against the sparse backend's needs: ConfigError naming the fields (docs/sglang.md). The
+    compressor settings it cannot run are refused in one line, each dotted field with its own reason
+    (actors/engines/sglang/contract.py unsupported_compressor_settings)."""
     compressor = run.actors.engine.compressor
     unsupported = unsupported_compressor_settings(compressor)
-    check(not unsupported, f"actors.engine.compressor.{', actors.engine.compressor.'.join(unsupported)}: the SGLang "
-          "engine's backend cannot run this yet (no per-sample seeds, events, positions or prompt lengths reach its "
-          "select; h2o: no attention mass): use actors.engine.backend=torch")
+    check(not unsupported, f"{refusal_line(unsupported, 'actors.engine.compressor.')} (refused with "
+          "actors.engine.backend=sglang): use actors.engine.backend=torch")
     if compressor.method != "full":
         from actors.engines.sglang.engine import check_sparse_kwargs  # late: only a sparse SGLang run needs it
         try:
             check_sparse_kwargs(run.actors.engine.sglang.kwargs())
         except ValueError as e:
             raise ConfigError(str(e).replace("engine setting ", "actors.engine.sglang.engine_kwargs.")) from None
-    check(not run.learner.lora.enabled, f"learner.lora.rank={run.learner.lora.rank} with actors.engine.backend=sglang: "
-          "the adapter-only weight sync reaches the torch engine only; applying each adapter version in SGLang (its "
-          "LoRA manager, one adapter name per version so that its radix cache never serves an old version's prefix) "
-          "is not built: use actors.engine.backend=torch, or learner.lora.rank=0")
     check(not run.learner.weight_sync_verify,
           "learner.weight_sync_verify=true checksums the torch engine's parameters after a swap; SGLang holds its "
           "weights in its scheduler process (actors.engine.backend=sglang): set learner.weight_sync_verify=false")

@@ -382,7 +382,7 @@ def test_length_schedule_runs_on_both_engines():
     assert load_config("tiny", length).actors.engine.compressor.budget_schedule == "length"
     sglang = load_config("tiny", length + ["actors.engine.backend=sglang", "eval.modes=[sparse]"], check_files=False)
     assert (sglang.actors.engine.backend, sglang.actors.engine.compressor.budget_schedule) == ("sglang", "length")
-    with pytest.raises(ConfigError, match=re.escape("actors.engine.compressor.method=random: the SGLang engine")):
+    with pytest.raises(ConfigError, match=re.escape("actors.engine.compressor.method=random: needs each sample")):
         load_config("tiny", length + ["actors.engine.backend=sglang", "eval.modes=[sparse]",
                                       "actors.engine.compressor.method=random"], check_files=False)
     for backend in ("torch", "sglang"):
@@ -507,15 +507,35 @@ def test_protection_beyond_the_budget_and_h2o_fields_on_random_are_refused(overr
         load_config("tiny", [f"actors.engine.compressor.{o}" for o in overrides], check_files=False)
 
 
-@pytest.mark.parametrize("override, field", [("method=random", "method=random"),
-                                             ("protect_prompt=all", "protect_prompt=all"),
-                                             ("protect_values=2", "protect_values=2")])
-def test_random_and_protection_are_refused_on_sglang_naming_the_field(override, field):
-    """The SGLang backend's select gets no seeds, events, positions or prompt lengths yet."""
-    assert load_config("tiny", [f"actors.engine.compressor.{override}"], check_files=False)
-    with pytest.raises(ConfigError, match=re.escape(f"actors.engine.compressor.{field}: the SGLang engine")):
-        load_config("tiny", ["actors.engine.backend=sglang", f"actors.engine.compressor.{override}"],
-                    check_files=False)
+@pytest.mark.parametrize("override, reason", [
+    ("method=random", "method=random: needs each sample's seed and event count"),
+    ("method=h2o", "method=h2o: needs each slot's accumulated attention mass"),   # h2o_recent 64 < kv_budget 128
+    ("protect_prompt=all", "protect_prompt=all: needs each request's prompt length and true positions"),
+    ("protect_values=2", "protect_values=2: the backend's select gets the values, but this was never run"),
+    ("kv_dtype=fp8_e4m3", "kv_dtype=fp8_e4m3: the sparse backend's KV pool stores the model dtype"),
+])
+def test_compressor_settings_sglang_cannot_run_are_refused_each_with_its_reason(override, reason):
+    """deploy/config.py check_sglang: one line, the dotted field and its own reason
+    (contract.unsupported_compressor_settings), then what to do; the same setting loads on the torch engine."""
+    overrides = [f"actors.engine.compressor.{override}", "actors.engine.compressor.kv_budget=128"]
+    assert load_config("tiny", overrides, check_files=False)
+    with pytest.raises(ConfigError, match="^" + re.escape(f"actors.engine.compressor.{reason}") + r".* \(refused "
+                       r"with actors\.engine\.backend=sglang\): use actors\.engine\.backend=torch$"):
+        load_config("tiny", ["actors.engine.backend=sglang", *overrides], check_files=False)
+
+
+def test_every_refused_compressor_setting_is_named_in_one_line_with_its_reason():
+    """Several at once: each dotted field with its own reason, in one line (the CLI's exit-2 path), not one
+    generic reason for all."""
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", ["actors.engine.backend=sglang", "actors.engine.compressor.method=random",
+                             "actors.engine.compressor.kv_dtype=int8"], check_files=False)
+    line = str(e.value)
+    assert "\n" not in line
+    assert re.match(r"^actors\.engine\.compressor\.method=random: needs each sample's seed .*; "
+                    r"actors\.engine\.compressor\.kv_dtype=int8: the sparse backend's KV pool stores the model "
+                    r"dtype", line), line
+    assert "attention mass" not in line and "prompt length" not in line
 
 
 def test_a_run_config_saved_before_protection_resumes_without_sinks(tmp_path):
@@ -556,8 +576,8 @@ def test_quantized_kv_loads_on_the_torch_engine_and_is_refused_where_nothing_sto
                                "eval.sparse_compressor.method=rkv", "eval.sparse_compressor.kv_dtype=fp8_e4m3"])
     assert run.actors.engine.compressor.kv_quant().name == "int8/token_head"
     assert run.eval.sparse_compressor.kv_quant().name == "fp8_e4m3/token_head"
-    with pytest.raises(ConfigError, match=r"^actors\.engine\.compressor\.kv_dtype='fp8_e4m3' with "
-                                          r"actors\.engine\.backend=sglang: its KV pool stores the model dtype"):
+    with pytest.raises(ConfigError, match=r"^actors\.engine\.compressor\.kv_dtype=fp8_e4m3: the sparse backend's "
+                                          r"KV pool stores the model dtype .*actors\.engine\.backend=sglang"):
         load_config("tiny", ["actors.engine.compressor.kv_dtype=fp8_e4m3", "actors.engine.backend=sglang"])
     with pytest.raises(ConfigError, match=r"^actors\.engine\.compressor\.kv_dtype='int8' with method full and "
                                           r"learner\.policy_target=sparse: "):
@@ -590,7 +610,8 @@ def test_replay_quant_gap_without_a_quantized_cache_to_replay_is_refused():
       "actors.engine.compressor.method=full"],
      r"actors\.engine\.compressor\.kv_budget_bytes=9000 with actors\.engine\.compressor\.method=full: nothing"),
     (["actors.engine.compressor.kv_budget_bytes=9000", "actors.engine.compressor.kv_budget=512",
-      "actors.engine.backend=sglang"], r"actors\.engine\.compressor\.kv_budget_bytes=9000: the SGLang engine"),
+      "actors.engine.backend=sglang"], r"actors\.engine\.compressor\.kv_budget_bytes=9000: a byte budget is "
+                                      r"resolved to tokens by the torch engine only"),
 ])
 def test_a_byte_budget_is_the_one_budget(overrides, message):
     """compressor.kv_budget_bytes (resolved to tokens by the torch engine and the preflight) is refused beside

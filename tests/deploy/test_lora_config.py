@@ -65,15 +65,13 @@ def test_target_modules_not_in_the_model_are_refused_listing_its_linear_modules(
     check_lora_targets(load_config("tiny", LORA + [f"model={tmp_path}"], check_files=False))   # the defaults fit
 
 
-def test_lora_on_sglang_is_refused_naming_both_fields_and_the_reason():
-    with pytest.raises(ConfigError) as e:
-        load_config("tiny", LORA + ["actors.engine.backend=sglang", "actors.engine.compressor.method=full",
-                                    "eval.modes=[dense]"], check_files=False)
-    line = str(e.value)
-    assert line.startswith("learner.lora.rank=8 with actors.engine.backend=sglang: the adapter-only weight sync "
-                           "reaches the torch engine only"), line
-    load_config("tiny", ["actors.engine.backend=sglang", "actors.engine.compressor.method=full", "eval.modes=[dense]"],
-                check_files=False)   # control: the same run without LoRA loads
+def test_lora_on_sglang_loads():
+    """The SGLang engine applies each adapter version through SGLang's LoRA manager (actors/engines/sglang/lora.py;
+    tests/sglang/test_sglang_lora.py), dense and sparse."""
+    for method, mode in (("full", "dense"), ("rkv", "sparse")):
+        run = load_config("tiny", LORA + ["actors.engine.backend=sglang", f"actors.engine.compressor.method={method}",
+                                          f"eval.modes=[{mode}]"], check_files=False)
+        assert (run.learner.lora.rank, run.actors.engine.backend) == (8, "sglang")
 
 
 def test_the_preflight_warns_when_lr_is_left_at_full_fine_tunings_default():

@@ -66,6 +66,40 @@ def test_sglang_actors_train_through_the_pipeline(tmp_path, redis_server):
     assert sum(m["kv_freed_slots"] for m in per_actor.values()) > 0, per_actor
 
 
+@pytest.mark.timeout(900)
+def test_an_sglang_actor_trains_a_lora_adapter_through_the_pipeline(tmp_path, redis_server):
+    """learner.lora on the SGLang engine (docs/sglang.md, "LoRA"): one actor, the adapter alone over the weight sync
+    after every step, applied through SGLang's LoRA manager (`lora_backend=torch_native` on the CPU). The reward is the
+    first token's parity (tests/sglang/tiny.py: it varies within a group, so the adapter gets a gradient; the task's
+    own reward is 0 for every sample of a random model, B would stay 0 and an adapter never applied would go unseen)
+    at learner.lr 1e-2, so each version moves the policy. Every sync's fingerprint matches the learner's (adapter
+    on), the learner's replay of the SGLang rollouts equals their log-probs, and the final directory is an adapter
+    with B != 0."""
+    from broker.lora import load_saved_adapter
+
+    cfg = load_config("tiny-sglang", [f"run_dir={tmp_path}", f"broker.url={redis_server.url}", "actors.count=1",
+                                      "learner.lora.rank=8", "learner.lr=1e-2", "learner.weight_sync_timeout_s=120",
+                                      "actors.engine.sglang.engine_kwargs.lora_backend=torch_native",
+                                      "learner.policy_target=sparse", "broker.max_staleness=0",
+                                      "actors.reward.function=tests.sglang.tiny:first_token_parity"])
+    summary = train(cfg)
+
+    check_accounting(summary, steps=3, groups_per_step=cfg.train.groups_per_step,
+                     prompts_per_batch=cfg.actors.prompts_per_batch)
+    client = MlflowClient(summary["mlflow_uri"])
+    history = {name: {m.step: m.value for m in metric_history(client, summary["mlflow_run_id"], name)}
+               for name in ("weight_sync_fingerprint_max_abs", "replay_logp_max_abs", "weight_sync_bytes")}
+    print("lora on sglang:", history)
+    assert sorted(history["weight_sync_fingerprint_max_abs"]) == [1, 2, 3]
+    assert max(history["weight_sync_fingerprint_max_abs"].values()) <= 1e-3, history
+    assert max(history["replay_logp_max_abs"].values()) <= 1e-4, history
+    assert max(history["weight_sync_bytes"].values()) < 2**20, history    # the adapter alone (tiny-llama: 12.9 MB)
+    adapter = load_saved_adapter(tmp_path / summary["run_id"] / "final")
+    moved = max(float(t.abs().max()) for name, t in adapter.tensors if ".lora_B." in name)
+    print("largest |B| of the final adapter:", moved)
+    assert moved > 1e-3, "the adapter never moved: the fingerprint could not tell whether SGLang applies it"
+
+
 class SGLangProcesses(threading.Thread):
     """Every process titled `sglang::...` (SGLang's scheduler and detokenizer) that descends from this test's
     process (its Ray's workers), seen twice a second while the run goes on: `alive()` are those still running,

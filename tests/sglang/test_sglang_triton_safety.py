@@ -147,6 +147,28 @@ def test_sparse_engine_refuses_setting_at_start(setting, value):
         SGLangEngine("/nonexistent-model", compressor_cfg=SPARSE, **{setting: value})   # refused before SGLang starts
 
 
+def test_fp8_kv_pool_is_refused_quoting_the_try():
+    """SGLang's own fp8 KV pool under the sparse backend: refused before SGLang starts, naming the setting and quoting
+    in one line what the try on the CPU lane gave (contract.FP8_POOL_TRY; docs/sglang.md, "Refused at start")."""
+    with pytest.raises(ValueError, match=r"^engine setting kv_cache_dtype='fp8_e4m3': .*tried on the CPU lane \(SGLang "
+                                         r"0\.5\.23, TRITON_INTERPRET=1, .*CPU FP8 KV cache requires Intel AMX"):
+        SGLangEngine("/nonexistent-model", compressor_cfg=SPARSE, kv_cache_dtype="fp8_e4m3")
+
+
+def test_backends_refuse_compressor_settings_each_with_its_reason():
+    """Both backends, in the scheduler, refuse what contract.unsupported_compressor_settings lists, each setting with
+    its own reason in one line, before touching the runner."""
+    from actors.engines.sglang.kv_backend import SparseKVAttnBackend
+
+    cfg = CompressorConfig(method="random", kv_budget=16, window=4, interval=8, protect_values=2)
+    cfg.validate()
+    for cls in (backend.SparseTritonAttnBackend, SparseKVAttnBackend):
+        with pytest.raises(ValueError, match=r"^compressor\.method=random: needs each sample's seed .*; compressor\."
+                                             r"protect_values=2: the backend's select gets the values, .* \(the SGLang "
+                                             r"sparse backend cannot run this yet; "):
+            cls(None, cfg)
+
+
 def test_sparse_engine_turns_the_prefill_graph_off():
     """SGLang 0.5.23 defaults to a breakable (piecewise) prefill CUDA graph on CUDA: sparse mode sets it off
     (the CPU lane's default is off already, so this is the only place the GPU default is checked)."""

@@ -88,3 +88,10 @@ def assert_prefixes_equal(got, want, atol: float = 2e-5) -> None:
         assert ids == w.response_ids[:n], f"row {i}: response ids differ"
         diff = float((lp - torch.from_numpy(w.logp_sparse[:n])).abs().max())
         assert diff <= atol, f"row {i}: logp_sparse differs by {diff:.3g} > {atol}"
+
+
+def first_token_parity(response: str, response_ids, item) -> float:
+    """A reward (actors.reward.function) that varies within a group of a random model's samples: 1 when the first
+    response token id is odd, else 0, so that GRPO's advantages are not all 0 and a LoRA adapter gets a gradient (a
+    random tiny model scores 0 on every sample of a real task)."""
+    return float(bool(response_ids) and response_ids[0] % 2 == 1)

@@ -57,21 +57,41 @@ def record_path(directory: str, rid) -> str:
     return os.path.join(directory, str(rid).replace(os.sep, "_") + ".npy")
 
 
-def unsupported_compressor_settings(cfg) -> list[str]:
-    """The settings of CompressorConfig `cfg` the sparse SGLang backends cannot run yet, as `field=value` strings
-    (empty: all supported). Its `select` gets each layer's values and index, not the samples' seeds, events or
-    true positions and prompt lengths: method h2o (per-slot attention mass) and random (seeds, events, positions),
-    protect_prompt (positions, prompt lengths), protect_values (supplied, untested on its lane), a kv_dtype
-    other than model (its pool stores the model dtype) and kv_budget_bytes (resolved to tokens by the torch engine
-    only) are refused. Sinks run there as for streamingllm (the
-    first valid slots)."""
-    bad = [f"method={cfg.method}"] if cfg.method in ("h2o", "random") else []
+FP8_POOL_TRY = ("SGLang's fp8 pool tried on the CPU lane (SGLang 0.5.23, TRITON_INTERPRET=1, 2026-12-07): ValueError: "
+                "CPU FP8 KV cache requires Intel AMX support. (with SGLang's CPU gates lifted, compression's gather: "
+                "NotImplementedError: \"scatter_gather_tensor_cpu\" not implemented for 'Float8_e4m3fn')")
+"""What running SGLang's own fp8 KV pool (`kv_cache_dtype=fp8_e4m3`) under the sparse backend gave, quoted by the
+refusals of compressor.kv_dtype and of kv_cache_dtype (docs/sglang.md, "Refused at start")."""
+KV_DTYPE_REFUSAL = ("the sparse backend's KV pool stores the model dtype (quantized KV, its replay and its "
+                    f"preflight run on the torch engine, docs/kv_cache.md); {FP8_POOL_TRY}")
+"""Why compressor.kv_dtype other than model is refused on SGLang (unsupported_compressor_settings)."""
+
+
+def unsupported_compressor_settings(cfg) -> dict[str, str]:
+    """The settings of CompressorConfig `cfg` the sparse SGLang backends cannot run yet: {`field=value`: its reason}
+    (empty: all supported), in field order. The backend's `select` gets each layer's keys, values and window
+    queries, not the samples' seeds, events, true positions or prompt lengths (docs/sglang.md, "What runs on which
+    engine"). Sinks run there as for streamingllm (the first valid slots)."""
+    bad = {}
+    if cfg.method == "h2o":
+        bad["method=h2o"] = ("needs each slot's accumulated attention mass per KV head, which SGLang's attention "
+                             "kernels do not return")
+    if cfg.method == "random":
+        bad["method=random"] = "needs each sample's seed and event count, which the backend's select does not get"
     if cfg.protect_prompt != "off":
-        bad.append(f"protect_prompt={cfg.protect_prompt}")
+        bad[f"protect_prompt={cfg.protect_prompt}"] = ("needs each request's prompt length and true positions, "
+                                                       "which the backend's select does not get")
     if cfg.protect_values:
-        bad.append(f"protect_values={cfg.protect_values}")
+        bad[f"protect_values={cfg.protect_values}"] = ("the backend's select gets the values, but this was never run "
+                                                       "on the SGLang lane")
     if cfg.kv_dtype != "model":
-        bad.append(f"kv_dtype={cfg.kv_dtype}")
+        bad[f"kv_dtype={cfg.kv_dtype}"] = KV_DTYPE_REFUSAL
     if cfg.kv_budget_bytes:
-        bad.append(f"kv_budget_bytes={cfg.kv_budget_bytes}")
+        bad[f"kv_budget_bytes={cfg.kv_budget_bytes}"] = ("a byte budget is resolved to tokens by the torch engine "
+                                                         "only (CompressorConfig.with_byte_budget)")
     return bad
+
+
+def refusal_line(bad: dict[str, str], prefix: str) -> str:
+    """`bad` (unsupported_compressor_settings) as one line: `<prefix><field=value>: <reason>; ...`."""
+    return "; ".join(f"{prefix}{setting}: {why}" for setting, why in bad.items())

@@ -52,6 +52,7 @@ from actors.engines.base import EVICTION_NEVER, Sample, SamplingParams, check_pa
 from actors.engines.sglang.contract import (  # noqa: F401  (re-exported: the engine's callers name them here)
     COMPRESSOR_ENV,
     DECODE_GRAPH_BACKENDS,
+    FP8_POOL_TRY,
     JOINS_ENV,
     KV_BUDGET_RID,
     KV_STATS_ENV,
@@ -62,6 +63,8 @@ from actors.engines.sglang.contract import (  # noqa: F401  (re-exported: the en
     record_path,
     rid_budget,
 )
+from actors.engines.sglang.lora import adapter_manifest, lora_engine_kwargs, sglang_adapter
+from broker.lora import LoraConfig
 from compressors import CompressorConfig
 from compressors.budget import length_budget
 
@@ -182,8 +185,9 @@ def check_sparse_kwargs(engine_kwargs: dict, backend: str = SPARSE_BACKEND) -> N
         if key == "kv_cache_dtype" and got in (None, "auto", str(engine_kwargs.get("dtype", "auto"))):
             continue
         if got != need:
+            tried = f"; {FP8_POOL_TRY}" if key == "kv_cache_dtype" else ""
             raise ValueError(f"engine setting {key}={got!r}: sparse KV compression needs {key}={need!r} "
-                             f"(docs/sglang.md, Sparse mode)")
+                             f"(docs/sglang.md, Sparse mode){tried}")
     got = engine_kwargs.get("attention_backend", backend)
     if got != backend:
         raise ValueError(f"engine setting attention_backend={got!r}: sparse mode runs in {backend!r}")
@@ -214,6 +218,10 @@ class SGLangEngine:
         P + T], the torch engine's record: what the learner replays, learner.policy_target=sparse), recorded by the
         `sparse_rl_kv` backend (actors/engines/sglang/records.py) and handed over through `RECORDS_ENV`'s directory;
         dense mode: every key never evicted, [layers, 1, P + T].
+    lora: learner.lora of the run (broker.lora.LoraConfig); with rank > 0 SGLang starts with room for the learner's
+        adapter (`lora_engine_kwargs`), `expected_weights` lists the adapter's tensors only and `load_weights` applies
+        each adapter version through SGLang's LoRA manager, the base untouched (`_load_adapter`; docs/sglang.md,
+        "LoRA"). Until the first version arrives requests run on the base (the learner's version 0: B = 0).
     engine_kwargs: passed to `sglang.Engine` (device, dtype, mem_fraction_static, ...); in sparse mode
         `sparse_engine_kwargs()` is added, and a setting that contradicts it is refused (`check_sparse_settings`).
     Raises ValueError on an invalid compressor config, a sparse-mode setting it cannot honour (naming the
@@ -225,7 +233,7 @@ class SGLangEngine:
 
     def __init__(self, model_path: str, compressor_cfg: CompressorConfig | None = None, weight_version: int = 0,
                  timeout_s: float = 600.0, sparse_backend: str = SPARSE_BACKEND, record_evictions: bool = False,
-                 **engine_kwargs):
+                 lora: LoraConfig | None = None, **engine_kwargs):
         import sglang
 
         if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes"):
@@ -267,6 +275,10 @@ class SGLangEngine:
         self._episodes: dict[str, EpisodeState] = {}
         self._sessions: set[str] = set()
         """The streaming sessions this engine opened and has not closed (one per held episode)."""
+        self.lora = lora if lora is not None and lora.enabled else None
+        self.adapter_name, self._adapter_loads = None, 0
+        """SGLang's name of the adapter version requests run under (`_load_adapter`); None: the base."""
+        kwargs.update(lora_engine_kwargs(self.lora) if self.lora is not None else {})
         kwargs.setdefault("skip_tokenizer_init", False)
         self.engine = sglang.Engine(model_path=model_path, **kwargs)
         self.tokenizer = self.engine.tokenizer_manager.tokenizer
@@ -298,6 +310,8 @@ class SGLangEngine:
         self.kv_bytes_per_token = (2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim
                                    * torch.empty(0, dtype=dtype).element_size())
         """Bytes of K and V of one token over all layers in SGLang's pool."""
+        self.adapter_manifest = adapter_manifest(meta_model, self.lora, dtype) if self.lora is not None else {}
+        """learner.lora on: the adapter's names, shapes and dtype (what `load_weights` takes); else empty."""
 
     def _open_channels(self) -> None:
         """The files the backend writes for `generate`, named to SGLang's scheduler in the environment before it
@@ -322,7 +336,10 @@ class SGLangEngine:
     # ---------------------------------------------------------------- generation
     def expected_weights(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """(HF name, shape, dtype) of every weight the served model takes, tied `lm_head.weight` included (what
-        the weight receiver checks a manifest against: RolloutEngine.expected_weights)."""
+        the weight receiver checks a manifest against: RolloutEngine.expected_weights); with learner.lora on, the
+        adapter's tensors only (broker.lora.adapter_parameters' names: what the learner sends)."""
+        if self.lora is not None:
+            return [(name, shape, dtype) for name, (shape, dtype) in self.adapter_manifest.items()]
         expected = [(name, shape, dtype) for name, (shape, dtype) in self.manifest.items()]
         if self.tied_embeddings and "lm_head.weight" not in self.manifest:
             expected.append(("lm_head.weight", *self.manifest["model.embed_tokens.weight"]))
@@ -376,7 +393,7 @@ class SGLangEngine:
         run_budget = self.compressor_cfg.kv_budget if self.sparse_backend == SPARSE_BACKEND else None
         request = sglang_request(params, budgets, run_budget)
         outs = self._call(self.engine.async_generate(input_ids=[list(r) for r in rows], return_logprob=True,
-                                                     **request), "generate")
+                                                     **request, **self._adapter_of(len(rows))), "generate")
         joined = self._read_joins()
         samples = [self._sample(row, out, budgets[j // params.n], joined, params.topk_logprobs)
                    for j, (row, out) in enumerate(zip(rows, outs))]
@@ -455,6 +472,8 @@ class SGLangEngine:
             single["rid"] = request["rid"][0]
         if "top_logprobs_num" in request:
             single["top_logprobs_num"] = request["top_logprobs_num"]
+        if self.adapter_name is not None:
+            single["lora_path"] = self.adapter_name
         return self.engine.async_generate(input_ids=list(ids), return_logprob=True, **single)
 
     @property
@@ -492,7 +511,8 @@ class SGLangEngine:
                     for _ in token_ids]
         outs = self._call(self.engine.async_generate(input_ids=[list(ids) for ids in token_ids],
                                                      sampling_params=sampling, return_logprob=True,
-                                                     logprob_start_len=0), "score")
+                                                     logprob_start_len=0, **self._adapter_of(len(token_ids))),
+                          "score")
         self._read_joins()       # compressor.phase aligned: the probe's prefills are no batch's (the file is emptied)
         if self.records_dir is not None:        # record_evictions: the probe's records (nothing evicted) go too
             for ids, out in zip(token_ids, outs):
@@ -676,22 +696,26 @@ class SGLangEngine:
         float dtype: SGLang casts on load). Checks every name and shape against the model's manifest first and
         raises ValueError naming all problems before anything is sent. Then begin_weight_update ->
         update_weights_from_tensor (flush_cache) -> end_weight_update; sets `weight_version = version`.
-        Raises RuntimeError with SGLang's message if any step fails or times out (the weights may then be
-        partly updated: reload or retry)."""
+        With learner.lora on, the adapter's tensors (`expected_weights`), checked the same way, are applied as one
+        adapter version instead (`_load_adapter`). Raises RuntimeError with SGLang's message if any step fails or
+        times out (the weights may then be partly updated: reload or retry)."""
         named = list(named_tensors)
         problems = [f"{len(self._episodes)} episodes hold KV caches of weight version {self.weight_version} "
                     "(release_episodes first)"] if self._episodes else []
+        manifest = self.adapter_manifest if self.lora is not None else self.manifest
         for name, t in named:
-            if name == "lm_head.weight" and self.tied_embeddings and name not in self.manifest:
+            if name == "lm_head.weight" and self.tied_embeddings and name not in manifest and self.lora is None:
                 continue
-            if name not in self.manifest:
+            if name not in manifest:
                 problems.append(f"unknown parameter {name!r}")
-            elif tuple(t.shape) != self.manifest[name][0]:
-                problems.append(f"{name}: shape {tuple(t.shape)} != model {self.manifest[name][0]}")
+            elif tuple(t.shape) != manifest[name][0]:
+                problems.append(f"{name}: shape {tuple(t.shape)} != model {manifest[name][0]}")
             elif not t.is_floating_point():
                 problems.append(f"{name}: dtype {t.dtype} is not a float dtype")
         if problems:
             raise ValueError("load_weights rejected the update (nothing changed): " + "; ".join(problems))
+        if self.lora is not None:
+            return self._load_adapter(named, version)
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
 
         tm = self.engine.tokenizer_manager
@@ -700,6 +724,40 @@ class SGLangEngine:
             flush_cache=True, weight_version=str(version))
         self._weight_session(lambda: tm.update_weights_from_tensor(obj, None), "update_weights_from_tensor")
         self.weight_version = version
+
+    def _load_adapter(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """Apply one adapter version (learner.lora): load it into SGLang's LoRA manager under a name of its own
+        (`sparse-rl-v<version>-<n>`, `load_lora_adapter_from_tensors`, tensors and config from
+        actors/engines/sglang/lora.py `sglang_adapter`), switch every later request to it (`lora_path`), then unload
+        the previous version's adapter; sets `weight_version = version`. SGLang 0.5.23 gives each load a fresh
+        `lora_id` (a uuid; `LoRARef`, srt/lora/lora_registry.py) and its radix cache keys a prefix on the token ids
+        with that id appended to the request's extra key (`Req.__init__`, srt/managers/schedule_batch.py), so a
+        prefix computed under an older version is never served to a newer one (sparse mode runs without the radix
+        cache anyway); the base weights are untouched. Raises RuntimeError with SGLang's message when the load
+        (nothing changed) or the unload (the new version is live) fails."""
+        from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput, UnloadLoRAAdapterReqInput
+
+        tensors, config = sglang_adapter(named, self.lora)
+        self._adapter_loads += 1
+        name, previous = f"sparse-rl-v{version}-{self._adapter_loads}", self.adapter_name
+        tm = self.engine.tokenizer_manager
+        load = LoadLoRAAdapterFromTensorsReqInput(
+            lora_name=name, config_dict=config,
+            serialized_named_tensors=self.engine._serialize_tensors_per_rank(tensors, None))
+        result = self._call(tm.load_lora_adapter_from_tensors(load, None), "load_lora_adapter_from_tensors")
+        if not result.success:
+            raise RuntimeError(f"SGLang load_lora_adapter_from_tensors failed: {result.error_message}")
+        self.adapter_name, self.weight_version = name, version
+        if previous is not None:
+            result = self._call(tm.unload_lora_adapter(UnloadLoRAAdapterReqInput(lora_name=previous), None),
+                                "unload_lora_adapter")
+            if not result.success:
+                raise RuntimeError(f"SGLang unload_lora_adapter failed for {previous!r} ({name!r} is live): "
+                                   f"{result.error_message}")
+
+    def _adapter_of(self, requests: int) -> dict:
+        """`async_generate`'s `lora_path` for `requests` requests under the live adapter version, {} on the base."""
+        return {"lora_path": [self.adapter_name] * requests} if self.adapter_name is not None else {}
 
     def _weight_session(self, make_update, what: str) -> None:
         """begin_weight_update -> await make_update() -> end_weight_update, each with the timeout; end is

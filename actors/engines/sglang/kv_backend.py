@@ -37,7 +37,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from actors.engines.sglang.contract import unsupported_compressor_settings
+from actors.engines.sglang.contract import refusal_line, unsupported_compressor_settings
 from compressors import CompressorConfig, SelectContext, build_compressor, gather_kv
 
 KV_STATS_ENV = "SPARSE_RL_KV_STATS"
@@ -56,9 +56,9 @@ class SparseKVAttnBackend(AttentionBackend):
         if cfg.method in ("h2o", "full"):
             raise ValueError(f"compressor.method={cfg.method!r} is not supported by the SGLang sparse backend "
                              "(h2o needs per-slot attention mass; full should use SGLang's own backend)")
-        if unsupported_compressor_settings(cfg):
-            raise ValueError(f"compressor.{', compressor.'.join(unsupported_compressor_settings(cfg))}: not supported "
-                             "by the SGLang sparse backend yet (contract.unsupported_compressor_settings)")
+        if bad := unsupported_compressor_settings(cfg):
+            raise ValueError(f"{refusal_line(bad, 'compressor.')} (the SGLang sparse backend cannot run this yet; "
+                             "contract.unsupported_compressor_settings)")
         self.cfg = cfg
         self.compressor = build_compressor(cfg)
         self.device = runner.device

@@ -75,6 +75,7 @@ from actors.engines.sglang.contract import (
     JOINS_ENV,
     KV_STATS_ENV,
     RECORDS_ENV,
+    refusal_line,
     rid_budget,
     unsupported_compressor_settings,
 )
@@ -183,9 +184,9 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         if cfg.method in ("h2o", "full"):
             raise ValueError(f"compressor.method={cfg.method!r} is not supported by the SGLang sparse backend "
                              "(h2o needs per-slot attention mass; full should use SGLang's own backend)")
-        if unsupported_compressor_settings(cfg):
-            raise ValueError(f"compressor.{', compressor.'.join(unsupported_compressor_settings(cfg))}: not supported "
-                             "by the SGLang sparse backend yet (contract.unsupported_compressor_settings)")
+        if bad := unsupported_compressor_settings(cfg):
+            raise ValueError(f"{refusal_line(bad, 'compressor.')} (the SGLang sparse backend cannot run this yet; "
+                             "contract.unsupported_compressor_settings)")
         check_runner(runner)
         super().__init__(runner)
         self.enable_lean_attention = False      # its eager gate reads the dense seq_lens_sum

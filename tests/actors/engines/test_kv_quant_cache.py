@@ -158,10 +158,12 @@ def test_a_byte_budget_keeps_the_tokens_that_fit_at_the_precision(q):
 
 
 def test_the_sglang_backend_refuses_a_quantized_kv_dtype():
-    """Its pool stores the model dtype: kv_dtype is one of the settings it cannot run (named field=value)."""
+    """Its pool stores the model dtype: kv_dtype is one of the settings it cannot run (field=value, with that
+    reason)."""
     from actors.engines.sglang.contract import unsupported_compressor_settings
-    assert unsupported_compressor_settings(CompressorConfig(kv_dtype="int8")) == ["kv_dtype=int8"]
-    assert unsupported_compressor_settings(CompressorConfig(kv_dtype="model")) == []
+    bad = unsupported_compressor_settings(CompressorConfig(kv_dtype="int8"))
+    assert list(bad) == ["kv_dtype=int8"] and "KV pool stores the model dtype" in bad["kv_dtype=int8"]
+    assert unsupported_compressor_settings(CompressorConfig(kv_dtype="model")) == {}
 
 
 def test_a_kept_quantized_episode_continues_at_its_precision():
