@@ -6,8 +6,10 @@ and an actor whose SGLang scheduler fails."""
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -22,17 +24,22 @@ from tests.deploy.test_e2e import check_accounting
 pytestmark = [pytest.mark.sglang, pytest.mark.system]
 
 
-@pytest.mark.timeout(900)
-def test_sglang_actors_train_through_the_pipeline(tmp_path, redis_server):
+def train_tiny_sglang(tmp_path, redis_server, *overrides: str) -> tuple[dict, MlflowClient]:
+    """A tiny-sglang run with eviction replay on-policy (learner.policy_target=sparse, broker.max_staleness=0) and
+    `overrides`: its summary, after checking exact accounting and that every actor's SGLang engine ends on the
+    learner's last version, and an MLflow client of its record."""
     cfg = load_config("tiny-sglang", [f"run_dir={tmp_path}", f"broker.url={redis_server.url}",
                                       "learner.weight_sync_timeout_s=120", "learner.policy_target=sparse",
-                                      "broker.max_staleness=0"])
+                                      "broker.max_staleness=0", *overrides])
     summary = train(cfg)
-
-    # exact accounting, and every actor's SGLang engine ends on the learner's last version
     check_accounting(summary, steps=3, groups_per_step=cfg.train.groups_per_step,
                      prompts_per_batch=cfg.actors.prompts_per_batch)
-    client = MlflowClient(summary["mlflow_uri"])
+    return summary, MlflowClient(summary["mlflow_uri"])
+
+
+@pytest.mark.timeout(900)
+def test_sglang_actors_train_through_the_pipeline(tmp_path, redis_server):
+    summary, client = train_tiny_sglang(tmp_path, redis_server)
     for name in ("mismatch_kl", "rejection_rate", "kv_retained_ratio", "weight_sync_s"):
         history = metric_history(client, summary["mlflow_run_id"], name)
         assert [m.step for m in history] == [1, 2, 3], name
@@ -67,7 +74,7 @@ def test_sglang_actors_train_through_the_pipeline(tmp_path, redis_server):
 
 
 @pytest.mark.timeout(900)
-def test_an_sglang_actor_trains_a_lora_adapter_through_the_pipeline(tmp_path, redis_server):
+def test_an_sglang_actor_trains_a_lora_adapter_through_the_pipeline(tmp_path, redis_server, monkeypatch):
     """learner.lora on the SGLang engine (docs/sglang.md, "LoRA"): one actor, the adapter alone over the weight sync
     after every step, applied through SGLang's LoRA manager (`lora_backend=torch_native` on the CPU). The reward is the
     first token's parity (tests/sglang/tiny.py: it varies within a group, so the adapter gets a gradient; the task's
@@ -77,16 +84,14 @@ def test_an_sglang_actor_trains_a_lora_adapter_through_the_pipeline(tmp_path, re
     with B != 0."""
     from broker.lora import load_saved_adapter
 
-    cfg = load_config("tiny-sglang", [f"run_dir={tmp_path}", f"broker.url={redis_server.url}", "actors.count=1",
-                                      "learner.lora.rank=8", "learner.lr=1e-2", "learner.weight_sync_timeout_s=120",
-                                      "actors.engine.sglang.engine_kwargs.lora_backend=torch_native",
-                                      "learner.policy_target=sparse", "broker.max_staleness=0",
-                                      "actors.reward.function=tests.sglang.tiny:first_token_parity"])
-    summary = train(cfg)
-
-    check_accounting(summary, steps=3, groups_per_step=cfg.train.groups_per_step,
-                     prompts_per_batch=cfg.actors.prompts_per_batch)
-    client = MlflowClient(summary["mlflow_uri"])
+    # the reward lives in tests/, which the editable install does not map: the Ray workers (started by train, with
+    # this environment) import it from the checkout's root
+    root = str(Path(__file__).resolve().parents[2])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    summary, client = train_tiny_sglang(tmp_path, redis_server, "actors.count=1", "learner.lora.rank=8",
+                                        "learner.lr=1e-2",
+                                        "actors.engine.sglang.engine_kwargs.lora_backend=torch_native",
+                                        "actors.reward.function=tests.sglang.tiny:first_token_parity")
     history = {name: {m.step: m.value for m in metric_history(client, summary["mlflow_run_id"], name)}
                for name in ("weight_sync_fingerprint_max_abs", "replay_logp_max_abs", "weight_sync_bytes")}
     print("lora on sglang:", history)
