@@ -35,8 +35,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 
-def rollouts(cfg, model_path: str):
-    """One batch of the preset's rollouts (groups_per_step prompts x G samples) with eviction records."""
+def rollouts(cfg, model_path: str, dtype: torch.dtype = torch.float32, model=None):
+    """One batch of the preset's rollouts (groups_per_step prompts x G samples) with eviction records, each group
+    carrying its cache's quantizer (kv_quant); the model at `dtype` (or `model`, already loaded)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from actors.engines.base import SamplingParams
@@ -46,7 +47,7 @@ def rollouts(cfg, model_path: str):
     from broker.schema import SampleRecord, TrajectoryGroup
 
     tok = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model = model or AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
     engine = TorchEngine(model, tok, cfg.actors.engine.compressor, record_evictions=True)
     prompts = load_train_prompts(cfg.actors.data, tok, seed=0)[:cfg.train.groups_per_step]
     s = cfg.actors.sampling
@@ -62,7 +63,8 @@ def rollouts(cfg, model_path: str):
                    for x in samples]
         groups.append(TrajectoryGroup(run_id="bench", group_id=f"g{i}", prompt_id=prompt.prompt_id, weight_version=0,
                                       temperature=s.temperature, compressor=cfg.actors.engine.compressor.method,
-                                      kv_budget=cfg.actors.engine.compressor.kv_budget, samples=records))
+                                      kv_budget=cfg.actors.engine.compressor.kv_budget, samples=records,
+                                      kv_quant=cfg.actors.engine.compressor.kv_quant().name))
     return groups
 
 

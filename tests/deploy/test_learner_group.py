@@ -90,9 +90,10 @@ def steps_groups():
     return groups
 
 
-def group_of(model_dir, redis_url, tmp_path, ranks: int, **learner) -> LearnerGroup:
+def group_of(model_dir, redis_url, tmp_path, ranks: int, kv_dtype: str = "model", **learner) -> LearnerGroup:
     overrides = [f"model={model_dir}", f"run_dir={tmp_path}", f"broker.url={redis_url}", f"learner.ranks={ranks}",
-                 "learner.collective_timeout_s=60", "train.learner_num_cpus=1"]
+                 "learner.collective_timeout_s=60", "train.learner_num_cpus=1",
+                 f"actors.engine.compressor.kv_dtype={kv_dtype}"]
     overrides += [f"learner.{k}={v}" for k, v in learner.items()]
     return LearnerGroup(load_config("tiny", overrides), f"test-{uuid.uuid4().hex[:8]}")
 
@@ -116,13 +117,21 @@ def with_eviction_records(groups, layers: int = 2, kv_heads: int = 2, seed: int 
 @pytest.mark.parametrize("zero_stage,policy_target,lora", [(2, "dense", 0), (3, "sparse", 0), (3, "dense", 4)])
 def test_two_ranks_make_the_same_update_as_one(zero_stage, policy_target, lora, local_ray, model_dir, redis_server,
                                                tmp_path):
-    """... with eviction replay too (policy_target sparse: the replayed and the dense forwards per micro-batch), and
-    with learner.lora (the adapter alone trained and exported, the KL reference through the ZeRO-3 engine with the
-    adapter disabled; lr 1e-2 so that the adapter moves by more than 100x the tolerance; 7 sequences in micro-batches
-    of 3, so that one rank's recompute has a padding slot, whose reference forward keeps the gathers in step)."""
+    """... with eviction replay too (policy_target sparse: the replayed and the dense forwards per micro-batch, here
+    of an int8 KV cache with learner.replay_quant_gap: the replay without the quantize-dequantize runs on each
+    rank's rows and replay_quant_gap is the one rank's), and with learner.lora (the adapter alone trained and
+    exported, the KL reference through the ZeRO-3 engine with the adapter disabled; lr 1e-2 so that the adapter
+    moves by more than 100x the tolerance; 7 sequences in micro-batches of 3, so that one rank's recompute has a
+    padding slot, whose reference forward keeps the gathers in step)."""
     torch.set_num_threads(1)
     groups = steps_groups() if policy_target == "dense" else with_eviction_records(steps_groups())
     common = {**COMMON, "policy_target": policy_target}
+    quantized = {}
+    if policy_target == "sparse":     # an int8 cache's groups, replayed with and without the qdq
+        for g in groups:
+            g.kv_quant = "int8/token_head"
+        common["replay_quant_gap"] = True
+        quantized = {"kv_dtype": "int8"}
     if lora:
         groups[1].samples = groups[1].samples[:3]      # shares of 3 and 4 sequences: micro-batches [3] and [3, 1]
         common.update(lr=1e-2, micro_batch_size=3)
@@ -131,7 +140,8 @@ def test_two_ranks_make_the_same_update_as_one(zero_stage, policy_target, lora, 
     expected = one.step(groups, staleness=[0, 1])
     after_one = {n: t.clone() for n, t in one.gather_buckets(0, keep=True).items()}
 
-    group = group_of(model_dir, redis_server.url, tmp_path, 2, zero_stage=zero_stage, **common, **{"lora.rank": lora})
+    group = group_of(model_dir, redis_server.url, tmp_path, 2, zero_stage=zero_stage, **quantized, **common,
+                     **{"lora.rank": lora})
     try:
         got = ray.get(group.rank0.step_groups.remote(groups, [0, 1]))
         after_two = ray.get(group.rank0.full_weights.remote())
@@ -140,7 +150,9 @@ def test_two_ranks_make_the_same_update_as_one(zero_stage, policy_target, lora, 
 
     assert got["learner_ranks"] == 2 and expected["learner_ranks"] == 1
     assert expected["rejection_rate"] == pytest.approx(1 / (7 if lora else 8)) and expected["token_mask_fraction"] > 0
-    replayed = ("replay_logp_max_abs", "replay_dense_gap_max", "accept_exact_mean", "replay_tis_weight_mean")
+    replayed = ("replay_logp_max_abs", "replay_dense_gap_max", "accept_exact_mean", "replay_tis_weight_mean",
+                "replay_quant_gap")
+    assert policy_target == "dense" or expected["replay_quant_gap"] > 1e-4   # the qdq changed the replay (8.3e-4)
     for name in METRICS + (replayed if policy_target == "sparse" else ()):
         assert got[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-7), name
     assert set(after_two) == set(after_one)

@@ -52,10 +52,13 @@ def tiny_llama():
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
 
 
-def episode_groups(model, tok, method: str, selection: str = "per_head") -> list[TrajectoryGroup]:
+def episode_groups(model, tok, method: str, selection: str = "per_head",
+                   kv_dtype: str = "model") -> list[TrajectoryGroup]:
     """2 items x 2 episodes of LedgerEnv through the torch engine's kept caches (kv_budget 16; episodes of ~150
-    tokens), as the rollout actor publishes them (SampleRecord with trainable and eviction_steps), off the wire."""
-    cfg = CompressorConfig(method=method, kv_budget=BUDGET, window=4, interval=INTERVAL, selection=selection)
+    tokens), as the rollout actor publishes them (SampleRecord with trainable and eviction_steps, the cache's
+    kv_quant), off the wire; `kv_dtype`: compressor.kv_dtype (per token and KV head scales)."""
+    cfg = CompressorConfig(method=method, kv_budget=BUDGET, window=4, interval=INTERVAL, selection=selection,
+                           kv_dtype=kv_dtype)
     engine = TorchEngine(model, tok, cfg, record_evictions=True)
     pool = EnvPool(EnvConfig(factory=f"{__name__}:LedgerEnv", step_timeout_s=0, max_turns=TURNS,
                              max_total_tokens=200, max_obs_tokens=16))
@@ -72,7 +75,7 @@ def episode_groups(model, tok, method: str, selection: str = "per_head") -> list
                                 s.logp_sparse, s.finish_reason, s.reward, s.kv_retained_tokens, s.kv_peak_bytes,
                                 trainable=s.trainable, eviction_steps=s.eviction_steps) for s in samples]
         group = TrajectoryGroup(run_id="r", group_id=f"g{i}", prompt_id=f"p{i}", weight_version=0, temperature=1.0,
-                                compressor=method, kv_budget=BUDGET, samples=records)
+                                compressor=method, kv_budget=BUDGET, samples=records, kv_quant=cfg.kv_quant().name)
         groups.append(decode_group(encode_group(group)))
     return groups
 
@@ -180,3 +183,29 @@ def test_a_replaying_step_on_multi_turn_episodes_is_exact(tiny_llama):
     print({k: m[k] for k in ("replay_logp_old_max_abs", "replay_logp_train_max_abs", "replay_dense_gap_max")})
     assert m["replay_logp_max_abs"] <= 1e-4 and m["replay_logp_train_max_abs"] <= 1e-4
     assert m["replay_dense_gap_max"] > 1e-2
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int4"])
+def test_replay_of_quantized_multi_turn_episodes_equals_logp_sparse(kv_dtype):
+    """A quantized kept cache across turns (compressor.kv_dtype; docs/kv_cache.md "Quantized KV"): the episode's
+    stored codes are reloaded at each turn's prefill and the learner replays the quantize-dequantize along the whole
+    episode's record. fp64 model, so that the engine's and the learner's K/V round to the same codes (at fp32 a
+    value within rounding of a code boundary can flip: tests/learner/test_replay_kv_quant.py): every sampled token
+    of every turn replays logp_sparse to 1e-6; the same replay without the qdq is off by more than 1e-3 (measured
+    6.1e-3 fp8_e4m3, 1.8e-2 int4), and the dense forward by more than 1e-2."""
+    path = resolve_model(TINY_LLAMA)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    groups = episode_groups(model, AutoTokenizer.from_pretrained(path), "rkv", kv_dtype=kv_dtype)
+    learner = learner_of(model)
+    batch = learner.collate(groups)
+    assert batch.kv_quant == f"{kv_dtype}/token_head"
+    rows = torch.arange(batch.size)
+    with torch.no_grad():
+        got = {quant: learner._at_response(learner.log_probs(learner.engine, batch, rows, replay=True, quant=quant),
+                                           batch, rows) for quant in (True, False)}
+    logp, dense, sparse, mask = replayed(learner, groups)
+    print(f"{kv_dtype}: replay {gap(got[True], sparse, mask):.2e}, without qdq {gap(got[False], sparse, mask):.2e}, "
+          f"dense {gap(dense, sparse, mask):.2e}")
+    assert gap(got[True], sparse, mask) <= 1e-6 and gap(logp, sparse, mask) <= 1e-6
+    assert gap(got[False], sparse, mask) > 1e-3, "the quantization did not matter: a missing qdq would not be seen"
+    assert gap(dense, sparse, mask) > 1e-2
