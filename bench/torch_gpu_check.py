@@ -12,8 +12,13 @@ Steps, each measured in this run:
      during generation above what was allocated before it (`torch.cuda.max_memory_allocated`: K/V plus the
      activations and sampler buffers beside them);
   3. the preflight's prediction of the peak K/V bytes of the batch (actors/engines/kv_memory.py, the formula
-     `sparse-rl preflight` uses) beside that measurement and beside the engine's own buffer count.
-Prints a table, then ONE JSON object as the last line. Budget: under 8 minutes on one H200 (not yet run on a
+     `sparse-rl preflight` uses) beside that measurement and beside the engine's own buffer count;
+  4. the same R-KV with the cache stored at fp8_e4m3 with a float32 scale per token and KV head (compressor.kv_dtype,
+     docs/kv_cache.md "Quantized KV"; the scale granularity of docs/results-log.md section 11): tokens/s and peak
+     memory against R-KV at the model dtype (`fp8_vs_rkv_*`). The torch engine dequantizes on every read with no
+     fused kernel, so this measures that path's cost, not what an fp8 attention kernel would give.
+Prints each arm's figures as a JSON line when it ends (kept if `timeout` stops a later arm), a table, then ONE
+JSON object as the last line. Budget: under 8 minutes on one H200 (not yet run on a
 GPU: no GPU was lent when it was written).
 """
 from __future__ import annotations
@@ -80,12 +85,13 @@ def main(argv=None) -> dict:
     device = "cuda" if cuda else "cpu"
     t0 = time.perf_counter()
     model, tokenizer, cfg = build(args, device)
-    shape = ModelShape.from_hf_config(cfg, args.dtype)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
     params = SamplingParams(temperature=1.0, max_new_tokens=args.response_len, n=1, seed=0, ignore_eos=True)
     arms = {"dense": CompressorConfig(method="full"),
-            "rkv": CompressorConfig(method="rkv", kv_budget=args.kv_budget, interval=args.interval, window=args.window)}
+            "rkv": CompressorConfig(method="rkv", kv_budget=args.kv_budget, interval=args.interval, window=args.window),
+            "rkv_fp8": CompressorConfig(method="rkv", kv_budget=args.kv_budget, interval=args.interval,
+                                        window=args.window, kv_dtype="fp8_e4m3", kv_scale="token_head")}
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "batch": args.batch,
               "prompt_len": args.prompt_len, "response_len": args.response_len, "kv_budget": args.kv_budget,
               "interval": args.interval, "dtype": args.dtype, "model": "tiny" if args.tiny else "qwen2.5-1.5b-shape"}
@@ -102,6 +108,7 @@ def main(argv=None) -> dict:
             torch.cuda.synchronize()
         secs = time.perf_counter() - start
         tokens = sum(len(s.response_ids) for s in samples)
+        shape = ModelShape.from_hf_config(cfg, args.dtype, comp.kv_dtype, comp.kv_scale)
         predicted = args.batch * kv_peak_bytes_per_sequence(shape, args.prompt_len, args.response_len, args.kv_budget,
                                                             args.interval, compress=comp.method != "full")
         engine_bytes = sum(s.kv_peak_bytes for s in samples)
@@ -111,19 +118,23 @@ def main(argv=None) -> dict:
                         "preflight_vs_peak_alloc": round(predicted / measured, 4) if measured else None,
                         "preflight_vs_engine": round(predicted / engine_bytes, 4)}
         del engine, samples
-    d, s = result["dense"], result["rkv"]
+        print(json.dumps({"arm": name, **result[name]}), flush=True)   # kept if a timeout ends the run later
+    d, s, q = result["dense"], result["rkv"], result["rkv_fp8"]
     result["sparse_vs_dense_tokens_per_s"] = round(s["tokens_per_s"] / d["tokens_per_s"], 3)
+    result["fp8_vs_rkv_tokens_per_s"] = round(q["tokens_per_s"] / s["tokens_per_s"], 3)
+    result["fp8_vs_rkv_engine_kv_bytes"] = round(q["engine_kv_bytes"] / s["engine_kv_bytes"], 4)
     if cuda:
         result["sparse_vs_dense_peak_alloc"] = round(s["peak_alloc_bytes"] / d["peak_alloc_bytes"], 4)
+        result["fp8_vs_rkv_peak_alloc"] = round(q["peak_alloc_bytes"] / s["peak_alloc_bytes"], 4)
     result["total_seconds"] = round(time.perf_counter() - t0, 1)
     print(f"torch engine on {result['device']}: {result['model']} {args.dtype}, batch {args.batch}, prompt "
           f"{args.prompt_len}, response {args.response_len}, R-KV budget {args.kv_budget} + interval {args.interval}")
-    print(f"{'arm':<6} {'tok/s':>9} {'peak alloc B':>16} {'engine KV B':>16} {'preflight KV B':>16} {'pred/alloc':>10}")
+    print(f"{'arm':<8} {'tok/s':>9} {'peak alloc B':>16} {'engine KV B':>16} {'preflight KV B':>16} {'pred/alloc':>10}")
     for name in arms:
         r = result[name]
         alloc = "n/a" if r["peak_alloc_bytes"] is None else f"{r['peak_alloc_bytes']:,}"
         ratio = "n/a" if r["preflight_vs_peak_alloc"] is None else f"{r['preflight_vs_peak_alloc']:.3f}"
-        print(f"{name:<6} {r['tokens_per_s']:>9.1f} {alloc:>16} {r['engine_kv_bytes']:>16,} "
+        print(f"{name:<8} {r['tokens_per_s']:>9.1f} {alloc:>16} {r['engine_kv_bytes']:>16,} "
               f"{r['preflight_kv_bytes']:>16,} {ratio:>10}")
     print(json.dumps(result), flush=True)
     return result
