@@ -23,6 +23,11 @@ back. When the last live request leaves (the end of a generate call) both buffer
 to 0; `origin` keeps its budget dimension), so their size is bounded per call, not by the longest request ever
 (an eval's longer responses are not held into training's calls); within a call they never shrink.
 
+The same `origin` map gives the backend each live key's true position, which a compressor that reads positions
+(method random, protect_prompt) needs at every compression; the backend keeps it then even when it records nothing
+(`EvictionRecorder(directory=None)`: `origin` only, no `steps` columns, nothing written; its bytes:
+`record_bytes_per_request` with tokens 0).
+
 `record` (inside the backend's compression, `_compress_group`) is device ops only: no host sync (checked under the
 backend's NoHostSync in the lane's self-check). `take` copies a leaving request's record to the host once and writes
 it to `contract.record_path(directory, rid)` for `SGLangEngine.generate`.

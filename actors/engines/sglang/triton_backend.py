@@ -37,6 +37,11 @@ Eviction records (`SGLangEngine(record_evictions=True)` sets RECORDS_ENV): `Evic
 packed position and the generated-token count at which each key was evicted -- the torch engine's record, which the
 learner replays; written inside the compression (device ops only), read out once when the request's row leaves.
 
+Random eviction and protection (docs/sglang.md, "Random eviction and protection"): the select gets the torch engine's
+SelectContext -- each request's seed (from its request id, `contract.rid_seed`), its length (the event) and first
+prompt from the host mirror, each live key's true position per layer and KV head from the recorder's origin map (kept,
+records or not, when the compressor reads positions) -- so it keeps the torch engine's sets, in device ops.
+
 Per-request budgets: `SGLangEngine.generate(..., kv_budgets=)` puts a budget that is not the run's at the end of
 the request's id (`actors.engines.sglang.engine.budget_rid`); the backend reads it from `ForwardBatch.rids` at the
 request's prefill only. No custom logit processor is attached, so nothing of ours runs per decode step.
@@ -175,8 +180,8 @@ def real_lanes(fb) -> int:
 class SparseTritonAttnBackend(TritonAttnBackend):
     """SGLang's Triton attention over each request's live KV suffix, compressed with `compressors/`.
 
-    runner: SGLang's ModelRunner; cfg: CompressorConfig (rkv | snapkv | streamingllm; h2o and full raise
-    ValueError). Raises ValueError naming the setting when the runner breaks the layout assumptions.
+    runner: SGLang's ModelRunner; cfg: CompressorConfig (rkv | snapkv | streamingllm | random, any protection; h2o
+    and full raise ValueError). Raises ValueError naming the setting when the runner breaks the layout assumptions.
     """
 
     needs_cpu_seq_lens = True        # the host mirror is checked against seq_lens_sum every step
