@@ -69,9 +69,11 @@ class Compressor:
         """True when `select` needs `ctx.attn_mass` (kept up to date with `accumulate_attention`)."""
         needs = {"attn_mass"} if self.needs_attention_mass else set()
         if cfg.method == "random":
-            needs |= {"positions", "seed", "event"}
+            needs |= {"seed", "event"}
         if cfg.protect_prompt != "off":
-            needs |= {"positions", "prompt_len"}
+            needs.add("prompt_len")
+        if cfg.reads_positions:
+            needs.add("positions")
         if cfg.protect_values > 0:
             needs.add("values")
         self.needs = frozenset(needs)

@@ -199,6 +199,12 @@ class CompressorConfig:
         return self.method in ("rkv", "snapkv")
 
     @property
+    def reads_positions(self) -> bool:
+        """True when `select` reads each key's true position (random, protect_prompt): the SGLang backend then tracks
+        them per layer and KV head (actors/engines/sglang/records.py, its origin map), recording or not."""
+        return self.method == "random" or self.protect_prompt != "off"
+
+    @property
     def protects(self) -> bool:
         """True when some token besides the window is protected (sinks, protect_prompt, protect_values)."""
         return self.sink_tokens > 0 or self.protect_prompt != "off" or self.protect_values > 0

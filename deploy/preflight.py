@@ -27,7 +27,8 @@ float32 scores outside SGLang's KV pool, i.e. outside `mem_fraction_static`; its
 (actors.engines.kv_memory.compression_event_bytes, for the batch's rows at max(prompt, budget + interval) live
 tokens, split as the backend splits them under EVENT_BYTES_CAP) is taken off the actor's memory and shown on its
 own line; so are, when the run replays there (learner.policy_target=sparse), the backend's eviction records
-(actors.engines.kv_memory.record_bytes_per_request per request of one generate call, `sglang_records`), and the
+(actors.engines.kv_memory.record_bytes_per_request per request of one generate call, `sglang_records`; without
+replay, their origin map alone when the compressor reads true positions: random, protect_prompt), and the
 backend's query ring (`qwin`: layers x window x query heads x head_dim values of the engine dtype, + 24 B of row
 vectors, per request row of SGLang's pool, allocated at the engine's start: actors.engines.kv_memory.query_ring_bytes
 for sglang_request_rows, max_running_requests + 1 or, unset, up to 4,097 rows; `sglang_ring`).
@@ -126,9 +127,10 @@ class PreflightReport:
     event_live: int = 0
     """Live tokens of the longest row in that call: max(prompt, budget + interval)."""
     record_bytes: int = 0
-    """actors.engine.backend=sglang replaying (learner.policy_target=sparse): device bytes of the sparse backend's
-    eviction records for the requests of one generate call (`sglang_records`), outside mem_fraction_static, already
-    taken off `memory_bytes`; 0 otherwise."""
+    """actors.engine.backend=sglang replaying (learner.policy_target=sparse), or with a compressor that reads true
+    positions (random, protect_prompt: the records' origin map alone): device bytes of the sparse backend's eviction
+    records for the requests of one generate call (`sglang_records`), outside mem_fraction_static, already taken off
+    `memory_bytes`; 0 otherwise."""
     record_requests: int = 0
     """Requests those records are sized for (the larger of one actor batch and one eval batch)."""
     ring_bytes: int = 0
@@ -397,7 +399,7 @@ def preflight(cfg: RunConfig, *, model_path: str | None = None, prompt_tokens: i
     event = (0, 0, 0)
     if a.engine.backend == "sglang" and c.method in EVENT_METHODS:      # (the backend refuses h2o at start)
         event = max(sglang_event(shape, hf.num_attention_heads, c, b, prompt, batch_rows,
-                                 cfg.learner.replays(c.method)) for b in {low, high})
+                                 cfg.learner.replays(c.method) or c.reads_positions) for b in {low, high})
         if memory is not None:
             memory, source = memory - event[0], f"{source} - compression event {event[0]:,} B"
     records = sglang_records(cfg, shape, high, prompt, new, batch_rows)
@@ -488,10 +490,12 @@ def sglang_event(shape: ModelShape, q_heads: int, c, budget: int, prompt: int, r
     (actors/engines/sglang/triton_backend.py `_event_chunks`) for `rows` requests due at once at `budget` tokens: live =
     max(prompt, budget + interval) (a prompt compressed at prefill; a decode row compressed at most interval tokens
     after it reached its budget), the rows split as the backend does under actors.engines.kv_memory.EVENT_BYTES_CAP;
-    bytes = `compression_event_bytes`. c: the CompressorConfig; record: the backend keeps eviction records (the run
-    replays: learner.policy_target=sparse)."""
+    bytes = `compression_event_bytes`. c: the CompressorConfig (its protection too); record: the backend keeps
+    eviction records (the run replays: learner.policy_target=sparse) or the keys' true positions
+    (`CompressorConfig.reads_positions`)."""
     live = max(prompt, budget + c.interval)
-    args = (budget, c.window, q_heads, shape.kv_heads, shape.head_dim, shape.dtype_bytes, c.method, record)
+    args = (budget, c.window, q_heads, shape.kv_heads, shape.head_dim, shape.dtype_bytes, c.method, record,
+            c.protects, c.protect_values > 0)
     per_call = -(-rows // event_calls(rows, event_chunk_rows(live, *args)))
     return compression_event_bytes(per_call, live, *args), per_call, live
 
@@ -517,12 +521,16 @@ def sglang_records(cfg: RunConfig, shape: ModelShape, budget: int, prompt: int, 
     run replays on the SGLang engine (actors.engine.backend=sglang, learner.policy_target=sparse, compressing), else
     (0, 0): `record_bytes_per_request` at the largest `budget` and the longest request (`prompt` + the larger of
     `new` and eval.max_new_tokens), for the most requests one generate call holds (the larger of `batch_rows` and
-    eval.batch_size when eval is on: the buffers grow to it and stay)."""
+    eval.batch_size when eval is on: the buffers grow to it and stay). A run that does not replay but whose compressor
+    reads true positions (random, protect_prompt: `CompressorConfig.reads_positions`) holds the records' origin map
+    alone (`record_bytes_per_request` with tokens 0)."""
     a, ev = cfg.actors, cfg.eval
-    if a.engine.backend != "sglang" or not cfg.learner.replays(a.engine.compressor.method):
+    c = a.engine.compressor
+    replays = cfg.learner.replays(c.method)
+    if a.engine.backend != "sglang" or c.method == "full" or not (replays or c.reads_positions):
         return 0, 0
     rows = max(batch_rows, ev.batch_size if ev.enabled else 0)
-    tokens = prompt + max(new, ev.max_new_tokens if ev.enabled else 0)
+    tokens = prompt + max(new, ev.max_new_tokens if ev.enabled else 0) if replays else 0
     return rows * record_bytes_per_request(shape.layers, shape.kv_heads, budget, tokens), rows
 
 

@@ -39,6 +39,34 @@ class SamplingParams:
     (learner/acceptance.py, Sparrow §3.1) is computed from them."""
 
 
+SEED_STRIDE = 1000003
+"""Row r of a call with base seed b gets the compressor seed (b x SEED_STRIDE + r) mod 2^63 (`row_seeds`)."""
+
+
+def row_seeds(base: int, rows: int) -> list[int]:
+    """The compressor's sample seed of each row of one generate batch (method random's hash, compressors/scores.py
+    `random_hash`): (base x SEED_STRIDE + row) mod 2^63, row = 0 .. rows - 1 (prompt-major: prompt i's sample j is
+    row i x n + j). Python ints in [0, 2^63)."""
+    return [(int(base) * SEED_STRIDE + r) % 2**63 for r in range(rows)]
+
+
+def compressor_seeds(seed: int | None, budgets: list[int], n: int, draw) -> list[int]:
+    """Each request's compressor seed, prompt-major (len(budgets) x n), as the torch engine gives its rows
+    (TorchEngine.generate, `_row_seeds`): the prompts go in one batch per distinct budget (ascending), batch k of
+    several with base seed `seed + k`, and each batch's rows get `row_seeds(base, rows)` in prompt order;
+    `draw()` -> int gives a batch's base when `seed` is None (the torch engine draws it from its sampling
+    generator; unseeded calls are not reproducible on either engine). budgets: one per prompt (tokens)."""
+    distinct = sorted(set(int(b) for b in budgets))
+    out = [0] * (len(budgets) * n)
+    for k, budget in enumerate(distinct):
+        index = [i for i, b in enumerate(budgets) if int(b) == budget]
+        base = draw() if seed is None else seed + (k if len(distinct) > 1 else 0)
+        seeds = row_seeds(base, len(index) * n)
+        for row, i in enumerate(index):
+            out[i * n:(i + 1) * n] = seeds[row * n:(row + 1) * n]
+    return out
+
+
 def check_sampling(owner: str, *, temperature: float, max_new_tokens: int, top_p: float, top_k: int,
                    topk_logprobs: int = 0, **counts: int) -> None:
     """Range checks shared by SamplingParams and actors.config.SamplingConfig: temperature >= 0,

@@ -140,7 +140,7 @@ def episode_kv_peak_bytes_per_sequence(shape: ModelShape, prompt_tokens: int, ma
 
 SIMILARITY_BLOCK = 1 << 24
 """Entries of one row block of R-KV's key-similarity matrix (compressors.scores._BLOCK_ELEMENTS)."""
-EVENT_METHODS = ("rkv", "snapkv", "streamingllm")
+EVENT_METHODS = ("rkv", "snapkv", "streamingllm", "random")
 """Compressor methods the SGLang sparse backend runs (it refuses h2o at start)."""
 EVENT_BYTES_CAP = 1 << 30
 """Transient bytes one call of the SGLang sparse backend's compression (`_compress_group`) may allocate: the rows
@@ -149,7 +149,8 @@ of one event are split into `event_calls` near-equal chunks of at most `event_ch
 
 
 def compression_event_bytes(rows: int, live: int, budget: int, window: int, q_heads: int, kv_heads: int,
-                            head_dim: int, dtype_bytes: int, method: str = "rkv", record: bool = False) -> int:
+                            head_dim: int, dtype_bytes: int, method: str = "rkv", record: bool = False,
+                            protects: bool = False, value_norms: bool = False) -> int:
     """Upper bound of the device bytes that one call of the `sparse_rl_kv` backend's compression
     (actors/engines/sglang/triton_backend.py `_compress_group`) holds at once, outside SGLang's KV pool and so outside
     `mem_fraction_static`: its index tensors, one layer's gathered K/V and queries, the compressor's float32
@@ -159,12 +160,13 @@ def compression_event_bytes(rows: int, live: int, budget: int, window: int, q_he
     rows: requests compressed in the call (g); live: tokens of the longest one (n, the rows are left-padded to
     it); budget: tokens kept (B < n); window: the compressor's window (w); q_heads / kv_heads / head_dim: the
     model's attention shape; dtype_bytes: bytes per K/V element (2 for bf16); method: rkv | snapkv |
-    streamingllm; record: the backend keeps eviction records (`SGLangEngine(record_evictions=True)`,
-    actors/engines/sglang/records.py). Returns bytes (int). Raises ValueError on a count < 1, B >= n, or another
-    method. The bound is
-    the same for both selections: `shared` scores every head on the first layer as `per_head` does, then sorts
-    g n entries (at most S) and reuses that kept set on the other layers, so it holds no tensor `per_head` does
-    not.
+    streamingllm | random; record: the backend keeps eviction records (`SGLangEngine(record_evictions=True)`,
+    actors/engines/sglang/records.py) or the keys' true positions (a compressor that reads them: random,
+    protect_prompt); protects: tokens besides the window are protected (`CompressorConfig.protects`: sinks,
+    protect_prompt, protect_values); value_norms: protect_values > 0. Returns bytes (int). Raises ValueError on a
+    count < 1, B >= n, or another method. The bound is the same for both selections: `shared` scores every head on
+    the first layer as `per_head` does, then sorts g n entries (at most S) and reuses that kept set on the other
+    layers, so it holds no tensor `per_head` does not.
 
     Terms (bytes; S = g Hkv n score entries; E = g (n - B) evicted positions at most):
     - index tensors, the whole call: int64 [g] x 3, [g, n] x 2 (packed), [g, B], [g, w], [E] x 2 (packed copy),
@@ -178,7 +180,10 @@ def compression_event_bytes(rows: int, live: int, budget: int, window: int, q_he
       scaled, masked, softmax); R-KV's redundancy, 4 g Hkv n (the importance) + 4 x 4 g Hkv n D (normalised keys, their
       flip, matmul's two operand copies) + 5 x the similarity block in float32 + bool (two blocks when there is more
       than one) + 24 S (first similar key and value per row, and their concatenation); the selection, 36 S (masked
-      scores, flip, sort values + indices, and as much scratch for a device sort);
+      scores, flip, sort values + indices, and as much scratch for a device sort), random: 96 S (its int64 hash's
+      temporaries and float64 scores, masked, flipped, sorted), + 32 S with `protects` (the keep classes, their
+      stable sort, the reordered indices), + 4 S D + 32 S with `value_norms` (the values in float32, their norms and
+      sort), + 8 S with `record` (each key's true position, held through the selection);
     - with `record`: index tensors int64 [g] x 2, [g, n] x 2 more, and a recording phase in each layer after the
       selection, 32 S + 12 g Hkv B (each live key's original index, int32 read and int64 kept, the kept and evicted
       masks, the record's column per key, the index write's linear indices and values; the kept keys' indices,
@@ -189,12 +194,14 @@ def compression_event_bytes(rows: int, live: int, budget: int, window: int, q_he
         raise ValueError(f"rows={g}, live={n}, budget={B}, window={w}, heads {hq}/{hkv}, head_dim={D}, "
                          f"dtype_bytes={e}: expected counts >= 1 and budget < live")
     if method not in EVENT_METHODS:
-        raise ValueError(f"method={method!r}: expected rkv | snapkv | streamingllm")
+        raise ValueError(f"method={method!r}: expected rkv | snapkv | streamingllm | random")
     S, E = g * hkv * n, g * (n - B)
     reads = method in ("rkv", "snapkv")              # the window's queries gathered (CompressorConfig.reads_queries)
     index = 8 * (3 * g + 2 * g * n + g * B + g * w + 2 * E) + g * n + 8 * g * n + 8 * g * B
     layer = 2 * g * n * hkv * D * e + reads * g * w * hq * D * e
-    scores = [g * hkv * B * D * (e + 4), 36 * S]
+    select = (96 if method == "random" else 36) * S + 32 * S * protects + (4 * S * D + 32 * S) * value_norms \
+        + 8 * S * record
+    scores = [g * hkv * B * D * (e + 4), select]
     if method in ("rkv", "snapkv"):
         scores.append(8 * g * hq * w * D + 8 * g * hkv * n * D + 4 * g * hq * w * n + 12 * g * hkv * w * n)
     if record:
@@ -208,12 +215,13 @@ def compression_event_bytes(rows: int, live: int, budget: int, window: int, q_he
 
 
 def event_chunk_rows(live: int, budget: int, window: int, q_heads: int, kv_heads: int, head_dim: int,
-                     dtype_bytes: int, method: str = "rkv", record: bool = False, cap: int = EVENT_BYTES_CAP) -> int:
+                     dtype_bytes: int, method: str = "rkv", record: bool = False, protects: bool = False,
+                     value_norms: bool = False, cap: int = EVENT_BYTES_CAP) -> int:
     """The most rows one compression call may hold so that `compression_event_bytes` (same arguments) stays at or
     under `cap` bytes; at least 1 (a single row whose bound exceeds the cap is compressed alone)."""
     def fits(g: int) -> bool:
         return compression_event_bytes(g, live, budget, window, q_heads, kv_heads, head_dim, dtype_bytes,
-                                       method, record) <= cap
+                                       method, record, protects, value_norms) <= cap
     lo, hi = 1, 1
     while fits(hi * 2) and hi < 1 << 20:
         hi *= 2
@@ -243,10 +251,12 @@ def record_bytes_per_request(layers: int, kv_heads: int, largest_budget: int, to
     request's prompt + response tokens) rounded up to RECORD_WIDTH_STEP, + 1 dump column. The buffers hold one slot
     per request live at once (one generate call's: prompts x samples); they grow within a call and are given back
     when its last request leaves, so the bound is the largest call's (its most live requests, its longest request).
-    All arguments are counts >= 1; raises ValueError otherwise."""
-    if min(layers, kv_heads, largest_budget, tokens) < 1:
+    tokens 0: no record, the origin map alone (+ the dump column), which the backend keeps for a compressor that reads
+    true positions (random, protect_prompt) when it records nothing. All arguments are counts >= 1 (tokens >= 0);
+    raises ValueError otherwise."""
+    if min(layers, kv_heads, largest_budget, tokens + 1) < 1:
         raise ValueError(f"layers={layers}, kv_heads={kv_heads}, largest_budget={largest_budget}, tokens={tokens}: "
-                         "expected counts >= 1")
+                         "expected counts >= 1 (tokens >= 0)")
     width = -(-tokens // RECORD_WIDTH_STEP) * RECORD_WIDTH_STEP
     return layers * kv_heads * (4 * largest_budget + 2 * (width + 1))
 

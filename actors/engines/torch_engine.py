@@ -34,7 +34,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from actors.engines.base import EVICTION_NEVER, Sample, SamplingParams, check_params, check_score, collapsed_heads
+from actors.engines.base import (
+    EVICTION_NEVER,
+    Sample,
+    SamplingParams,
+    check_params,
+    check_score,
+    collapsed_heads,
+    row_seeds,
+)
 from actors.engines.batch_cache import (
     KV_ENTRIES,
     BatchCache,
@@ -436,13 +444,14 @@ def _generator(seed: int | None, device: torch.device) -> torch.Generator:
 
 
 def _row_seeds(seed: int | None, rows: int, gen: torch.Generator, device, compressor: Compressor) -> torch.Tensor:
-    """Each row's sample seed for the compressor (method random's hash), int64 [rows]: (base x 1000003 + row)
-    mod 2^63, base = SamplingParams.seed, or with none one draw of the call's generator (only when the compressor
-    reads seeds, so seeded sampling draws the same tokens with any compressor); zeros when it reads none."""
+    """Each row's sample seed for the compressor (method random's hash), int64 [rows]: `row_seeds(base, rows)`
+    (actors/engines/base.py; the SGLang engine gives its requests the same, `compressor_seeds`), base =
+    SamplingParams.seed, or with none one draw of the call's generator (only when the compressor reads seeds, so
+    seeded sampling draws the same tokens with any compressor); zeros when it reads none."""
     if "seed" not in compressor.needs:
         return torch.zeros(rows, dtype=torch.long, device=device)
     base = seed if seed is not None else int(torch.randint(2**62, (1,), generator=gen, device=gen.device))
-    return torch.tensor([(base * 1000003 + r) % 2**63 for r in range(rows)], dtype=torch.long, device=device)
+    return torch.tensor(row_seeds(base, rows), dtype=torch.long, device=device)
 
 
 def sample_eviction_steps(evicted_at: torch.Tensor, prompt_width: int, prompt_len: int,

@@ -376,15 +376,15 @@ def test_budget_metric_defaults_to_the_acceptance_rate_when_top_k_is_on():
 def test_length_schedule_runs_on_both_engines():
     """budget_schedule length: accepted on the torch engine and on SGLang (its backend follows each request's budget
     from its host step count, docs/sglang.md "The length schedule"); on SGLang the refusals that still apply stay,
-    e.g. a method its backend cannot run, and the length schedule's own (with tiers) on both engines."""
+    e.g. a KV precision its backend cannot store, and the length schedule's own (with tiers) on both engines."""
     length = ["actors.engine.compressor.budget_schedule=length", "actors.engine.compressor.budget_growth=0.5",
               "actors.engine.compressor.kv_budget_final=96", "actors.engine.compressor.kv_budget=48"]
     assert load_config("tiny", length).actors.engine.compressor.budget_schedule == "length"
     sglang = load_config("tiny", length + ["actors.engine.backend=sglang", "eval.modes=[sparse]"], check_files=False)
     assert (sglang.actors.engine.backend, sglang.actors.engine.compressor.budget_schedule) == ("sglang", "length")
-    with pytest.raises(ConfigError, match=re.escape("actors.engine.compressor.method=random: needs each sample")):
+    with pytest.raises(ConfigError, match=re.escape("actors.engine.compressor.kv_dtype=int8: the sparse backend's")):
         load_config("tiny", length + ["actors.engine.backend=sglang", "eval.modes=[sparse]",
-                                      "actors.engine.compressor.method=random"], check_files=False)
+                                      "actors.engine.compressor.kv_dtype=int8"], check_files=False)
     for backend in ("torch", "sglang"):
         with pytest.raises(ConfigError, match="budget_schedule='length' cannot be combined with"):
             load_config("tiny", length + [f"actors.engine.backend={backend}", "eval.modes=[sparse]",
@@ -508,10 +508,7 @@ def test_protection_beyond_the_budget_and_h2o_fields_on_random_are_refused(overr
 
 
 @pytest.mark.parametrize("override, reason", [
-    ("method=random", "method=random: needs each sample's seed and event count"),
     ("method=h2o", "method=h2o: needs each slot's accumulated attention mass"),   # h2o_recent 64 < kv_budget 128
-    ("protect_prompt=all", "protect_prompt=all: needs each request's prompt length and true positions"),
-    ("protect_values=2", "protect_values=2: the backend's select gets the values, but this was never run"),
     ("kv_dtype=fp8_e4m3", "kv_dtype=fp8_e4m3: the sparse backend's KV pool stores the model dtype"),
 ])
 def test_compressor_settings_sglang_cannot_run_are_refused_each_with_its_reason(override, reason):
@@ -524,18 +521,29 @@ def test_compressor_settings_sglang_cannot_run_are_refused_each_with_its_reason(
         load_config("tiny", ["actors.engine.backend=sglang", *overrides], check_files=False)
 
 
+@pytest.mark.parametrize("override", ["method=random", "protect_prompt=all", "protect_prompt=last:4",
+                                      "protect_values=2", "sinks=2"])
+def test_random_and_protection_load_on_sglang(override):
+    """contract.unsupported_compressor_settings no longer refuses random or protection on the sparse_rl_kv backend
+    (tests/sglang/test_sglang_records.py: its records equal the torch engine's)."""
+    overrides = ["actors.engine.backend=sglang", "eval.modes=[sparse]", f"actors.engine.compressor.{override}",
+                 "actors.engine.compressor.kv_budget=128"]
+    assert load_config("tiny", overrides, check_files=False).actors.engine.backend == "sglang"
+
+
 def test_every_refused_compressor_setting_is_named_in_one_line_with_its_reason():
     """Several at once: each dotted field with its own reason, in one line (the CLI's exit-2 path), not one
     generic reason for all."""
     with pytest.raises(ConfigError) as e:
-        load_config("tiny", ["actors.engine.backend=sglang", "actors.engine.compressor.method=random",
-                             "actors.engine.compressor.kv_dtype=int8"], check_files=False)
+        load_config("tiny", ["actors.engine.backend=sglang", "actors.engine.compressor.method=h2o",
+                             "actors.engine.compressor.kv_budget=128", "actors.engine.compressor.kv_dtype=int8"],
+                    check_files=False)
     line = str(e.value)
     assert "\n" not in line
-    assert re.match(r"^actors\.engine\.compressor\.method=random: needs each sample's seed .*; "
+    assert re.match(r"^actors\.engine\.compressor\.method=h2o: needs each slot's accumulated attention mass .*; "
                     r"actors\.engine\.compressor\.kv_dtype=int8: the sparse backend's KV pool stores the model "
                     r"dtype", line), line
-    assert "attention mass" not in line and "prompt length" not in line
+    assert "seed" not in line and "prompt length" not in line
 
 
 def test_a_run_config_saved_before_protection_resumes_without_sinks(tmp_path):

@@ -14,6 +14,7 @@ import torch
 from actors.engines.base import SamplingParams
 from actors.engines.kv_memory import (
     ModelShape,
+    compression_event_bytes,
     kv_peak_bytes_per_sequence,
     query_ring_bytes,
     record_bytes_per_request,
@@ -298,7 +299,8 @@ def test_sglang_replay_preflight_counts_the_eviction_records():
     (actors/engines/sglang/records.py) are taken off the KV memory beside the compression event (whose bound then
     counts the recording too): per request
     layers x 2 KV heads x (4 B x budget 48 + 2 B x (133 tokens rounded up to 256, + 1 dump column)) = layers x 1,412 B,
-    for the 4 requests of one actor batch (eval off); none without replay."""
+    for the 4 requests of one actor batch (eval off); none without replay, unless the compressor reads true positions
+    (random, protect_prompt): then the origin map alone, layers x 2 KV heads x (4 B x 48 + 2 B dump column)."""
     base = ["actors.engine.backend=sglang", "eval.enabled=false", "actors.engine.compressor.kv_budget=48",
             "actors.engine.compressor.interval=16", "actors.sampling.max_new_tokens=32",
             "preflight.max_prompt_tokens=101", "preflight.kv_memory_gb=1",
@@ -314,8 +316,14 @@ def test_sglang_replay_preflight_counts_the_eviction_records():
     assert replay.memory_bytes == (1 << 30) - replay.event_bytes - 4 * per_request - replay.ring_bytes
     assert f"eviction records (SGLang sparse backend, outside mem_fraction_static): {4 * per_request:,} B" \
         in replay.table()
-    with pytest.raises(ValueError, match="tokens=0"):
-        record_bytes_per_request(28, 2, 512, 0)
+    for method in ("random", "rkv"):
+        positions = preflight(load_config("tiny", base + [f"actors.engine.compressor.method={method}",
+                                                          "actors.engine.compressor.protect_prompt=all"],
+                                          check_files=False), model_path=model)
+        assert positions.record_bytes == 4 * replay.shape.layers * 2 * (4 * 48 + 2) == \
+            4 * record_bytes_per_request(replay.shape.layers, 2, 48, 0), method
+    with pytest.raises(ValueError, match="tokens=-1"):
+        record_bytes_per_request(28, 2, 512, -1)
 
 
 def test_sglang_preflight_counts_the_query_ring_by_hand():
@@ -349,8 +357,14 @@ def test_sglang_preflight_counts_the_query_ring_by_hand():
     torch_run = preflight(load_config("tiny", base[2:], check_files=False), model_path=model)
     full = ring("actors.engine.compressor.method=full")
     assert (torch_run.ring_bytes, full[0]) == (0, 0) and torch_run.memory_bytes == 1 << 30
-    streaming = ring("actors.engine.sglang.max_running_requests=4", "actors.engine.compressor.method=streamingllm")
-    assert streaming[:2] == (5 * 24, 5)                    # no ring (it reads no queries): the row vectors only
+    for method in ("streamingllm", "random"):
+        no_ring = ring("actors.engine.sglang.max_running_requests=4", f"actors.engine.compressor.method={method}")
+        assert no_ring[:2] == (5 * 24, 5), method          # no ring (it reads no queries): the row vectors only
+        flags = (method == "random", method == "streamingllm")   # random reads true positions; streamingllm's sinks
+        event = compression_event_bytes(4, 101, 48, 8, 4, 2, 16, 4, method, *flags)
+        assert no_ring[2].event_bytes == event == compression_event_bytes(4, 101, 48, 8, 400, 2, 16, 4, method, *flags)
+        print(f"{method}: query ring {no_ring[0]:,} B (rkv {ring('actors.engine.sglang.max_running_requests=4')[0]:,}"
+              f" B), event {event:,} B, the same at 100x the query heads (no queries gathered)")
     assert query_ring_bytes(5, 2, 8, 4, 16, 4) == 20_600
     assert query_ring_bytes(5, 2, 0, 4, 16, 4) == 120
     with pytest.raises(ValueError, match="rows=0"):

@@ -76,36 +76,52 @@ def bare_backend(cfg, lens, kv_heads, q_heads, head_dim, dtype, layers=2, seed=0
     return b
 
 
-CASES = [  # method, selection, rows, longest live, budget, window, KV heads, query heads, head_dim, dtype
+CASES = [  # method (or the compressor's fields), selection, rows, longest live, budget, window, KV heads, query heads,
+    # head_dim, dtype
     ("rkv", "per_head", 1, 40, 16, 4, 2, 4, 16, torch.float32),
     ("rkv", "shared", 5, 200, 100, 16, 4, 4, 32, torch.float32),
     ("snapkv", "per_head", 3, 300, 64, 8, 2, 12, 64, torch.bfloat16),
     ("streamingllm", "per_head", 3, 300, 64, 8, 2, 12, 64, torch.bfloat16),
     ("rkv", "per_head", 48, 640, 512, 8, 2, 12, 128, torch.bfloat16),    # Qwen2.5-1.5B heads; 2 similarity blocks
+    ("random", "per_head", 1, 40, 16, 4, 2, 4, 16, torch.float32),
+    ("random", "per_head", 3, 300, 64, 8, 2, 12, 64, torch.bfloat16),
+    ({"method": "rkv", "protect_prompt": "all"}, "per_head", 3, 300, 64, 8, 2, 12, 64, torch.bfloat16),
+    ({"method": "streamingllm", "protect_values": 4}, "per_head", 3, 300, 64, 8, 2, 12, 64, torch.bfloat16),
+    ({"method": "random", "protect_values": 4, "protect_prompt": "last:4", "sinks": 2}, "shared", 5, 200, 100, 16, 4,
+     4, 32, torch.float32),
 ]
 
 
+def case_id(case) -> str:
+    fields = case[0] if isinstance(case[0], dict) else {"method": case[0]}
+    return "-".join(str(v) for v in fields.values()) + f"-{case[1]}-g{case[2]}-n{case[3]}"
+
+
 @pytest.mark.parametrize("record", [False, True], ids=["plain", "recording"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-g{c[2]}-n{c[3]}")
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_one_call_stays_under_its_computed_bound(case, record, tmp_path):
     """With `record` the backend keeps eviction records (actors/engines/sglang/records.py; its persistent buffers are
-    allocated before the call, as they are by the rows' prefill and an earlier compression)."""
+    allocated before the call, as they are by the rows' prefill and an earlier compression); without, a compressor
+    that reads true positions (random, protect_prompt) has the recorder's positions alone, as in the backend. Random
+    and protection run with each row's prompt a third of it (protect_prompt: part of the candidates)."""
     from actors.engines.sglang.records import EvictionRecorder
 
-    method, selection, g, n, budget, w, hkv, hq, d, dtype = case
+    fields, selection, g, n, budget, w, hkv, hq, d, dtype = case
+    fields = fields if isinstance(fields, dict) else {"method": fields}
     torch.set_num_threads(1)
-    cfg = CompressorConfig(method=method, kv_budget=budget, window=w, interval=128, selection=selection)
+    cfg = CompressorConfig(kv_budget=budget, window=w, interval=128, selection=selection, **fields)
     lens = np.random.RandomState(0).randint(budget + 1, n + 1, size=g)
     lens[0] = n
     b = bare_backend(cfg, lens, hkv, hq, d, dtype)
-    b.compressor_for(budget)
     rows = np.arange(1, g + 1)
-    if record:
-        b.recorder = EvictionRecorder(b.num_layers, hkv, budget, "cpu", str(tmp_path))
+    b.first_prompt[rows], b.seed[rows] = lens // 3, rows * 1000003
+    if record or cfg.reads_positions:
+        b.recorder = EvictionRecorder(b.num_layers, hkv, budget, "cpu", str(tmp_path) if record else None)
         b.recorder.enter(rows.tolist(), [f"r{r}" for r in rows], [budget] * g)
         b.recorder.fit(n)
     measured = peak_bytes(lambda: b._compress_group(rows, budget))
-    bound = compression_event_bytes(g, n, budget, w, hq, hkv, d, b.kv_dtype_bytes, method, record)
+    bound = compression_event_bytes(g, n, budget, w, hq, hkv, d, b.kv_dtype_bytes, cfg.method, b.recorder is not None,
+                                    cfg.protects, cfg.protect_values > 0)
     assert measured <= bound, f"measured {measured:,} B > bound {bound:,} B"
     assert (b.start[rows] == lens - budget).all()                      # it did compress every row
 

@@ -1,8 +1,13 @@
 """Eviction records from the `sparse_rl_kv` backend (actors/engines/sglang/records.py) on the CPU lane: on the greedy
 cases where the backend is token-identical to TorchEngine (tests/sglang/test_sglang_triton.py, _phase.py), each
-Sample's `eviction_steps` equals TorchEngine's (`record_evictions=True`), for R-KV, SnapKV and StreamingLLM, per-head
-and shared selection, per-request budgets, rows joining mid-decode, and both `compressor.phase` values; every decode
-step runs the self-check, so the record writes run under the backend's host-sync guard (NoHostSync).
+Sample's `eviction_steps` equals TorchEngine's (`record_evictions=True`), for R-KV, SnapKV, StreamingLLM and random,
+R-KV with protect_prompt all (the 20-token prompts do not fit budget 16 with the window: the budget wins) and with
+protect_values, per-head and shared selection, per-request budgets, rows joining mid-decode, and both
+`compressor.phase` values; every decode step runs the self-check, so the record writes run under the backend's
+host-sync guard (NoHostSync), and so does the compression's select (random's hash, the protection classes) wherever
+the self-check runs it. Random's seeds: a seeded call (SEED), each request's the torch engine's row seed
+(`actors.engines.base.compressor_seeds`, carried in the request id), per-request budgets in one batch per budget
+with seed SEED + k, as TorchEngine.generate.
 
 One difference is structural, not a tie: a compression due in the forward that produces a response's last token.
 TorchEngine runs it and records its step, T - 1 for a T-token response; SGLang frees the request's row before the
@@ -10,6 +15,7 @@ compression would run (records.py). No query of the sample sees the difference (
 query at P + T - 2, which sees a key while P + T - 2 < P + steps), so `canonical` sets steps >= T - 1 to never on
 both sides before comparing; the same rule covers a SGLang row compared with a prefix of a longer TorchEngine row.
 No other difference is allowed (no near-tie was needed: the records are equal entry for entry)."""
+import dataclasses
 import os
 
 import numpy as np
@@ -19,7 +25,7 @@ import torch
 pytest.importorskip("sglang.srt", reason="needs the SGLang lane venv: bash scripts/setup_sglang_cpu.sh")
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
-from actors.engines.base import SamplingParams
+from actors.engines.base import SamplingParams, compressor_seeds
 from actors.engines.sglang.engine import KV_STATS_ENV, SGLangEngine, sglang_request
 from actors.engines.sglang.triton_backend import SELF_CHECK_ENV
 from actors.engines.torch_engine import TorchEngine
@@ -136,7 +142,11 @@ def with_records(samples) -> list:
     CompressorConfig(method="rkv", kv_budget=16, window=4, interval=8),
     CompressorConfig(method="snapkv", kv_budget=16, window=4, interval=8, selection="shared"),
     CompressorConfig(method="streamingllm", kv_budget=16, window=4, interval=8),
-], ids=["rkv-per_head", "snapkv-shared", "streamingllm-per_head"])
+    CompressorConfig(method="random", kv_budget=16, window=4, interval=8),
+    CompressorConfig(method="rkv", kv_budget=16, window=4, interval=8, protect_prompt="all"),
+    CompressorConfig(method="rkv", kv_budget=16, window=4, interval=8, protect_values=3),
+], ids=["rkv-per_head", "snapkv-shared", "streamingllm-per_head", "random-per_head", "rkv-protect_prompt_all",
+        "rkv-protect_values_3"])
 def recording(request, tiny_qwen2_dir, tmp_path_factory):
     """A recording `sparse_rl_kv` engine, every decode step through the self-check (NoHostSync)."""
     cc = request.param
@@ -149,15 +159,36 @@ def recording(request, tiny_qwen2_dir, tmp_path_factory):
     os.environ.pop(SELF_CHECK_ENV, None)
 
 
+SEED = 7
+"""SamplingParams.seed of the calls whose compressor reads seeds (random): greedy, so it changes no token."""
+
+
+def seeded(params: SamplingParams, cc: CompressorConfig) -> SamplingParams:
+    """`params` with seed SEED when `cc` reads sample seeds (method random), so both engines hash the same seeds."""
+    return dataclasses.replace(params, seed=SEED) if cc.method == "random" else params
+
+
 def test_records_equal_torch_engine(recording, tiny_qwen2_dir):
     eng, cc = recording
-    got = [g[0] for g in eng.generate(PROMPTS, PARAMS)]
+    params = seeded(PARAMS, cc)
+    got = [g[0] for g in eng.generate(PROMPTS, params)]
     stats = eng.kv_pool_stats()
     assert stats["self_checks"] == stats["decode_steps"] > 0 and stats["record_bytes"] > 0
-    assert (stats["query_ring_bytes"] > 0) == cc.reads_queries      # StreamingLLM's backend keeps no query ring
-    want = [g[0] for g in torch_engine(tiny_qwen2_dir, cc).generate(PROMPTS, PARAMS)]
+    assert (stats["query_ring_bytes"] > 0) == cc.reads_queries      # StreamingLLM and random: no query ring
+    want = [g[0] for g in torch_engine(tiny_qwen2_dir, cc).generate(PROMPTS, params)]
     seen = assert_records_equal(with_records(got), want)
+    print(f"{cc.method} protect_prompt={cc.protect_prompt} protect_values={cc.protect_values}: records equal, "
+          f"{seen}, query ring {stats['query_ring_bytes']:,} B")
     assert seen["evicted"] > 0 and seen["at_decode"] > 0, seen
+    if cc.method == "random" or cc.protect_prompt != "off" or cc.protect_values:
+        # the control: TorchEngine with another seed (random) or without the protection gives another record (or
+        # other tokens), so the comparison sees the seeds and the protection
+        plain = dataclasses.replace(cc, protect_prompt="off", protect_values=0)
+        other = ([g[0] for g in torch_engine(tiny_qwen2_dir, cc).generate(PROMPTS, dataclasses.replace(
+            params, seed=SEED + 1))] if cc.method == "random" else
+                 [g[0] for g in torch_engine(tiny_qwen2_dir, plain).generate(PROMPTS, params)])
+        with pytest.raises(AssertionError, match="differ"):
+            assert_records_equal(with_records(got), other)
     heads = {s.eviction_steps.shape[1] for s in got}        # StreamingLLM keeps the same positions in every head
     assert heads == ({1} if cc.selection == "shared" or cc.method == "streamingllm" else {KV_HEADS}), heads
     assert not os.listdir(eng.records_dir)                          # read and deleted by generate
@@ -165,17 +196,18 @@ def test_records_equal_torch_engine(recording, tiny_qwen2_dir):
 
 def test_records_under_per_request_budgets_equal_torch_engine(recording, tiny_qwen2_dir):
     eng, cc = recording
-    budgets = [12, 20]
-    got = [g[0] for g in eng.generate(PROMPTS, PARAMS, kv_budgets=budgets)]
-    want = [g[0] for g in torch_engine(tiny_qwen2_dir, cc).generate(PROMPTS, PARAMS, kv_budgets=budgets)]
+    budgets, params = [12, 20], seeded(PARAMS, cc)
+    got = [g[0] for g in eng.generate(PROMPTS, params, kv_budgets=budgets)]
+    want = [g[0] for g in torch_engine(tiny_qwen2_dir, cc).generate(PROMPTS, params, kv_budgets=budgets)]
     assert assert_records_equal(with_records(got), want)["at_decode"] > 0
 
 
-def generate_each_recorded(eng, prompts, max_new) -> list:
+def generate_each_recorded(eng, prompts, max_new, seeds=None) -> list:
     """Greedy (ignore_eos) in one SGLang call with one max_new_tokens per request (tests/sglang/tiny.py
-    generate_each), each with its eviction record: [(prompt ids, response ids, record)]."""
+    generate_each), each with its eviction record: [(prompt ids, response ids, record)]; `seeds`: each request's
+    compressor seed (method random), or None."""
     request = sglang_request(SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True), [0] * len(prompts),
-                             None)
+                             None, seeds)
     for sp, m in zip(request["sampling_params"], max_new):
         sp["max_new_tokens"] = m
     outs = eng._call(eng.engine.async_generate(input_ids=[list(p) for p in prompts], return_logprob=True,
@@ -189,8 +221,9 @@ def test_records_of_rows_joining_mid_decode_equal_torch_engine(recording, tiny_q
     row's record equals TorchEngine's, all five in one batch, over the SGLang row's tokens."""
     eng, cc = recording
     prompts = join_prompts()
-    got = generate_each_recorded(eng, prompts, JOIN_MAX_NEW)
-    params = SamplingParams(temperature=0, max_new_tokens=max(JOIN_MAX_NEW), ignore_eos=True)
+    params = seeded(SamplingParams(temperature=0, max_new_tokens=max(JOIN_MAX_NEW), ignore_eos=True), cc)
+    seeds = compressor_seeds(SEED, [cc.kv_budget] * len(prompts), 1, None) if cc.method == "random" else None
+    got = generate_each_recorded(eng, prompts, JOIN_MAX_NEW, seeds)
     want = [g[0] for g in torch_engine(tiny_qwen2_dir, cc).generate(prompts, params)]
     seen = assert_records_equal(got, want, shapes=False)
     assert seen["at_decode"] > 0 and seen["last_step"] > 0, seen    # the shorter rows cut the torch rows' records

@@ -3,8 +3,9 @@
 the wire format (broker/schema.py) into the learner's collate, and the replayed forward with the same weights gives
 each token's logp_sparse to 1e-4 while the dense recompute differs by more than 1e-2; one layer's record shifted by
 one step breaks it (the control). Sampled at temperature 1 (n = 2), one prompt longer than the budget (compressed at
-prefill, step 0); R-KV, SnapKV shared, and R-KV under the length schedule (budget_schedule length: 12 growing 0.5 a
-token to 26, docs/sglang.md "The length schedule")."""
+prefill, step 0); R-KV, SnapKV shared, R-KV under the length schedule (budget_schedule length: 12 growing 0.5 a
+token to 26, docs/sglang.md "The length schedule"), and random (unseeded: each call's seeds drawn, the record says what
+was evicted)."""
 import copy
 import os
 
@@ -36,7 +37,8 @@ PARAMS = SamplingParams(temperature=1.0, max_new_tokens=40, n=2, ignore_eos=True
     CompressorConfig(method="snapkv", kv_budget=16, window=4, interval=8, selection="shared"),
     CompressorConfig(method="rkv", kv_budget=12, window=4, interval=8, budget_schedule="length", budget_growth=0.5,
                      kv_budget_final=26),
-], ids=["rkv-per_head", "snapkv-shared", "rkv-length"])
+    CompressorConfig(method="random", kv_budget=16, window=4, interval=8),
+], ids=["rkv-per_head", "snapkv-shared", "rkv-length", "random-per_head"])
 def rollouts(request, tiny_qwen2_dir):
     """(the model, the groups off the wire) of one recording `sparse_rl_kv` engine's sampled rollouts, every decode
     step through the self-check."""
@@ -78,6 +80,8 @@ def test_replay_of_sglang_rollouts_equals_logp_sparse(rollouts):
     steps = np.concatenate([s.eviction_steps.ravel() for g in groups for s in g.samples])
     assert (steps == 0).any() and ((steps > 0) & (steps < 65535)).any()   # prefill and decode evictions replayed
     m = learner.step(groups, [0] * len(groups))
+    print(f"{groups[0].compressor}: replay_logp_max_abs {m['replay_logp_max_abs']:.3g}, replay_dense_gap_max "
+          f"{m['replay_dense_gap_max']:.3g}")
     assert m["replay_logp_max_abs"] <= 1e-4 and m["replay_dense_gap_max"] > 1e-2, m
 
 

@@ -69,6 +69,19 @@ def test_compression_source_reads_nothing_back_and_copies_once(fn):
     assert "for r" not in source and ".to(" not in source
 
 
+def test_compression_device_half_source_has_no_host_sync():
+    """The compression's device half and what it runs for random and protection (the seed / event / position hash,
+    the origin map): no host sync in their source. They also run under NoHostSync wherever the lane's self-check
+    compresses (tests/sglang/test_sglang_records.py, random and protection cases), Compressor.select and its classes
+    too (whose source the scan cannot take: float("-inf") reads as float())."""
+    from actors.engines.sglang.records import EvictionRecorder
+    from compressors import scores
+
+    for fn in (backend.SparseTritonAttnBackend._compress_device, EvictionRecorder.origins, EvictionRecorder.record,
+               scores.random_hash, scores.random_scores, scores._mix32):
+        assert host_syncs(inspect.getsource(fn)) == [], fn.__qualname__
+
+
 def test_to_device_packs_the_arrays_into_one_pinned_non_blocking_copy():
     import types
 
@@ -156,17 +169,21 @@ def test_fp8_kv_pool_is_refused_quoting_the_try():
 
 
 def test_backends_refuse_compressor_settings_each_with_its_reason():
-    """Both backends, in the scheduler, refuse what contract.unsupported_compressor_settings lists, each setting with
-    its own reason in one line, before touching the runner."""
+    """Both backends, in the scheduler, refuse what contract.unsupported_compressor_settings lists for them, each
+    setting with its own reason in one line, before touching the runner: `sparse_rl_kv` runs random and protection,
+    the torch reference backend does not."""
     from actors.engines.sglang.kv_backend import SparseKVAttnBackend
 
-    cfg = CompressorConfig(method="random", kv_budget=16, window=4, interval=8, protect_values=2)
+    cfg = CompressorConfig(method="random", kv_budget=16, window=4, interval=8, protect_values=2, kv_dtype="int8")
     cfg.validate()
-    for cls in (backend.SparseTritonAttnBackend, SparseKVAttnBackend):
-        with pytest.raises(ValueError, match=r"^compressor\.method=random: needs each sample's seed .*; compressor\."
-                                             r"protect_values=2: the backend's select gets the values, .* \(the SGLang "
-                                             r"sparse backend cannot run this yet; "):
-            cls(None, cfg)
+    with pytest.raises(ValueError, match=r"^compressor\.kv_dtype=int8: the sparse backend's KV pool stores the model "
+                                         r"dtype .* \(the SGLang sparse backend cannot run this yet; "):
+        backend.SparseTritonAttnBackend(None, cfg)          # random and protect_values run there
+    with pytest.raises(ValueError, match=r"^compressor\.method=random: the sparse_rl_kv_torch reference backend does "
+                                         r"not track each request's seed .*; compressor\.protect_values=2: the "
+                                         r"sparse_rl_kv_torch reference backend was never run .*; compressor\."
+                                         r"kv_dtype=int8: .* \(the SGLang sparse backend cannot run this yet; "):
+        SparseKVAttnBackend(None, cfg)
 
 
 def test_sparse_engine_turns_the_prefill_graph_off():

@@ -14,24 +14,51 @@ TORCH_SPARSE_BACKEND = "sparse_rl_kv_torch"
 COMPRESSOR_ENV = "SPARSE_RL_KV_COMPRESSOR"
 """Environment variable carrying the CompressorConfig (JSON) to SGLang's scheduler subprocess."""
 KV_BUDGET_RID = ":sparse_rl_kv_budget="
-"""A request whose KV budget is not the run's carries it at the end of its SGLang request id
-(`<uuid>:sparse_rl_kv_budget=<tokens>`): SGLang hands every forward batch its requests' ids
+"""A request whose KV budget is not the run's carries it in its SGLang request id
+(`<uuid>:sparse_rl_kv_budget=<tokens>`, `request_rid`): SGLang hands every forward batch its requests' ids
 (`ForwardBatch.rids`), so the backend reads the budget once, at the request's prefill, and nothing runs per
 decode step (a custom logit processor, the earlier carrier, ran on every decode step of every request that
 had one: a Python pass over the batch and two copies of its logits in SGLang's sampler)."""
 
 
-def budget_rid(budget: int) -> str:
-    """A unique SGLang request id carrying `budget` (KV_BUDGET_RID)."""
+KV_SEED_RID = ":sparse_rl_kv_seed="
+"""A request whose compressor reads sample seeds (method random) carries its seed in its SGLang request id, after any
+budget (`<uuid>[:sparse_rl_kv_budget=<tokens>]:sparse_rl_kv_seed=<seed>`): the seed the torch engine gives the same
+row (`actors.engines.base.compressor_seeds`), read once at the request's prefill, as the budget is."""
+
+
+def request_rid(budget: int | None = None, seed: int | None = None) -> str:
+    """A unique SGLang request id carrying `budget` (KV_BUDGET_RID) and `seed` (KV_SEED_RID), each when not None."""
     import uuid
 
-    return f"{uuid.uuid4().hex}{KV_BUDGET_RID}{int(budget)}"
+    rid = uuid.uuid4().hex
+    if budget is not None:
+        rid += f"{KV_BUDGET_RID}{int(budget)}"
+    if seed is not None:
+        rid += f"{KV_SEED_RID}{int(seed)}"
+    return rid
+
+
+def budget_rid(budget: int) -> str:
+    """A unique SGLang request id carrying `budget` (KV_BUDGET_RID)."""
+    return request_rid(budget)
+
+
+def _rid_value(rid, tag: str, default: int) -> int:
+    """The non-negative integer after `tag` in request id `rid` (up to the next ':'), or `default`."""
+    _, sep, tail = str(rid).partition(tag)
+    value = tail.split(":", 1)[0]
+    return int(value) if sep and value.isdigit() else default
 
 
 def rid_budget(rid, default: int) -> int:
-    """The budget a request id carries (`budget_rid`), or `default` for any other id."""
-    head, sep, tail = str(rid).rpartition(KV_BUDGET_RID)
-    return int(tail) if sep and tail.isdigit() else default
+    """The budget a request id carries (`request_rid`), or `default` for any other id."""
+    return _rid_value(rid, KV_BUDGET_RID, default)
+
+
+def rid_seed(rid) -> int:
+    """The compressor seed a request id carries (`request_rid`), or 0 for an id without one."""
+    return _rid_value(rid, KV_SEED_RID, 0)
 
 
 KV_STATS_ENV = "SPARSE_RL_KV_STATS"
@@ -67,23 +94,26 @@ KV_DTYPE_REFUSAL = ("the sparse backend's KV pool stores the model dtype (quanti
 """Why compressor.kv_dtype other than model is refused on SGLang (unsupported_compressor_settings)."""
 
 
-def unsupported_compressor_settings(cfg) -> dict[str, str]:
-    """The settings of CompressorConfig `cfg` the sparse SGLang backends cannot run yet: {`field=value`: its reason}
-    (empty: all supported), in field order. The backend's `select` gets each layer's keys, values and window
-    queries, not the samples' seeds, events, true positions or prompt lengths (docs/sglang.md, "What runs on which
-    engine"). Sinks run there as for streamingllm (the first valid slots)."""
+def unsupported_compressor_settings(cfg, backend: str = SPARSE_BACKEND) -> dict[str, str]:
+    """The settings of CompressorConfig `cfg` the sparse SGLang backend `backend` (SPARSE_BACKEND, the one a run uses,
+    or TORCH_SPARSE_BACKEND) cannot run: {`field=value`: its reason} (empty: all supported), in field order.
+    `sparse_rl_kv` tracks each request's seed (in its request id), length and first prompt on its host mirror and each
+    kept key's true position on the device (actors/engines/sglang/records.py), so random and protection run there as
+    on the torch engine; the torch reference backend's select gets each layer's keys, values and window queries only
+    (docs/sglang.md, "What runs on which engine"). Sinks run on both (the first valid slots)."""
     bad = {}
     if cfg.method == "h2o":
         bad["method=h2o"] = ("needs each slot's accumulated attention mass per KV head, which SGLang's attention "
                              "kernels do not return")
-    if cfg.method == "random":
-        bad["method=random"] = "needs each sample's seed and event count, which the backend's select does not get"
-    if cfg.protect_prompt != "off":
-        bad[f"protect_prompt={cfg.protect_prompt}"] = ("needs each request's prompt length and true positions, "
-                                                       "which the backend's select does not get")
-    if cfg.protect_values:
-        bad[f"protect_values={cfg.protect_values}"] = ("the backend's select gets the values, but this was never run "
-                                                       "on the SGLang lane")
+    reference = f"the {TORCH_SPARSE_BACKEND} reference backend does not track"
+    if backend == TORCH_SPARSE_BACKEND and cfg.method == "random":
+        bad["method=random"] = f"{reference} each request's seed and its keys' true positions; use {SPARSE_BACKEND}"
+    if backend == TORCH_SPARSE_BACKEND and cfg.protect_prompt != "off":
+        bad[f"protect_prompt={cfg.protect_prompt}"] = (f"{reference} each request's prompt length and its keys' true "
+                                                       f"positions; use {SPARSE_BACKEND}")
+    if backend == TORCH_SPARSE_BACKEND and cfg.protect_values:
+        bad[f"protect_values={cfg.protect_values}"] = (f"the {TORCH_SPARSE_BACKEND} reference backend was never run "
+                                                       f"with it on the SGLang lane; use {SPARSE_BACKEND}")
     if cfg.kv_dtype != "model":
         bad[f"kv_dtype={cfg.kv_dtype}"] = KV_DTYPE_REFUSAL
     if cfg.kv_budget_bytes:

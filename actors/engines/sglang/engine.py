@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import shutil
 import tempfile
 import time
@@ -48,7 +49,15 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from actors.engines.base import EVICTION_NEVER, Sample, SamplingParams, check_params, check_score, collapsed_heads
+from actors.engines.base import (
+    EVICTION_NEVER,
+    Sample,
+    SamplingParams,
+    check_params,
+    check_score,
+    collapsed_heads,
+    compressor_seeds,
+)
 from actors.engines.sglang.contract import (  # noqa: F401  (re-exported: the engine's callers name them here)
     COMPRESSOR_ENV,
     DECODE_GRAPH_BACKENDS,
@@ -61,21 +70,25 @@ from actors.engines.sglang.contract import (  # noqa: F401  (re-exported: the en
     TORCH_SPARSE_BACKEND,
     budget_rid,
     record_path,
+    request_rid,
     rid_budget,
 )
 from actors.engines.sglang.lora import adapter_manifest, lora_engine_kwargs, sglang_adapter
 from broker.lora import LoraConfig
-from compressors import CompressorConfig
+from compressors import CompressorConfig, build_compressor
 from compressors.budget import length_budget
 
 
-def sglang_request(params: SamplingParams, budgets: list[int], run_budget: int | None) -> dict:
+def sglang_request(params: SamplingParams, budgets: list[int], run_budget: int | None,
+                   seeds: list[int] | None = None) -> dict:
     """The keyword arguments of one `sglang.Engine.async_generate` call for len(budgets) prompts x `params.n`
     samples (prompt-major): `sampling_params` (one dict per request) and, only where needed, `rid` and
     `top_logprobs_num`. `budgets`: one KV budget (tokens) per prompt; `run_budget`: the backend's own budget
-    (None: not the sparse_rl_kv backend, budgets not sent). Request ids carry a budget (`budget_rid`) only when
-    some prompt's differs from the run's, so a run at one budget sends SGLang's own ids, and no custom logit
-    processor is attached ever (SGLang would run it on every decode step)."""
+    (None: not the sparse_rl_kv backend, budgets not sent); `seeds`: one compressor seed per request
+    (`actors.engines.base.compressor_seeds`; a compressor that reads seeds, method random), or None. Request ids
+    carry a budget (`request_rid`) only when some prompt's differs from the run's, and a seed only when `seeds` is
+    given, so a run at one budget without random sends SGLang's own ids, and no custom logit processor is attached
+    ever (SGLang would run it on every decode step)."""
     sampling = []
     for j in range(len(budgets) * params.n):
         sp = {"temperature": params.temperature, "max_new_tokens": params.max_new_tokens,
@@ -87,8 +100,10 @@ def sglang_request(params: SamplingParams, budgets: list[int], run_budget: int |
             sp["sampling_seed"] = params.seed + j % params.n
         sampling.append(sp)
     request = {"sampling_params": sampling}
-    if run_budget is not None and set(budgets) != {run_budget}:
-        request["rid"] = [budget_rid(budgets[j // params.n]) for j in range(len(sampling))]
+    send_budget = run_budget is not None and set(budgets) != {run_budget}
+    if send_budget or seeds is not None:
+        request["rid"] = [request_rid(budgets[j // params.n] if send_budget else None,
+                                      None if seeds is None else seeds[j]) for j in range(len(sampling))]
     if params.topk_logprobs > 0:
         request["top_logprobs_num"] = params.topk_logprobs
     return request
@@ -391,7 +406,7 @@ class SGLangEngine:
             return self._generate_turns(prompts, params, budgets, episodes)
         rows = [p for p in prompts for _ in range(params.n)]
         run_budget = self.compressor_cfg.kv_budget if self.sparse_backend == SPARSE_BACKEND else None
-        request = sglang_request(params, budgets, run_budget)
+        request = sglang_request(params, budgets, run_budget, self._seeds(params, budgets))
         outs = self._call(self.engine.async_generate(input_ids=[list(r) for r in rows], return_logprob=True,
                                                      **request, **self._adapter_of(len(rows))), "generate")
         joined = self._read_joins()
@@ -408,8 +423,9 @@ class SGLangEngine:
         run_budget = self.compressor_cfg.kv_budget
         try:
             self._open_sessions([k for k, st in zip(keys, states) if st is None])
-            outs = self._call(_gathered([self._turn_request(ids, params, b, run_budget, k)
-                                         for ids, b, k in zip(prompts, budgets, keys)]), "generate")
+            seeds = self._seeds(params, budgets) or [None] * len(prompts)
+            outs = self._call(_gathered([self._turn_request(ids, params, b, run_budget, k, seed)
+                                         for ids, b, k, seed in zip(prompts, budgets, keys, seeds)]), "generate")
             joined = self._read_joins()
             out = []
             for ids, o, b, key, st in zip(prompts, outs, budgets, keys, states):
@@ -423,6 +439,14 @@ class SGLangEngine:
                 self._release_episodes(keys)
             raise
         return out
+
+    def _seeds(self, params: SamplingParams, budgets: list[int]) -> list[int] | None:
+        """Each request's compressor seed (prompt-major, `compressor_seeds`: the torch engine's for the same rows;
+        unseeded, each batch's base drawn at random) when the `sparse_rl_kv` backend's compressor reads seeds
+        (method random), else None."""
+        if self.sparse_backend != SPARSE_BACKEND or "seed" not in build_compressor(self.compressor_cfg).needs:
+            return None
+        return compressor_seeds(params.seed, budgets, params.n, lambda: random.SystemRandom().randrange(2**62))
 
     def _check_turns(self, prompts: list[list[int]], params: SamplingParams, keys: list[str]) -> list:
         """The held state of each key's episode (None: a new episode); ValueError naming `episodes` for an engine
@@ -463,10 +487,11 @@ class SGLangEngine:
         if refused:
             raise RuntimeError(f"SGLang open_session refused the episodes {refused} (a session of that id is open)")
 
-    def _turn_request(self, ids: list[int], params: SamplingParams, budget: int, run_budget: int, key: str):
-        """The `async_generate` coroutine of one episode's turn: one request (`sglang_request` with n = 1) in the
-        session `key`, so that SGLang continues the row it kept."""
-        request = sglang_request(params, [budget], run_budget)
+    def _turn_request(self, ids: list[int], params: SamplingParams, budget: int, run_budget: int, key: str,
+                      seed: int | None = None):
+        """The `async_generate` coroutine of one episode's turn: one request (`sglang_request` with n = 1, carrying
+        the compressor `seed` when not None) in the session `key`, so that SGLang continues the row it kept."""
+        request = sglang_request(params, [budget], run_budget, None if seed is None else [seed])
         single = {"sampling_params": request["sampling_params"][0], "session_params": {"id": key}}
         if "rid" in request:
             single["rid"] = request["rid"][0]

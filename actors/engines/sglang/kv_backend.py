@@ -37,7 +37,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from actors.engines.sglang.contract import refusal_line, unsupported_compressor_settings
+from actors.engines.sglang.contract import TORCH_SPARSE_BACKEND, refusal_line, unsupported_compressor_settings
 from compressors import CompressorConfig, SelectContext, build_compressor, gather_kv
 
 KV_STATS_ENV = "SPARSE_RL_KV_STATS"
@@ -47,7 +47,8 @@ class SparseKVAttnBackend(AttentionBackend):
     """Torch attention over each request's retained KV slots, compressing them with `compressors/`.
 
     runner: SGLang's ModelRunner (its req_to_token_pool, token_to_kv_pool, token_to_kv_pool_allocator).
-    cfg: CompressorConfig; method rkv | snapkv | streamingllm (h2o raises ValueError), selection per_head | shared.
+    cfg: CompressorConfig; method rkv | snapkv | streamingllm, selection per_head | shared (h2o, random, protect_prompt,
+    protect_values raise ValueError: contract.unsupported_compressor_settings).
     Raises ValueError if the engine settings break the assumptions above (page size, allocator type).
     """
 
@@ -56,7 +57,7 @@ class SparseKVAttnBackend(AttentionBackend):
         if cfg.method in ("h2o", "full"):
             raise ValueError(f"compressor.method={cfg.method!r} is not supported by the SGLang sparse backend "
                              "(h2o needs per-slot attention mass; full should use SGLang's own backend)")
-        if bad := unsupported_compressor_settings(cfg):
+        if bad := unsupported_compressor_settings(cfg, TORCH_SPARSE_BACKEND):
             raise ValueError(f"{refusal_line(bad, 'compressor.')} (the SGLang sparse backend cannot run this yet; "
                              "contract.unsupported_compressor_settings)")
         self.cfg = cfg

@@ -23,6 +23,11 @@ back. When the last live request leaves (the end of a generate call) both buffer
 to 0; `origin` keeps its budget dimension), so their size is bounded per call, not by the longest request ever
 (an eval's longer responses are not held into training's calls); within a call they never shrink.
 
+The same `origin` map gives the backend each live key's true position, which a compressor that reads positions
+(method random, protect_prompt) needs at every compression; the backend keeps it then even when it records nothing
+(`EvictionRecorder(directory=None)`: `origin` only, no `steps` columns, nothing written; its bytes:
+`record_bytes_per_request` with tokens 0).
+
 `record` (inside the backend's compression, `_compress_group`) is device ops only: no host sync (checked under the
 backend's NoHostSync in the lane's self-check). `take` copies a leaving request's record to the host once and writes
 it to `contract.record_path(directory, rid)` for `SGLangEngine.generate`.
@@ -80,11 +85,15 @@ class EvictionRecorder:
     """The eviction records of the live requests of one `sparse_rl_kv` backend (module docstring).
 
     layers / kv_heads: the KV pool's; budget: the run's budget (tokens; `origin` grows for a larger one);
-    device: the pool's; directory: where `take` writes the records (contract.RECORDS_ENV).
+    device: the pool's; directory: where `take` writes the records (contract.RECORDS_ENV), or None: no record, only
+    `origin`, the true position of every live key (`origins`), which a compressor that reads positions needs
+    (method random, protect_prompt; `Compressor.needs`): `steps` stays one dump column and nothing is written.
     """
 
-    def __init__(self, layers: int, kv_heads: int, budget: int, device, directory: str):
+    def __init__(self, layers: int, kv_heads: int, budget: int, device, directory: str | None):
         self.layers, self.kv_heads, self.device, self.directory = layers, kv_heads, device, directory
+        self.records = directory is not None
+        """True when the records themselves are kept and written (else the positions only)."""
         self._release(int(budget))
         self.slot: dict[int, int] = {}
         """SGLang request row -> record slot, for the live requests."""
@@ -139,7 +148,7 @@ class EvictionRecorder:
         if budget > self.origin.shape[3]:
             self.origin = grown(self.origin, (*self.origin.shape[:3], budget), 0)
             self.packed = torch.arange(budget, device=self.device)
-        if length <= self.width:
+        if length <= self.width or not self.records:
             return
         width = -(-length // RECORD_WIDTH_STEP) * RECORD_WIDTH_STEP
         keep = (self.steps.shape[0], self.layers, self.kv_heads, self.width)   # not the old dump column
@@ -169,10 +178,12 @@ class EvictionRecorder:
         """Layer li of one compression: the kept keys' original indices into `origin` (packed order), the evicted
         ones' record set to `step`. slots int64 [g]; origin int64 [g, Hkv, n] (`origins`); valid bool [g, n] (live,
         not padding); keep int64 [g, Hkv, B] (positions kept, ascending); step int64 [g] (int16 bits, `int16_bits`).
-        Device ops only (no host sync)."""
-        kept = torch.zeros(origin.shape, dtype=torch.bool, device=origin.device).scatter_(2, keep, True)
+        Device ops only (no host sync). Positions only (`records` False): `origin` alone."""
         B = keep.shape[2]
         self.origin[slots[:, None, None], li, self.heads, self.packed[:B]] = origin.gather(2, keep).to(torch.int32)
+        if not self.records:
+            return
+        kept = torch.zeros(origin.shape, dtype=torch.bool, device=origin.device).scatter_(2, keep, True)
         column = torch.where(valid[:, None, :] & ~kept, origin, self.width)          # kept and padding: the dump
         self.steps[slots[:, None, None], li, self.heads, column] = step.to(torch.int16)[:, None, None].expand(
             column.shape)
@@ -187,8 +198,9 @@ class EvictionRecorder:
     def snapshot(self, row: int, length: int, rid) -> None:
         """A parked episode's record so far, uint16 [layers, Hkv, length] (`length`: the episode's tokens whose KV
         was computed), written as request `rid`'s (`write`); the slot stays for the episode's next turn. Rows without a
-        slot are ignored. One device-to-host copy (between turns; not graph code)."""
-        if row in self.slot:
+        slot, and positions only (`records` False), are ignored. One device-to-host copy (between turns; not graph
+        code)."""
+        if row in self.slot and self.records:
             self.write(self.slot[row], rid, length)
 
     def drop(self, row: int) -> None:
@@ -217,12 +229,13 @@ class EvictionRecorder:
         """A request's row leaves: its record, uint16 [layers, Hkv, length] (`length`: tokens whose KV was computed;
         never past the record's width), to `record_path(directory, rid)` (`write`), and its slot given back; the last
         live request's leaving gives the buffers back (`_release`: a long request's width is not kept into the next
-        generate call). One device-to-host copy (the request has ended; not graph code). Rows without a slot are
-        ignored."""
+        generate call). One device-to-host copy (the request has ended; not graph code); positions only (`records`
+        False): the slot given back, nothing written. Rows without a slot are ignored."""
         if row not in self.slot:
             return
         s, rid = self.slot.pop(row), self.rid.pop(row)
         self.free.append(s)
-        self.write(s, rid, length)
+        if self.records:
+            self.write(s, rid, length)
         if not self.slot:   # no request live (a generate call ended): the buffers go, the next `enter` grows them
             self._release(self.origin.shape[3])

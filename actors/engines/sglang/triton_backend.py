@@ -37,6 +37,11 @@ Eviction records (`SGLangEngine(record_evictions=True)` sets RECORDS_ENV): `Evic
 packed position and the generated-token count at which each key was evicted -- the torch engine's record, which the
 learner replays; written inside the compression (device ops only), read out once when the request's row leaves.
 
+Random eviction and protection (docs/sglang.md, "Random eviction and protection"): the select gets the torch engine's
+SelectContext -- each request's seed (from its request id, `contract.rid_seed`), its length (the event) and first
+prompt from the host mirror, each live key's true position per layer and KV head from the recorder's origin map (kept,
+records or not, when the compressor reads positions) -- so it keeps the torch engine's sets, in device ops.
+
 Per-request budgets: `SGLangEngine.generate(..., kv_budgets=)` puts a budget that is not the run's at the end of
 the request's id (`actors.engines.sglang.engine.budget_rid`); the backend reads it from `ForwardBatch.rids` at the
 request's prefill only. No custom logit processor is attached, so nothing of ours runs per decode step.
@@ -77,6 +82,7 @@ from actors.engines.sglang.contract import (
     RECORDS_ENV,
     refusal_line,
     rid_budget,
+    rid_seed,
     unsupported_compressor_settings,
 )
 from actors.engines.sglang.records import EvictionRecorder, int16_bits
@@ -174,8 +180,8 @@ def real_lanes(fb) -> int:
 class SparseTritonAttnBackend(TritonAttnBackend):
     """SGLang's Triton attention over each request's live KV suffix, compressed with `compressors/`.
 
-    runner: SGLang's ModelRunner; cfg: CompressorConfig (rkv | snapkv | streamingllm; h2o and full raise
-    ValueError). Raises ValueError naming the setting when the runner breaks the layout assumptions.
+    runner: SGLang's ModelRunner; cfg: CompressorConfig (rkv | snapkv | streamingllm | random, any protection; h2o
+    and full raise ValueError). Raises ValueError naming the setting when the runner breaks the layout assumptions.
     """
 
     needs_cpu_seq_lens = True        # the host mirror is checked against seq_lens_sum every step
@@ -224,8 +230,10 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         self.self_check = os.environ.get(SELF_CHECK_ENV) == "1"
         records = os.environ.get(RECORDS_ENV)
         self.recorder = (EvictionRecorder(self.num_layers, self.kv_pool.head_num, cfg.kv_budget, self.device, records)
-                         if records else None)
-        """The requests' eviction records (RECORDS_ENV set: SGLangEngine(record_evictions=True)), else None."""
+                         if records or cfg.reads_positions else None)
+        """The requests' eviction records (RECORDS_ENV set: SGLangEngine(record_evictions=True)), or, for a compressor
+        that reads true positions (random, protect_prompt), the positions alone (`EvictionRecorder.records` False);
+        else None."""
         self.event_bytes_cap = EVENT_BYTES_CAP
         """Bytes one compression call may hold outside SGLang's pool (`_event_chunks`)."""
         self._ptrs, self._pad_buffers = None, None
@@ -256,6 +264,9 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         prefix length; only the positions before it are candidates (compressor.protect_observation), 0 otherwise."""
         self.pending: set[int] = set()
         """Request rows due for compression (`compress_pending`)."""
+        self.seed = np.zeros(rows, dtype=np.int64)
+        """Host mirror per request row: its compressor seed (method random), read from the request id at its prefill
+        (`contract.rid_seed`: `actors.engines.base.compressor_seeds`, the torch engine's row seed); 0 without one."""
 
     def _wrap_pools(self, runner) -> None:
         """Slot 0 (SGLang's padding slot) is dropped when freeing (compressed rows point evicted positions at
@@ -453,6 +464,7 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         start 0, step 0; a prompt longer than its budget is due (compressed after its prefill)."""
         self.alive[rows], self.seq_len[rows], self.start[rows], self.steps[rows] = True, lens, 0, 0
         self.budget[rows], self.kept[rows], self.first_prompt[rows] = budgets, 0, lens
+        self.seed[rows] = [rid_seed(rid) for rid in rids]
         self.parked[rows], self.candidates_end[rows] = False, 0
         self.start_dev[torch.from_numpy(rows).to(self.device)] = 0
         if self.recorder is not None:
@@ -469,6 +481,7 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         candidates end at the prefix: the prefilled ids stay until the turn's first compression event), without it
         the whole row when it holds more. The extend reads the live prefix (`_live_prefix_metadata`)."""
         self.parked[rows], self.seq_len[rows], self.steps[rows], self.budget[rows] = False, prefix + lens, 0, budgets
+        self.seed[rows] = [rid_seed(rid) for rid in rids]           # each turn's own (the torch engine's, per call)
         if self.recorder is not None:
             self.recorder.resume(rows.tolist(), rids)
         kept = prefix - self.start[rows]
@@ -523,7 +536,7 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         stats."""
         live, budget = int((self._candidates_end(group) - self.start[group]).max()), int(budget)
         shape = (budget, self.cfg.window, self.num_head, self.kv_pool.head_num, self.head_dim, self.kv_dtype_bytes,
-                 self.cfg.method, self.recorder is not None)
+                 self.cfg.method, self.recorder is not None, self.cfg.protects, self.cfg.protect_values > 0)
         chunks = np.array_split(group,
                                 event_calls(len(group), event_chunk_rows(live, *shape, cap=self.event_bytes_cap)))
         self.stats["compression_calls"] += len(chunks)
@@ -567,11 +580,13 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         live = pos >= start[:, None]
         evict_row, evict_col = np.where(live & (pos < new_start[:, None]))       # host numpy, the mirror
         host = [rows, np.maximum(pos, 0), live, new_start[:, None] + np.arange(budget)[None, :],
-                (length[:, None] - w + np.arange(w)[None, :]) % w, evict_row, evict_col, new_start]
+                (length[:, None] - w + np.arange(w)[None, :]) % w, evict_row, evict_col, new_start,
+                np.stack([self.first_prompt[rows], self.seed[rows], length])]     # the rows' SelectContext
         if self.recorder is not None:                    # the steps recorded: each row's own, before this step's
             self.recorder.fit(length.max(), budget)                           # host numpy: the mirror
+            step = length - self.first_prompt[rows]
             host += [self.recorder.slots_of(rows), *EvictionRecorder.host_index(pos, start, self.kept[rows]),
-                     int16_bits(length - self.first_prompt[rows])]
+                     int16_bits(step) if self.recorder.records else np.zeros_like(step)]
         with NoHostSync() if self.self_check else contextlib.nullcontext():
             freed = self._compress_device(budget, *self._to_device(*host))
         self.start[rows], self.kept[rows], self.candidates_end[rows] = new_start, budget, 0
@@ -583,11 +598,14 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         return np.where(self.candidates_end[rows] > 0, self.candidates_end[rows], self.seq_len[rows])
 
     def _compress_device(self, budget, rows_t, pos_t, valid, target_pos, qpos, evict_row, evict_col, new_start_t,
-                         *record) -> torch.Tensor:
+                         row_ctx, *record) -> torch.Tensor:
         """`_compress_group`'s device half (device ops only): per layer, gather the rows' live K/V and window
         queries, select, write the kept K/V into the slots of the packed positions (and, with `record` = the
         recorder's slots, mapped, rel and step tensors, the eviction record); point the evicted positions at slot 0
-        and set the rows' device start. Returns the freed slots int64 [E]."""
+        and set the rows' device start. Returns the freed slots int64 [E]. The select reads the torch engine's
+        SelectContext: row_ctx int64 [3, g] = each row's first prompt (prompt_len), seed and length (the event: its
+        newest token's true position + 1), and, with a recorder, each live key's true position per layer and KV head
+        (`EvictionRecorder.origins`: positions)."""
         valid = valid.bool()
         slots = self.req_to_token[rows_t[:, None], pos_t].long().masked_fill(~valid, 0)
         target = self.req_to_token[rows_t[:, None], target_pos].long()
@@ -597,15 +615,16 @@ class SparseTritonAttnBackend(TritonAttnBackend):
             k_buf = self.kv_pool.get_key_buffer(li + self.start_layer)
             v_buf = self.kv_pool.get_value_buffer(li + self.start_layer)
             ks, vs = k_buf[slots].transpose(1, 2), v_buf[slots].transpose(1, 2)   # [g, Hkv, n, D]
+            origin = self.recorder.origins(li, record[0], pos_t, record[1].bool(), record[2]) if record else None
             if keep is None or self.cfg.selection != "shared":
                 queries = None if self.qwin is None else self.qwin[li][rows_t[:, None], qpos].transpose(1, 2)
-                keep = compressor.select(ks, queries, valid, SelectContext(values=vs, layer=li))  # [g, Hkv, budget]
-            if record:
-                origin = self.recorder.origins(li, record[0], pos_t, record[1].bool(), record[2])
+                keep = compressor.select(ks, queries, valid, SelectContext(
+                    values=vs, positions=origin, prompt_len=row_ctx[0], seed=row_ctx[1], event=row_ctx[2], layer=li))
+            if record:                                                              # keep: [g, Hkv, budget]
                 self.recorder.record(li, record[0], origin, valid, keep, record[3])
             k_buf[target[:, None, :], heads] = gather_kv(ks, keep)
             v_buf[target[:, None, :], heads] = gather_kv(vs, keep)
-            del ks, vs                      # freed before the next layer's gather (compression_event_bytes)
+            del ks, vs, origin              # freed before the next layer's gather (compression_event_bytes)
         freed = slots[evict_row, evict_col]                 # live slots of the evicted positions (never slot 0)
         self.req_to_token[rows_t[evict_row], pos_t[evict_row, evict_col]] = 0
         self.start_dev[rows_t] = new_start_t

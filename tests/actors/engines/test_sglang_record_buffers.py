@@ -66,3 +66,44 @@ def test_an_episodes_record_spans_its_turns(tmp_path):
     rec.resume([4], ["turn-3"])                                       # a third turn's request, then the close
     rec.drop(4)
     assert sorted(os.listdir(tmp_path)) == ["turn-1.npy", "turn-2.npy"] and not rec.slot and rec.width == 0
+
+
+def test_positions_only_recorder_keeps_the_origin_map_and_writes_nothing(tmp_path):
+    """directory None (a compressor that reads true positions, recording nothing): `record` keeps the kept keys'
+    original indices in `origin`, `fit` adds no step columns, `take` writes no file; its bytes are
+    kv_memory.record_bytes_per_request with tokens 0."""
+    import torch
+
+    from actors.engines.kv_memory import record_bytes_per_request
+
+    rec = EvictionRecorder(LAYERS, KV_HEADS, BUDGET, "cpu", None)
+    rec.enter([3], ["a"], [BUDGET])
+    rec.fit(600)
+    assert rec.width == 0 and rec.bytes == record_bytes_per_request(LAYERS, KV_HEADS, BUDGET, 0)
+    pos = torch.arange(8)[None]                                                  # one row, 8 live keys
+    slots = torch.tensor(rec.slots_of([3]))
+    keep = torch.tensor([[[1, 2, 5, 7], [0, 3, 4, 6]]])                          # [1, Hkv, B] per head
+    for li in range(LAYERS):
+        origin = rec.origins(li, slots, pos, torch.zeros(1, 8, dtype=torch.bool), torch.zeros(1, 8, dtype=torch.long))
+        rec.record(li, slots, origin, torch.ones(1, 8, dtype=torch.bool), keep, torch.zeros(1, dtype=torch.long))
+    mapped, rel = EvictionRecorder.host_index(np.arange(4, 12)[None], np.array([4]), BUDGET)   # packed at [4, 8)
+    again = rec.origins(1, slots, torch.arange(4, 12)[None], torch.from_numpy(mapped), torch.from_numpy(rel))
+    assert again[0].tolist() == [[1, 2, 5, 7, 8, 9, 10, 11], [0, 3, 4, 6, 8, 9, 10, 11]]   # true positions per head
+    rec.take(3, 600)
+    assert not os.listdir(tmp_path) and rec.bytes == 0                          # none live: given back
+
+
+def test_compressor_seeds_are_the_torch_engines_row_seeds():
+    """actors.engines.base.compressor_seeds (the SGLang engine's request seeds) = the seeds TorchEngine gives the same
+    rows (`_row_seeds` per batch; one batch per distinct budget, ascending, batch k of several at seed + k)."""
+    from actors.engines.base import compressor_seeds, row_seeds
+
+    assert row_seeds(5, 3) == [5 * 1000003, 5 * 1000003 + 1, 5 * 1000003 + 2]
+    assert row_seeds(2**62, 1) == [(2**62 * 1000003) % 2**63]
+    budgets, n = [20, 12, 20], 2
+    # budget 12 (k = 0): prompt 1's two rows; budget 20 (k = 1): prompts 0 and 2, four rows, in prompt order
+    want = [*row_seeds(8, 4)[:2], *row_seeds(7, 2), *row_seeds(8, 4)[2:]]
+    assert compressor_seeds(7, budgets, n, None) == want
+    assert compressor_seeds(7, [16, 16], 1, None) == row_seeds(7, 2)          # one budget: the seed itself
+    draws = iter([100, 200])
+    assert compressor_seeds(None, budgets, n, lambda: next(draws))[2:4] == row_seeds(100, 2)
