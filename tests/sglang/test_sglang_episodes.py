@@ -5,8 +5,9 @@ turn's first compression event, and the episode's eviction record covers every t
 
 Two lookup-shaped episodes of 8 turns on the lane's tiny Qwen2 (word ids: a 14-id question, then per turn a 10-id tool
 answer with its boundary and header ids), greedy, R-KV per head at budgets 16 (the run's) and 20 (carried in each
-turn's request id), window 4, interval 8, compressor.protect_observation on and off, every decode step
-through the backend's self-check (NoHostSync). Turns alternate 12 tokens (a compression at step 8, mid-turn) and 9 (the
+turn's request id), window 4, interval 8, compressor.protect_observation on and off, and random with protect_prompt
+last:6 (each turn seeded anew: the seed a continued row gets at its prefill), every decode step through the backend's
+self-check (NoHostSync). Turns alternate 12 tokens (a compression at step 8, mid-turn) and 9 (the
 compression due at step 8 = T - 1, in the turn's last forward, runs when the row parks). Against TorchEngine's kept
 episodes on the same calls: the same token ids, logp_sparse (2e-5), kv_retained_tokens and eviction records, entry for
 entry, at every turn; the learner's replay of the SGLang episodes gives their logp_sparse to 1e-4 (the same weights:
@@ -14,6 +15,7 @@ max_staleness 0), a record one step late is seen; the pool's measured peak stays
 bound (actors.engines.kv_memory.episode_kv_peak_bytes_per_sequence, bench/multiturn_kv.py's shape), and closing the
 sessions gives every slot back."""
 import copy
+import dataclasses
 import os
 import types
 
@@ -45,6 +47,13 @@ TURN_TOKENS = (12, 9, 12, 9, 12, 9, 12, 9)
 runs when the row parks (the torch engine runs it in the turn's last forward)."""
 CFG = CompressorConfig(method="rkv", kv_budget=16, window=4, interval=8)
 UNPROTECTED = CompressorConfig(method="rkv", kv_budget=16, window=4, interval=8, protect_observation=False)
+RANDOM = CompressorConfig(method="random", kv_budget=16, window=4, interval=8, protect_prompt="last:6")
+"""Random with the question's last 6 ids protected at every turn (positions [8, 14) of the episode's first prompt):
+the window and those 6 leave random 6 (budget 16) or 10 (budget 20) slots to choose, so one engine covers both."""
+TURN_SEEDS = [7 + 3 * k for k in range(len(TURN_TOKENS))]
+"""SamplingParams.seed of each turn under random (greedy: it changes no token, only the compressor's seeds): a new
+one per turn, so a row that kept an earlier turn's seed would be seen. Each call's requests get the torch engine's
+row seeds of that call (`compressor_seeds`: budget 16's batch seed, budget 20's seed + 1)."""
 KEYS = [f"episode-{e}" for e in range(EPISODES)]
 BUDGETS = [16, 20]
 """Each episode's KV budget (`kv_budgets`): the run's, and one carried in the request id of every turn."""
@@ -59,32 +68,37 @@ def lookup_episode(e: int) -> tuple[list[int], list[list[int]]]:
     return prompt, answers
 
 
-def play(engine, after_turn=None) -> list[list]:
+def play(engine, after_turn=None, seeds=None) -> list[list]:
     """The episodes through `engine`'s kept caches: per turn one call with every episode's new ids
-    (`episodes=KEYS`). Returns per turn the Samples of the episodes; `after_turn()` runs after each turn."""
+    (`episodes=KEYS`), turn k with SamplingParams.seed `seeds[k]` (None: unseeded). Returns per turn the Samples of the
+    episodes; `after_turn()` runs after each turn."""
     episodes = [lookup_episode(e) for e in range(EPISODES)]
     turns = []
     for k, tokens in enumerate(TURN_TOKENS):
         new = [prompt if k == 0 else answers[k - 1] for prompt, answers in episodes]
-        out = engine.generate(new, SamplingParams(temperature=0, max_new_tokens=tokens, ignore_eos=True),
-                              kv_budgets=BUDGETS, episodes=KEYS)
+        params = SamplingParams(temperature=0, max_new_tokens=tokens, ignore_eos=True,
+                                seed=None if seeds is None else seeds[k])
+        out = engine.generate(new, params, kv_budgets=BUDGETS, episodes=KEYS)
         turns.append([s for (s,) in out])
         if after_turn is not None:
             after_turn()
     return turns
 
 
-@pytest.fixture(scope="module", params=[CFG, UNPROTECTED], ids=["protect_on", "protect_off"])
+@pytest.fixture(scope="module", params=[CFG, UNPROTECTED, RANDOM],
+                ids=["protect_on", "protect_off", "random-protect_prompt_last6"])
 def played(request, tiny_qwen2_dir, tmp_path_factory):
     """(SGLang's turns, TorchEngine's turns, the pool's peak used slots after each turn, the probe's stats after the
-    sessions were closed, the compressor config): compressor.protect_observation on (the default) and off."""
+    sessions were closed, the compressor config): R-KV with compressor.protect_observation on (the default) and off,
+    random with protect_prompt last:6 (protect_observation on, each turn seeded: TURN_SEEDS)."""
     cfg = request.param
+    seeds = TURN_SEEDS if cfg.method == "random" else None
     os.environ[KV_STATS_ENV] = str(tmp_path_factory.mktemp("kv") / "stats.json")
     os.environ[SELF_CHECK_ENV] = "1"
     eng = SGLangEngine(str(tiny_qwen2_dir), compressor_cfg=cfg, timeout_s=900, record_evictions=True, **KWARGS)
     try:
         peaks = []
-        got = play(eng, lambda: peaks.append(eng.kv_pool_stats()["peak_used_slots"]))
+        got = play(eng, lambda: peaks.append(eng.kv_pool_stats()["peak_used_slots"]), seeds)
         assert eng.release_episodes(KEYS) == EPISODES and not eng._sessions
         eng.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True))
         probe = eng.kv_pool_stats()
@@ -95,7 +109,7 @@ def played(request, tiny_qwen2_dir, tmp_path_factory):
         os.environ.pop(SELF_CHECK_ENV, None)
     model = Qwen2ForCausalLM.from_pretrained(tiny_qwen2_dir).eval()
     ref = TorchEngine(model, AutoTokenizer.from_pretrained(tiny_qwen2_dir), cfg, record_evictions=True)
-    want = play(ref)
+    want = play(ref, seeds=seeds)
     ref.release_episodes(KEYS)
     return got, want, peaks, probe, cfg
 
@@ -105,14 +119,9 @@ def heads(record: np.ndarray) -> np.ndarray:
     return np.broadcast_to(record, (record.shape[0], 2, record.shape[2])).astype(np.int64)
 
 
-def test_episodes_equal_the_torch_engines_turn_by_turn(played):
-    """Every turn of both episodes: token ids, logp_sparse, kv_retained_tokens and the whole episode's eviction
-    record so far equal TorchEngine's (no entry differs: the compression due in a turn's last forward runs when the
-    row parks); the records hold what makes episodes differ from single turns: keys dropped at a later turn's
-    prefill, keys evicted at decode steps, and no prefilled id of a turn evicted before its first compression event
-    (compressor.protect_observation; without it, a prefilled id evicted at its own prefill)."""
-    got, want, _, _, cfg = played
-    at_prefill = at_decode = unprotected = 0
+def assert_turns_equal(got: list, want: list) -> None:
+    """Every turn of both episodes: token ids, logp_sparse (2e-5), kv_retained_tokens and the whole episode's eviction
+    record so far of SGLang's turns `got` equal TorchEngine's `want`, entry for entry."""
     for k, (g_turn, w_turn) in enumerate(zip(got, want)):
         for e, (g, w) in enumerate(zip(g_turn, w_turn)):
             assert g.response_ids == w.response_ids, f"turn {k} episode {e}: response ids differ"
@@ -123,6 +132,26 @@ def test_episodes_equal_the_torch_engines_turn_by_turn(played):
             bad = np.argwhere(a != b)
             assert not len(bad), f"turn {k} episode {e}: {len(bad)} record entries differ, first (layer, head, " \
                                  f"token) {bad[:5].tolist()}: sglang {a[tuple(bad[0])]} torch {b[tuple(bad[0])]}"
+
+
+def test_episodes_equal_the_torch_engines_turn_by_turn(played, tiny_qwen2_dir):
+    """`assert_turns_equal` (no entry differs: the compression due in a turn's last forward runs when the row parks);
+    the records hold what makes episodes differ from single turns: keys dropped at a later turn's prefill, keys
+    evicted at decode steps, and no prefilled id of a turn evicted before its first compression event
+    (compressor.protect_observation; without it, a prefilled id evicted at its own prefill). Random with
+    protect_prompt, the controls: TorchEngine's episodes with the first turn's seed at every turn (a row keeping its
+    first seed), and without protect_prompt, differ."""
+    got, want, _, _, cfg = played
+    assert_turns_equal(got, want)
+    if cfg.method == "random":
+        model = Qwen2ForCausalLM.from_pretrained(tiny_qwen2_dir).eval()
+        for name, other, seeds in (("turn 0's seed at every turn", cfg, TURN_SEEDS[:1] * len(TURN_TOKENS)),
+                                   ("protect_prompt off", dataclasses.replace(cfg, protect_prompt="off"), TURN_SEEDS)):
+            ref = TorchEngine(model, AutoTokenizer.from_pretrained(tiny_qwen2_dir), other, record_evictions=True)
+            with pytest.raises(AssertionError, match="differ|Not equal") as control:
+                assert_turns_equal(got, play(ref, seeds=seeds))
+            print(f"control ({name}): {str(control.value).strip().splitlines()[0]}")
+    at_prefill = at_decode = unprotected = 0
     for e in range(EPISODES):
         record = heads(got[-1][e].eviction_steps)
         start = 0                                                    # episode index of the turn's first prefilled id

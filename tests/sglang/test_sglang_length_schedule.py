@@ -7,7 +7,9 @@ On the lane's greedy case (tests/sglang/test_sglang_triton.py: 2 prompts x 40 to
 budgets 12 and 16 growing by 0.5 a token up to 26: the same tokens and `logp_sparse` as TorchEngine with the same
 config and `kv_budgets`, the same `kv_retained_tokens` (33 for both; a constant budget would leave 19 and 23), and
 the same eviction records entry for entry (`assert_records_equal`, what the learner replays), every decode step
-through the self-check (NoHostSync over the compression and the record writes)."""
+through the self-check (NoHostSync over the compression and the record writes); for R-KV and random (seeded: each
+request the torch engine's row seed; the control, another seed, gives other records)."""
+import dataclasses
 import os
 
 import numpy as np
@@ -21,13 +23,14 @@ from actors.engines.sglang.triton_backend import SELF_CHECK_ENV
 from compressors import CompressorConfig
 from compressors.budget import length_budget
 from tests.sglang.test_sglang_event_memory import bare_backend
-from tests.sglang.test_sglang_records import assert_records_equal, torch_engine, with_records
+from tests.sglang.test_sglang_records import SEED, assert_records_equal, seeded, torch_engine, with_records
 from tests.sglang.test_sglang_triton import KWARGS, PARAMS, PROMPTS
 
 pytestmark = pytest.mark.sglang
 torch.set_num_threads(1)
 LENGTH = CompressorConfig(method="rkv", kv_budget=12, window=4, interval=8, budget_schedule="length",
                           budget_growth=0.5, kv_budget_final=26)
+RANDOM = dataclasses.replace(LENGTH, method="random")
 BUDGETS = [12, 16]
 COUNTED = ("compression_events", "compression_groups", "compression_calls", "compressions", "decode_steps",
            "self_checks")
@@ -52,22 +55,24 @@ def test_an_event_makes_one_call_per_distinct_budget_now():
         assert b.start[rows].tolist() == [n - k for n, k in zip(lens, want)] and b.kept[rows].tolist() == want
 
 
-@pytest.fixture(scope="module")
-def growing(tiny_qwen2_dir, tmp_path_factory):
-    """A recording `sparse_rl_kv` engine under the length schedule, every decode step through the self-check."""
+@pytest.fixture(scope="module", params=[LENGTH, RANDOM], ids=["rkv", "random"])
+def growing(request, tiny_qwen2_dir, tmp_path_factory):
+    """(A recording `sparse_rl_kv` engine under the length schedule, every decode step through the self-check; its
+    compressor config): R-KV and random."""
     os.environ[KV_STATS_ENV] = str(tmp_path_factory.mktemp("kv") / "stats.json")
     os.environ[SELF_CHECK_ENV] = "1"
-    eng = SGLangEngine(str(tiny_qwen2_dir), compressor_cfg=LENGTH, timeout_s=600, record_evictions=True, **KWARGS)
-    yield eng
+    eng = SGLangEngine(str(tiny_qwen2_dir), compressor_cfg=request.param, timeout_s=600, record_evictions=True,
+                       **KWARGS)
+    yield eng, request.param
     eng.shutdown()
     os.environ.pop(KV_STATS_ENV, None)
     os.environ.pop(SELF_CHECK_ENV, None)
 
 
-def generate_counted(eng, kv_budgets):
+def generate_counted(eng, params, kv_budgets):
     """(first sample per prompt, the backend's counters this call added: `COUNTED`, the stats after it)."""
     before = eng.kv_pool_stats() or {}
-    got = [g[0] for g in eng.generate(PROMPTS, PARAMS, kv_budgets=kv_budgets)]
+    got = [g[0] for g in eng.generate(PROMPTS, params, kv_budgets=kv_budgets)]
     stats = eng.kv_pool_stats()
     return got, {k: stats[k] - before.get(k, 0) for k in COUNTED}, stats
 
@@ -85,24 +90,36 @@ def assert_equal_torch_engine(got, want) -> dict:
 def test_length_schedule_with_per_request_budgets_equals_torch_engine(growing, tiny_qwen2_dir):
     """Start budgets 12 and 16: the prefill and steps 8, 16, 24 compress the two rows to two different budgets (12 /
     16, 16 / 20, 20 / 24, 24 / 26: 2 calls each), step 32 to one (26 / 26, both at the cap: 1 call), so 5 events in
-    9 calls; each row's live KV never exceeds kv_budget_final + interval."""
-    got, counted, stats = generate_counted(growing, BUDGETS)
+    9 calls; each row's live KV never exceeds kv_budget_final + interval. Random (seeded, SEED: the torch engine's
+    row seeds, budget 16's batch with SEED + 1): the control, TorchEngine with another seed, gives other records."""
+    eng, cc = growing
+    params = seeded(PARAMS, cc)
+    got, counted, stats = generate_counted(eng, params, BUDGETS)
     assert counted == {"compression_events": 5, "compression_groups": 9, "compression_calls": 9, "compressions": 10,
                        "decode_steps": NEW_STEPS, "self_checks": NEW_STEPS}, counted
-    want = [g[0] for g in torch_engine(tiny_qwen2_dir, LENGTH).generate(PROMPTS, PARAMS, kv_budgets=BUDGETS)]
+    want = [g[0] for g in torch_engine(tiny_qwen2_dir, cc).generate(PROMPTS, params, kv_budgets=BUDGETS)]
     seen = assert_equal_torch_engine(got, want)
+    print(f"{cc.method}: samples and records equal, {seen}")
     assert seen["at_decode"] > 0, seen
     assert [g.kv_retained_tokens for g in got] == [33, 33]          # constant budgets 12 / 16 would leave 19 / 23
     assert max(stats["max_live_by_budget"].values()) <= LENGTH.kv_budget_final + LENGTH.interval
-    assert not os.listdir(growing.records_dir)
+    assert not os.listdir(eng.records_dir)
+    if cc.method == "random":
+        other = [g[0] for g in torch_engine(tiny_qwen2_dir, cc).generate(
+            PROMPTS, dataclasses.replace(params, seed=SEED + 2), kv_budgets=BUDGETS)]
+        with pytest.raises(AssertionError, match="differ") as control:
+            assert_records_equal(with_records(got), other)
+        print(f"control (seed + 2): {str(control.value).splitlines()[0]}")
 
 
 def test_length_schedule_at_the_run_budget_equals_torch_engine(growing, tiny_qwen2_dir):
     """No kv_budgets (SGLang's own request ids, the run's start budget 12 for both rows): one budget per event, so
     5 events in 5 calls, and the same samples and records as TorchEngine."""
-    got, counted, _ = generate_counted(growing, None)
+    eng, cc = growing
+    params = seeded(PARAMS, cc)
+    got, counted, _ = generate_counted(eng, params, None)
     assert counted == {"compression_events": 5, "compression_groups": 5, "compression_calls": 5, "compressions": 10,
                        "decode_steps": NEW_STEPS, "self_checks": NEW_STEPS}, counted
-    want = [g[0] for g in torch_engine(tiny_qwen2_dir, LENGTH).generate(PROMPTS, PARAMS)]
+    want = [g[0] for g in torch_engine(tiny_qwen2_dir, cc).generate(PROMPTS, params)]
     assert assert_equal_torch_engine(got, want)["at_decode"] > 0
     assert [g.kv_retained_tokens for g in got] == [33, 33]
