@@ -61,7 +61,9 @@ class EvalConfig:
     repeat a question: what the committed comparison records were scored on (bench/replication.py passes it; a
     run record written before the draw was versioned resumes with it)."""
     modes: list[str] = field(default_factory=lambda: ["dense", "sparse"])
-    """dense: full KV cache; sparse: `sparse_compressor`, by default the run's compressor and budget."""
+    """dense: full KV cache; sparse: `sparse_compressor`, by default the run's compressor and budget. The SGLang
+    engine evaluates in its own mode only (sparse, or dense with method full): its attention backend is fixed when
+    it starts."""
     sparse_compressor: Optional[CompressorConfig] = None
     """The compressor of sparse evaluation when it is not the training rollouts' (None): e.g. a dense-rollout
     baseline evaluated under the sparse arms' budget (`eval.sparse_compressor.method=rkv

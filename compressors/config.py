@@ -75,7 +75,7 @@ class CompressorConfig:
     """per_head (R-KV reference: one kept set per layer and KV head) | shared (one set per sequence, chosen
     from layer 0 and used by every layer and head, as the authors' SGLang fork)."""
     protect_observation: bool = True
-    """Multi-turn, torch engine (an episode's cache kept across turns): the tokens a turn prefills into the kept
+    """Multi-turn, both engines (an episode's cache kept across turns): the tokens a turn prefills into the kept
     cache (the previous turn's last sampled token, the template boundary, the environment's observation, the next
     assistant header) are never eviction candidates at that prefill: only the older cache is compressed there (to
     kv_budget, scored by the last `window` queries, the observation's), and the observation is first scored at the

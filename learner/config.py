@@ -156,7 +156,9 @@ class LearnerConfig:
     weight_sync_timeout_s: float = 120.0
     """Timeout of every collective of the weight broadcast, seconds."""
     weight_sync_verify: bool = False
-    """Send per-tensor checksums so actors can verify their weights after the swap."""
+    """Send per-tensor checksums so actors can verify their weights after the swap. Torch engine only: refused with
+    actors.engine.backend=sglang (SGLang holds the weights in its scheduler process); weight_sync_fingerprint checks
+    both engines."""
     weight_sync_fingerprint: str = "error"
     """error | warn | off: after every weight sync the learner scores a fixed probe (broker/fingerprint.py: 2
     sequences of 8 token ids, shortened to the run's smallest KV budget) with the version it sends, each actor
