@@ -99,7 +99,7 @@ class CompressorConfig:
     token bytes = KVQuant.token_bytes of the model's shape (`with_byte_budget`); the preflight sizes with the same
     count. Refused with a kv_budget other than its default 512 (a preset's included: set it back to 512), a budget
     schedule, budget_control or budget_tiers (they speak
-    tokens), method full, and where it holds no more than `window` tokens; the SGLang engine does not run it."""
+    tokens), method full, where it holds no more than `window` tokens, and on the SGLang engine (check_sglang)."""
     kv_scale: str = "token_head"
     """Scale granularity of fp8_e4m3 / int8 / int4: token_head (one float32 amax / qmax scale per token, layer and
     KV head, K and V each their own, 4 B counted in the bytes) | layer (a static per-layer scale 1.0, SGLang's fp8
