@@ -510,15 +510,18 @@ def test_protection_beyond_the_budget_and_h2o_fields_on_random_are_refused(overr
 @pytest.mark.parametrize("override, reason", [
     ("method=h2o", "method=h2o: needs each slot's accumulated attention mass"),   # h2o_recent 64 < kv_budget 128
     ("kv_dtype=fp8_e4m3", "kv_dtype=fp8_e4m3: the sparse backend's KV pool stores the model dtype"),
+    ("kv_dtype=int8", "kv_dtype=int8: the sparse backend's KV pool stores the model dtype"),
 ])
 def test_compressor_settings_sglang_cannot_run_are_refused_each_with_its_reason(override, reason):
     """deploy/config.py check_sglang: one line, the dotted field and its own reason
-    (contract.unsupported_compressor_settings), then what to do; the same setting loads on the torch engine."""
+    (contract.unsupported_compressor_settings), then what to do; the same setting loads on the torch engine. The
+    fp8 try on the CPU lane (contract.FP8_POOL_TRY) is quoted for fp8_e4m3 only, SGLang's own fp8 pool."""
     overrides = [f"actors.engine.compressor.{override}", "actors.engine.compressor.kv_budget=128"]
     assert load_config("tiny", overrides, check_files=False)
     with pytest.raises(ConfigError, match="^" + re.escape(f"actors.engine.compressor.{reason}") + r".* \(refused "
-                       r"with actors\.engine\.backend=sglang\): use actors\.engine\.backend=torch$"):
+                       r"with actors\.engine\.backend=sglang\): use actors\.engine\.backend=torch$") as refused:
         load_config("tiny", ["actors.engine.backend=sglang", *overrides], check_files=False)
+    assert ("Intel AMX" in str(refused.value)) == (override == "kv_dtype=fp8_e4m3")
 
 
 @pytest.mark.parametrize("override", ["method=random", "protect_prompt=all", "protect_prompt=last:4",

@@ -90,8 +90,9 @@ FP8_POOL_TRY = ("SGLang's fp8 pool tried on the CPU lane (SGLang 0.5.23, TRITON_
 """What running SGLang's own fp8 KV pool (`kv_cache_dtype=fp8_e4m3`) under the sparse backend gave, quoted by the
 refusals of compressor.kv_dtype and of kv_cache_dtype (docs/sglang.md, "Refused at start")."""
 KV_DTYPE_REFUSAL = ("the sparse backend's KV pool stores the model dtype (quantized KV, its replay and its "
-                    f"preflight run on the torch engine, docs/kv_cache.md); {FP8_POOL_TRY}")
-"""Why compressor.kv_dtype other than model is refused on SGLang (unsupported_compressor_settings)."""
+                    "preflight run on the torch engine, docs/kv_cache.md; or set kv_dtype=model)")
+"""Why compressor.kv_dtype other than model is refused on SGLang (unsupported_compressor_settings); for fp8_e4m3,
+SGLang's own fp8 pool, it also quotes FP8_POOL_TRY."""
 
 
 def unsupported_compressor_settings(cfg, backend: str = SPARSE_BACKEND) -> dict[str, str]:
@@ -115,7 +116,7 @@ def unsupported_compressor_settings(cfg, backend: str = SPARSE_BACKEND) -> dict[
         bad[f"protect_values={cfg.protect_values}"] = (f"the {TORCH_SPARSE_BACKEND} reference backend was never run "
                                                        f"with it on the SGLang lane; use {SPARSE_BACKEND}")
     if cfg.kv_dtype != "model":
-        bad[f"kv_dtype={cfg.kv_dtype}"] = KV_DTYPE_REFUSAL
+        bad[f"kv_dtype={cfg.kv_dtype}"] = KV_DTYPE_REFUSAL + (f"; {FP8_POOL_TRY}" if cfg.kv_dtype == "fp8_e4m3" else "")
     if cfg.kv_budget_bytes:
         bad[f"kv_budget_bytes={cfg.kv_budget_bytes}"] = ("a byte budget is resolved to tokens by the torch engine "
                                                          "only (CompressorConfig.with_byte_budget)")
