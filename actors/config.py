@@ -43,7 +43,7 @@ class SGLangConfig:
     """Settings of the SGLang engine (actors.engine.backend=sglang; the torch engine ignores them), passed to
     `sglang.Engine` as its ServerArgs (sglang >= 0.5.23). None leaves SGLang's own default (docs/sglang.md,
     "Settings"). Raises ValueError naming the field on a value out of range or an `engine_kwargs` key that a
-    field here or sparse-rl itself sets."""
+    field here or sparse-rl itself sets, or that is not a keyword name."""
     mem_fraction_static: Optional[float] = None
     """Fraction of the device's memory SGLang takes for the weights and its KV pool, 0 < f < 1 (verl's
     rollout.gpu_memory_utilization). The sparse backend's query ring, compression buffers and eviction records are
@@ -78,6 +78,9 @@ class SGLangConfig:
         for key in sorted(set(self.engine_kwargs) & (named | set(SGLANG_SET_BY_SPARSE_RL))):
             owner = "sparse-rl sets it" if key in SGLANG_SET_BY_SPARSE_RL else "use its own field"
             bad.append(f"SGLangConfig.engine_kwargs.{key}: {owner}")
+        for key in sorted(k for k in map(str, self.engine_kwargs) if not k.isidentifier()):   # {a:1} is {"a:1": None}
+            bad.append(f"SGLangConfig.engine_kwargs.{key!r}: not a keyword argument name (a mapping needs a space "
+                       "after each colon: {page_size: 4})")
         if bad:
             raise ValueError("; ".join(bad))
 

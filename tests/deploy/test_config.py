@@ -454,6 +454,8 @@ def test_sglang_settings_become_engine_arguments():
     ("engine_kwargs.attention_backend=triton",
      "engine_kwargs.attention_backend='triton': sparse mode runs in 'sparse_rl_kv'"),
     ("engine_kwargs.disable_radix_cache=false", "engine_kwargs.disable_radix_cache=False: sparse KV compression needs"),
+    # a mapping written without a space after its colon: OmegaConf reads {page_size:4} as {"page_size:4": None}
+    ("engine_kwargs={page_size:4}", "engine_kwargs.'page_size:4': not a keyword argument name"),
 ])
 def test_sglang_settings_are_checked_naming_the_field(override, message):
     """actors.engine.sglang.<override> fails at config check with one message naming the dotted field."""
