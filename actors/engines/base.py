@@ -108,7 +108,12 @@ class Sample:
     kv_protected_fraction: float = 0.0
     """The share of the cache's kept tokens that the compressor's protection held (sinks, protect_prompt,
     protect_values; not the window) at this sample's last compression, mean over layers and KV heads; 0 when it
-    was never compressed or nothing is protected (Compressor.protected_share). The torch engine's; SGLang: 0."""
+    was never compressed or nothing is protected (Compressor.protected_share). Both engines: the torch engine's
+    `BatchCache.protected_fraction`; SGLang's `sparse_rl_kv` backend computes it at each compression of the request and
+    hands it over when the request ends (actors/engines/sglang/contract.py PROTECTED_ENV). Where they differ: the torch
+    engine compacts the whole batch, so a row within its budget there gets a share while SGLang compresses only a row
+    over its budget, and a compression due in the forward of a response's last token runs on the torch engine only
+    (records.py); the `sparse_rl_kv_torch` reference backend: 0."""
     eviction_steps: np.ndarray | None = None
     """With the engine's record_evictions: uint16 [layers, heads, P + T], per key of this sample's own tokens
     (prompt, then response) the number of response tokens generated when it was evicted (65535 = never);

@@ -177,8 +177,13 @@ def test_records_equal_torch_engine(recording, tiny_qwen2_dir):
     assert (stats["query_ring_bytes"] > 0) == cc.reads_queries      # StreamingLLM and random: no query ring
     want = [g[0] for g in torch_engine(tiny_qwen2_dir, cc).generate(PROMPTS, params)]
     seen = assert_records_equal(with_records(got), want)
+    shares = [(s.kv_protected_fraction, w.kv_protected_fraction) for s, w in zip(got, want)]
     print(f"{cc.method} protect_prompt={cc.protect_prompt} protect_values={cc.protect_values}: records equal, "
-          f"{seen}, query ring {stats['query_ring_bytes']:,} B")
+          f"{seen}, query ring {stats['query_ring_bytes']:,} B, protected shares (sglang, torch) {shares}")
+    # the share protection held at each sample's last compression (kv/protected_fraction): the torch engine's,
+    # 0 on both without protection
+    assert [s for s, _ in shares] == pytest.approx([w for _, w in shares], abs=1e-6), shares
+    assert all(w > 0 for _, w in shares) if cc.protects else all(s == w == 0 for s, w in shares), shares
     assert seen["evicted"] > 0 and seen["at_decode"] > 0, seen
     if cc.method == "random" or cc.protect_prompt != "off" or cc.protect_values:
         # the control: TorchEngine with another seed (random) or without the protection gives another record (or

@@ -71,14 +71,15 @@ def test_compression_source_reads_nothing_back_and_copies_once(fn):
 
 def test_compression_device_half_source_has_no_host_sync():
     """The compression's device half and what it runs for random and protection (the seed / event / position hash,
-    the origin map): no host sync in their source. They also run under NoHostSync wherever the lane's self-check
-    compresses (tests/sglang/test_sglang_records.py, random and protection cases), Compressor.select and its classes
-    too (whose source the scan cannot take: float("-inf") reads as float())."""
+    the origin map, the protected share): no host sync in their source. They also run under NoHostSync wherever the
+    lane's self-check compresses (tests/sglang/test_sglang_records.py, random and protection cases),
+    Compressor.select and its classes too (whose source the scan cannot take: float("-inf") reads as float())."""
     from actors.engines.sglang.records import EvictionRecorder
     from compressors import scores
+    from compressors.compressor import Compressor
 
     for fn in (backend.SparseTritonAttnBackend._compress_device, EvictionRecorder.origins, EvictionRecorder.record,
-               scores.random_hash, scores.random_scores, scores._mix32):
+               scores.random_hash, scores.random_scores, scores._mix32, Compressor.protected_share):
         assert host_syncs(inspect.getsource(fn)) == [], fn.__qualname__
 
 

@@ -84,6 +84,20 @@ def record_path(directory: str, rid) -> str:
     return os.path.join(directory, str(rid).replace(os.sep, "_") + ".npy")
 
 
+PROTECTED_ENV = "SPARSE_RL_KV_PROTECTED"
+"""Directory, set by `SGLangEngine` in sparse mode on `sparse_rl_kv` when the compressor protects tokens
+(`CompressorConfig.protects`; a temporary directory per engine): when a request's row leaves SGLang's request pool
+(or an episode's finished turn parks its row), the backend writes the request's protected share there, at
+`protected_path(directory, request id)`, and `generate` reads it back by SGLang's `meta_info["id"]` into
+`Sample.kv_protected_fraction` and deletes it -- the eviction records' handover (RECORDS_ENV)."""
+
+
+def protected_path(directory: str, rid) -> str:
+    """The file of request `rid`'s protected share in `directory`: a numpy .npy float32 scalar, the share of the kept
+    tokens protection held at the request's last compression, mean over layers and KV heads (0: never compressed)."""
+    return os.path.join(directory, str(rid).replace(os.sep, "_") + ".protected.npy")
+
+
 FP8_POOL_TRY = ("SGLang's fp8 pool tried on the CPU lane (SGLang 0.5.23, TRITON_INTERPRET=1, 2026-12-07): ValueError: "
                 "CPU FP8 KV cache requires Intel AMX support. (with SGLang's CPU gates lifted, compression's gather: "
                 "NotImplementedError: \"scatter_gather_tensor_cpu\" not implemented for 'Float8_e4m3fn')")

@@ -21,7 +21,8 @@ per layer and KV head, and gives the evicted KV slots back to SGLang's allocator
 With `record_evictions=True` (the rollout actor's, when the learner replays: learner.policy_target=sparse) every
 Sample carries its eviction record (`Sample.eviction_steps`, the torch engine's schema), which the backend writes
 when the request ends (actors/engines/sglang/records.py) into a directory named in `RECORDS_ENV`, read back here by
-request id.
+request id. With a compressor that protects tokens (sinks, protect_prompt, protect_values) the backend hands each
+request's protected share over the same way (`PROTECTED_ENV`), into `Sample.kv_protected_fraction`.
 
 Weight updates, two paths (docs/sglang.md, "Weight updates"):
 - `load_weights(named_tensors, version)` (the `RolloutEngine` protocol): the actor receives the learner's
@@ -65,10 +66,12 @@ from actors.engines.sglang.contract import (  # noqa: F401  (re-exported: the en
     JOINS_ENV,
     KV_BUDGET_RID,
     KV_STATS_ENV,
+    PROTECTED_ENV,
     RECORDS_ENV,
     SPARSE_BACKEND,
     TORCH_SPARSE_BACKEND,
     budget_rid,
+    protected_path,
     record_path,
     request_rid,
     rid_budget,
@@ -110,8 +113,8 @@ def sglang_request(params: SamplingParams, budgets: list[int], run_budget: int |
 
 
 RECORD_WAIT_S = 10.0
-"""Seconds `generate` waits for a request's eviction record file (the backend writes it before SGLang sends the
-request's output, so it is normally there at once)."""
+"""Seconds `generate` waits for a request's eviction record or protected share file (the backend writes it before
+SGLang sends the request's output, so it is normally there at once)."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -279,8 +282,8 @@ class SGLangEngine:
             raise ValueError(f"record_evictions: the {sparse_backend} reference backend records no evictions; use "
                              f"{SPARSE_BACKEND}")
         self.record_evictions = record_evictions
-        self._open_channels()
         self.sparse_backend = sparse_backend if self.sparse else None
+        self._open_channels()
         self.stats_path, self._own_stats = self._stats_file()
         self.retractions = 0
         """Requests SGLang retracted (re-prefilled when its KV pool ran full) since the start; dense mode only."""
@@ -330,8 +333,9 @@ class SGLangEngine:
 
     def _open_channels(self) -> None:
         """The files the backend writes for `generate`, named to SGLang's scheduler in the environment before it
-        starts (an earlier engine's are unset): `joins_path` (`JOINS_ENV`, compressor.phase aligned) and
-        `records_dir` (`RECORDS_ENV`, record_evictions); each None when not used."""
+        starts (an earlier engine's are unset): `joins_path` (`JOINS_ENV`, compressor.phase aligned),
+        `records_dir` (`RECORDS_ENV`, record_evictions) and `protected_dir` (`PROTECTED_ENV`, a compressor that
+        protects tokens, on `sparse_rl_kv`); each None when not used."""
         self.joins_path = None
         """`JOINS_ENV`'s file of this engine (compressor.phase aligned, sparse mode), else None."""
         if self.sparse and self.compressor_cfg.phase == "aligned":
@@ -347,6 +351,14 @@ class SGLangEngine:
             os.environ[RECORDS_ENV] = self.records_dir
         else:
             os.environ.pop(RECORDS_ENV, None)
+        self.protected_dir = None
+        """`PROTECTED_ENV`'s directory of this engine (compressor.protects, sparse mode on `sparse_rl_kv`), else
+        None (`Sample.kv_protected_fraction` 0: the torch reference backend hands no share over)."""
+        if self.sparse_backend == SPARSE_BACKEND and self.compressor_cfg.protects:
+            self.protected_dir = tempfile.mkdtemp(prefix="sparse-rl-kv-protected-")
+            os.environ[PROTECTED_ENV] = self.protected_dir
+        else:
+            os.environ.pop(PROTECTED_ENV, None)
 
     # ---------------------------------------------------------------- generation
     def expected_weights(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -539,9 +551,10 @@ class SGLangEngine:
                                                      logprob_start_len=0, **self._adapter_of(len(token_ids))),
                           "score")
         self._read_joins()       # compressor.phase aligned: the probe's prefills are no batch's (the file is emptied)
-        if self.records_dir is not None:        # record_evictions: the probe's records (nothing evicted) go too
-            for ids, out in zip(token_ids, outs):
+        for ids, out in zip(token_ids, outs):   # the probe's records and protected shares go too
+            if self.records_dir is not None:
                 self._read_record(out["meta_info"].get("id"), len(ids) + 1)
+            self._read_protected(out["meta_info"].get("id"))
         scored = []
         for ids, out in zip(token_ids, outs):
             entries = out["meta_info"].get("input_token_logprobs") or []
@@ -582,6 +595,7 @@ class SGLangEngine:
         sample = Sample(prompt_ids=list(row), response_ids=response,
                         logp_sparse=np.asarray([lp for lp, _, _ in token_logprobs], dtype=np.float32),
                         finish_reason=kind, kv_retained_tokens=retained, kv_peak_bytes=peak * self.kv_bytes_per_token,
+                        kv_protected_fraction=self._read_protected(meta.get("id")),
                         **(_top_logprobs(meta, len(response)) if topk > 0 else {}))
         if self.record_evictions:
             sample.eviction_steps = self._read_record(meta.get("id"), before + len(row) + len(response))
@@ -596,19 +610,22 @@ class SGLangEngine:
         no record appears within RECORD_WAIT_S seconds."""
         if self.records_dir is None:
             return np.full((self.num_layers, 1, tokens), EVICTION_NEVER, dtype=np.uint16)
-        path = record_path(self.records_dir, rid)
-        deadline = time.monotonic() + RECORD_WAIT_S
-        while not os.path.exists(path):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"record_evictions: the {SPARSE_BACKEND} backend wrote no eviction record for "
-                                   f"request {rid!r} in {self.records_dir} within {RECORD_WAIT_S} s")
-            time.sleep(0.01)
-        steps = np.load(path)
-        os.remove(path)
+        steps = _take_file(record_path(self.records_dir, rid), f"record_evictions: the {SPARSE_BACKEND} backend "
+                           f"wrote no eviction record for request {rid!r} in {self.records_dir}")
         out = np.full((*steps.shape[:2], tokens), EVICTION_NEVER, dtype=np.uint16)
         n = min(tokens, steps.shape[2])
         out[:, :, :n] = steps[:, :, :n]
         return collapsed_heads(out)
+
+    def _read_protected(self, rid) -> float:
+        """Request `rid`'s protected share (`Sample.kv_protected_fraction`: the share of its kept tokens protection
+        held at its last compression, mean over layers and KV heads), read from `PROTECTED_ENV`'s directory, where
+        the backend wrote it when the request's row left SGLang's pool (or its finished turn parked), and deleted;
+        0.0 without that directory. Raises RuntimeError when none appears within RECORD_WAIT_S seconds."""
+        if self.protected_dir is None:
+            return 0.0
+        return float(_take_file(protected_path(self.protected_dir, rid), f"the {SPARSE_BACKEND} backend wrote no "
+                                f"protected share for request {rid!r} in {self.protected_dir}"))
 
     def _check_budgets(self, prompts: list[list[int]], kv_budgets: list[int] | None) -> list[int]:
         """One budget per prompt (the config's when None); ValueError naming kv_budgets for a wrong length, a
@@ -907,8 +924,22 @@ class SGLangEngine:
             os.environ.pop(KV_STATS_ENV, None)
             if os.path.exists(self.stats_path):
                 os.remove(self.stats_path)
-        if self.records_dir is not None:
-            shutil.rmtree(self.records_dir, ignore_errors=True)
+        for directory in (self.records_dir, self.protected_dir):
+            if directory is not None:
+                shutil.rmtree(directory, ignore_errors=True)
+
+
+def _take_file(path: str, missing: str) -> np.ndarray:
+    """The .npy the backend wrote at `path` for a request that ended (a record or a protected share), loaded and
+    deleted; waits up to RECORD_WAIT_S seconds for it (RuntimeError `missing` + the wait after that)."""
+    deadline = time.monotonic() + RECORD_WAIT_S
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{missing} within {RECORD_WAIT_S} s")
+        time.sleep(0.01)
+    out = np.load(path)
+    os.remove(path)
+    return out
 
 
 def _top_logprobs(meta: dict, length: int) -> dict:

@@ -71,6 +71,14 @@ def int16_bits(steps: np.ndarray) -> np.ndarray:
     return steps.astype(np.uint16).view(np.int16).astype(np.int64)
 
 
+def save_npy(path: str, array: np.ndarray) -> None:
+    """`array` as a numpy .npy at `path`, written to a temporary name, then renamed (a reader never sees a partial
+    file): the backend's per-request handover to `SGLangEngine.generate` (records, protected shares)."""
+    with open(path + ".tmp", "wb") as f:
+        np.save(f, array)
+    os.replace(path + ".tmp", path)
+
+
 def grown(t: torch.Tensor, shape: tuple[int, ...], fill: int, keep: tuple[int, ...] | None = None) -> torch.Tensor:
     """A new tensor of `shape` (same dtype and device) filled with `fill`, holding t[:keep] at [:keep] (each dim;
     keep: t's shape when None)."""
@@ -220,10 +228,7 @@ class EvictionRecorder:
         out = np.full((self.layers, self.kv_heads, length), np.uint16(65535), dtype=np.uint16)
         n = min(length, self.width)
         out[:, :, :n] = self.steps[s, :, :, :n].cpu().numpy().view(np.uint16)
-        path = record_path(self.directory, rid)
-        with open(path + ".tmp", "wb") as f:
-            np.save(f, out)
-        os.replace(path + ".tmp", path)
+        save_npy(record_path(self.directory, rid), out)
 
     def take(self, row: int, length: int) -> None:
         """A request's row leaves: its record, uint16 [layers, Hkv, length] (`length`: tokens whose KV was computed;

@@ -40,7 +40,11 @@ learner replays; written inside the compression (device ops only), read out once
 Random eviction and protection (docs/sglang.md, "Random eviction and protection"): the select gets the torch engine's
 SelectContext -- each request's seed (from its request id, `contract.rid_seed`), its length (the event) and first
 prompt from the host mirror, each live key's true position per layer and KV head from the recorder's origin map (kept,
-records or not, when the compressor reads positions) -- so it keeps the torch engine's sets, in device ops.
+records or not, when the compressor reads positions) -- so it keeps the torch engine's sets, in device ops. With
+protection, each compression also computes each row's protected share (`Compressor.protected_share`, mean over layers
+and KV heads: the torch engine's `BatchCache.protected_fraction`) into `protected[row]` on the device (no host sync);
+it is written out once when the request's row leaves (or its finished turn parks) to `PROTECTED_ENV`'s directory,
+as the eviction records are, for `Sample.kv_protected_fraction`.
 
 Per-request budgets: `SGLangEngine.generate(..., kv_budgets=)` puts a budget that is not the run's at the end of
 the request's id (`actors.engines.sglang.engine.budget_rid`); the backend reads it from `ForwardBatch.rids` at the
@@ -79,13 +83,15 @@ from actors.engines.kv_memory import EVENT_BYTES_CAP, compression_event_bytes, e
 from actors.engines.sglang.contract import (
     JOINS_ENV,
     KV_STATS_ENV,
+    PROTECTED_ENV,
     RECORDS_ENV,
+    protected_path,
     refusal_line,
     rid_budget,
     rid_seed,
     unsupported_compressor_settings,
 )
-from actors.engines.sglang.records import EvictionRecorder, int16_bits
+from actors.engines.sglang.records import EvictionRecorder, int16_bits, save_npy
 from compressors import CompressorConfig, SelectContext, build_compressor, gather_kv
 from compressors.budget import length_budgets
 
@@ -234,6 +240,12 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         """The requests' eviction records (RECORDS_ENV set: SGLangEngine(record_evictions=True)), or, for a compressor
         that reads true positions (random, protect_prompt), the positions alone (`EvictionRecorder.records` False);
         else None."""
+        self.protected = torch.zeros(rows, dtype=torch.float32, device=self.device) if cfg.protects else None
+        """float32 [rows] per request row: the share of its kept tokens protection held at its last compression,
+        mean over layers and KV heads (`Compressor.protected_share`; 0 before the first, reset at each prefill: the
+        torch engine's `BatchCache.protected_fraction`, per call); None when the compressor protects nothing."""
+        self.protected_dir = os.environ.get(PROTECTED_ENV) if cfg.protects else None
+        """Where a leaving request's share is written (`PROTECTED_ENV`, `_hand_protected`), or None."""
         self.event_bytes_cap = EVENT_BYTES_CAP
         """Bytes one compression call may hold outside SGLang's pool (`_event_chunks`)."""
         self._ptrs, self._pad_buffers = None, None
@@ -264,6 +276,8 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         prefix length; only the positions before it are candidates (compressor.protect_observation), 0 otherwise."""
         self.pending: set[int] = set()
         """Request rows due for compression (`compress_pending`)."""
+        self.rid: list = [None] * rows
+        """Host mirror per request row: the SGLang request id of its live request (its turn's, for an episode)."""
         self.seed = np.zeros(rows, dtype=np.int64)
         """Host mirror per request row: its compressor seed (method random), read from the request id at its prefill
         (`contract.rid_seed`: `actors.engines.base.compressor_seeds`, the torch engine's row seed); 0 without one."""
@@ -290,7 +304,9 @@ class SparseTritonAttnBackend(TritonAttnBackend):
     def _leave(self, rows: list[int]) -> None:
         """Request rows leaving (their request ended, its episode's session closed, or the pool was cleared): out of
         the host mirror; with a recorder, each live row's eviction record is written out (`EvictionRecorder.take`),
-        a parked episode's is dropped (its last turn's record was written when it parked)."""
+        a parked episode's is dropped (its last turn's record was written when it parked); each live, unparked row's
+        protected share is written out too (`_hand_protected`; a parked row's went when it parked)."""
+        self._hand_protected([r for r in rows if self.alive[r] and not self.parked[r]])
         for r in rows:
             if self.recorder is not None and self.alive[r]:
                 if self.parked[r]:
@@ -314,6 +330,19 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         self.compress_pending(only=[row])
         if finished and self.recorder is not None:
             self.recorder.snapshot(row, int(self.seq_len[row]), rid)
+        if finished:
+            self._hand_protected([row], [rid])
+
+    def _hand_protected(self, rows: list[int], rids: list | None = None) -> None:
+        """The protected shares of request rows `rows` (host ints; as their live requests', or as `rids`') written to
+        `protected_path(PROTECTED_ENV's directory, rid)` (`save_npy`: float32 scalar) for `SGLangEngine.generate`;
+        nothing without that directory. One device-to-host copy for all of them (the requests have ended; not graph
+        code)."""
+        if self.protected_dir is None or not rows:
+            return
+        shares = self.protected[torch.tensor(rows, device=self.device)].cpu().numpy()
+        for rid, share in zip(rids or [self.rid[r] for r in rows], shares):
+            save_npy(protected_path(self.protected_dir, rid), np.float32(share))
 
     def session_held_slots(self, kv) -> int:
         """KV slots a streaming session's row holds (SGLang's `ReqKvInfo` of the row): its live suffix [start,
@@ -466,6 +495,7 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         self.budget[rows], self.kept[rows], self.first_prompt[rows] = budgets, 0, lens
         self.seed[rows] = [rid_seed(rid) for rid in rids]
         self.parked[rows], self.candidates_end[rows] = False, 0
+        self._new_requests(rows, rids)
         self.start_dev[torch.from_numpy(rows).to(self.device)] = 0
         if self.recorder is not None:
             self.recorder.enter(rows.tolist(), rids, budgets.tolist())
@@ -482,6 +512,7 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         the whole row when it holds more. The extend reads the live prefix (`_live_prefix_metadata`)."""
         self.parked[rows], self.seq_len[rows], self.steps[rows], self.budget[rows] = False, prefix + lens, 0, budgets
         self.seed[rows] = [rid_seed(rid) for rid in rids]           # each turn's own (the torch engine's, per call)
+        self._new_requests(rows, rids)
         if self.recorder is not None:
             self.recorder.resume(rows.tolist(), rids)
         kept = prefix - self.start[rows]
@@ -491,6 +522,14 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         else:
             due = kept + lens > budgets
         self.pending.update(rows[due].tolist())
+
+    def _new_requests(self, rows: np.ndarray, rids: list) -> None:
+        """Request rows (host) taking new requests `rids` (a prefill, or an episode's next turn): their request ids,
+        and their protected shares reset to 0 (the torch engine's are per call). Eager, device ops only."""
+        for r, rid in zip(rows.tolist(), rids):
+            self.rid[r] = rid
+        if self.protected is not None and len(rows):
+            self.protected[torch.from_numpy(rows).to(self.device)] = 0
 
     def compressor_for(self, budget: int):
         if budget not in self._compressors:
@@ -605,11 +644,12 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         and set the rows' device start. Returns the freed slots int64 [E]. The select reads the torch engine's
         SelectContext: row_ctx int64 [3, g] = each row's first prompt (prompt_len), seed and length (the event: its
         newest token's true position + 1), and, with a recorder, each live key's true position per layer and KV head
-        (`EvictionRecorder.origins`: positions)."""
+        (`EvictionRecorder.origins`: positions). With protection, the rows' protected shares into `protected`
+        (`Compressor.protected_share` per layer, mean over layers: the torch engine's `_forward`)."""
         valid = valid.bool()
         slots = self.req_to_token[rows_t[:, None], pos_t].long().masked_fill(~valid, 0)
         target = self.req_to_token[rows_t[:, None], target_pos].long()
-        compressor, keep = self.compressor_for(budget), None
+        compressor, keep, shares = self.compressor_for(budget), None, []
         heads = torch.arange(self.kv_pool.head_num, device=self.device)[None, :, None]
         for li in range(self.num_layers):
             k_buf = self.kv_pool.get_key_buffer(li + self.start_layer)
@@ -618,8 +658,11 @@ class SparseTritonAttnBackend(TritonAttnBackend):
             origin = self.recorder.origins(li, record[0], pos_t, record[1].bool(), record[2]) if record else None
             if keep is None or self.cfg.selection != "shared":
                 queries = None if self.qwin is None else self.qwin[li][rows_t[:, None], qpos].transpose(1, 2)
-                keep = compressor.select(ks, queries, valid, SelectContext(
-                    values=vs, positions=origin, prompt_len=row_ctx[0], seed=row_ctx[1], event=row_ctx[2], layer=li))
+                ctx = SelectContext(values=vs, positions=origin, prompt_len=row_ctx[0], seed=row_ctx[1],
+                                    event=row_ctx[2], layer=li)
+                keep = compressor.select(ks, queries, valid, ctx)
+                share = compressor.protected_share(keep, valid, ctx) if self.protected is not None else None
+            shares.append(share)
             if record:                                                              # keep: [g, Hkv, budget]
                 self.recorder.record(li, record[0], origin, valid, keep, record[3])
             k_buf[target[:, None, :], heads] = gather_kv(ks, keep)
@@ -628,6 +671,8 @@ class SparseTritonAttnBackend(TritonAttnBackend):
         freed = slots[evict_row, evict_col]                 # live slots of the evicted positions (never slot 0)
         self.req_to_token[rows_t[evict_row], pos_t[evict_row, evict_col]] = 0
         self.start_dev[rows_t] = new_start_t
+        if self.protected is not None:
+            self.protected[rows_t] = torch.stack(shares).mean(0)
         return freed
 
     # ------------------------------------------------------------------ metadata (device ops only)
