@@ -68,6 +68,7 @@ def bare_backend(cfg, lens, kv_heads, q_heads, head_dim, dtype, layers=2, seed=0
     b.stats = {k: 0 for k in ("freed_slots", "compressions", "compression_events", "compression_calls",
                               "compression_groups", "event_bytes_bound")}
     b.self_check, b.recorder = False, None
+    b.protected = torch.zeros(rows, dtype=torch.float32) if cfg.protects else None   # as the backend's __init__
     first = 1
     for r, n in enumerate(lens, start=1):
         b.req_to_token[r, :n] = torch.arange(first, first + n, dtype=torch.int32)

@@ -662,6 +662,7 @@ class SparseTritonAttnBackend(TritonAttnBackend):
                                     event=row_ctx[2], layer=li)
                 keep = compressor.select(ks, queries, valid, ctx)
                 share = compressor.protected_share(keep, valid, ctx) if self.protected is not None else None
+                del ctx                     # its values and positions: freed with this layer's (below)
             shares.append(share)
             if record:                                                              # keep: [g, Hkv, budget]
                 self.recorder.record(li, record[0], origin, valid, keep, record[3])
