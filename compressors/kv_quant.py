@@ -23,6 +23,13 @@ Scale granularity (`compressor.kv_scale`) of fp8_e4m3 / int8 / int4:
                 bytes
 
 The arithmetic runs in float32 whatever the model dtype; a dequantized vector is returned in the dtype asked for.
+
+Rounding hints (docs/kv_cache.md "Rounding hints"): the sampler and the learner compute K/V with different rounding
+(a decode step against one forward over the sequence), and an element within that noise of a code boundary would get
+the other code on one side. `rounding_hints` finds those elements where the sampler stores them (its code units
+within eps = HINT_ULPS x the model dtype's epsilon x the vector's max of a boundary); the engine sends their codes
+(`code_bits`, packed with their positions by `pack_hints`) and the learner's `straight_through(x, q, hints)` stores
+them instead of its own.
 MiKV (arXiv 2402.18096) and "More Tokens, Lower Precision" (arXiv 2412.12706) motivate the pairing with eviction.
 """
 from __future__ import annotations
@@ -179,7 +186,9 @@ def quantize_dequantize(x: torch.Tensor, q: KVQuant, hints: tuple[torch.Tensor, 
                         ) -> torch.Tensor:
     """dequantize(quantize(x)) in x's dtype and shape: the values a query reads from a stored vector. With `hints`
     (index int64 [n] into x's elements in row-major order, bits int64 [n] in `code_bits`' form: the sampler's
-    rounding hints) the codes at those elements are the sampler's, not x's own, read with x's own scale."""
+    rounding hints) the codes at those elements are the sampler's, not x's own, read with x's own scale. Raises
+    ValueError as `quantize` does."""
+    q.check(x.shape[-1])
     if not q.stores:
         return x
     u, scale = to_code_units(x, q)

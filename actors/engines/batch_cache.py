@@ -197,9 +197,9 @@ class BatchCache:
     evicted_at: with record_evictions, per layer int64 [R0, Hkv, columns]: the column of the first query that no
         longer sees each key column (NEVER: never evicted), indexed by original row (R0 = the call's rows).
     hints: with `hints`, the rounding hints of every K/V write so far (compressors.kv_quant.rounding_hints: the
-        elements whose stored code a recomputation's rounding noise could change), a list of int64 [n, 7] tensors,
-        one row (original row, layer, 0 for K / 1 for V, KV head, layout column, element of head_dim, code bits)
-        each; None without.
+        elements whose stored code a recomputation's rounding noise could change), a list of int64 [n, 7] CPU
+        tensors, one row (original row, layer, 0 for K / 1 for V, KV head, layout column, element of head_dim, code
+        bits) each; None without.
     row_ids: int64 [R], the original row of each live row; transient_bytes: the largest prefill K/V tensor pair.
     seed, prompt_len: int64 [R], each live row's sample seed and first prompt's tokens (the compressor's
         SelectContext; set by the engine); protected_fraction: float32 [R], the share of each live row's kept
@@ -261,7 +261,7 @@ class BatchCache:
                 if self.evicted_at is not None:
                     self.evicted_at[li][r, :, pad:pad + st.evicted_at.shape[2]] = rebased(st.evicted_at[li], pad)
             if self.hints is not None and st.hints is not None:            # token index -> layout column
-                shift = torch.tensor([r, 0, 0, 0, pad, 0, 0], device=st.hints.device)
+                shift = torch.tensor([r, 0, 0, 0, pad, 0, 0])
                 self.hints.append(torch.cat([torch.zeros_like(st.hints[:, :1]), st.hints], 1) + shift)
 
     def prefill(self, li: int, ks: torch.Tensor, vs: torch.Tensor, col: int, positions: torch.Tensor,
@@ -315,7 +315,8 @@ class BatchCache:
                    key_valid: torch.Tensor | None = None) -> None:
         """With `hints`: record the rounding hints of layer li's write of K/V [R, Hkv, q, D] (model dtype, before
         quantization) at layout columns first_col .. first_col + q - 1 (`self.hints`); key_valid bool [R, q] (a
-        prefill: its padding is not recorded), None for all. One nonzero per tensor (a host sync on a GPU)."""
+        prefill: its padding is not recorded), None for all. One nonzero per tensor (a host sync on a GPU); the
+        hints go to the CPU (56 B each until the call ends: not device memory, not in kv_peak_bytes)."""
         if self.hints is None:
             return
         quant = self.shape.quant
@@ -326,7 +327,7 @@ class BatchCache:
             r, h, t, d = near.nonzero(as_tuple=True)
             fixed = torch.tensor([li, kv], device=r.device).expand(len(r), 2)
             self.hints.append(torch.cat([self.row_ids[r][:, None], fixed, torch.stack([h, first_col + t, d], 1),
-                                         code_bits(codes[r, h, t, d], quant)[:, None]], 1))
+                                         code_bits(codes[r, h, t, d], quant)[:, None]], 1).cpu())
 
     def row_hints(self, row: int, start: int) -> torch.Tensor:
         """Original row `row`'s rounding hints, int64 [n, 6] (layer, 0 for K / 1 for V, KV head, token index,
