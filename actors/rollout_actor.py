@@ -415,7 +415,8 @@ class RolloutWorker:
                             kv_retained_tokens=s.kv_retained_tokens, kv_peak_bytes=s.kv_peak_bytes,
                             kv_protected_fraction=s.kv_protected_fraction, topk_ids=s.topk_ids,
                             topk_logprobs=s.topk_logprobs, trainable=s.trainable,
-                            eviction_steps=getattr(s, "eviction_steps", None)), reward.status
+                            eviction_steps=getattr(s, "eviction_steps", None),
+                            rounding_hints=getattr(s, "rounding_hints", None)), reward.status
 
     def _publish(self, batch: "Batch", groups: list[TrajectoryGroup]) -> None:
         """Publish the batch's groups in one transaction under its claim (refused when the claim expired), with

@@ -36,8 +36,9 @@ import torch  # noqa: E402
 
 
 def rollouts(cfg, model_path: str, dtype: torch.dtype = torch.float32, model=None):
-    """One batch of the preset's rollouts (groups_per_step prompts x G samples) with eviction records, each group
-    carrying its cache's quantizer (kv_quant); the model at `dtype` (or `model`, already loaded)."""
+    """One batch of the preset's rollouts (groups_per_step prompts x G samples) with eviction records (and, from a
+    quantized cache, rounding hints), each group carrying its cache's quantizer (kv_quant); the model at `dtype` (or
+    `model`, already loaded)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from actors.engines.base import SamplingParams
@@ -59,7 +60,8 @@ def rollouts(cfg, model_path: str, dtype: torch.dtype = torch.float32, model=Non
         records = [SampleRecord(np.asarray(x.prompt_ids, np.int32), np.asarray(x.response_ids, np.int32), x.logp_sparse,
                                 x.finish_reason, scorer(tok.decode(x.response_ids, skip_special_tokens=True),
                                                         x.response_ids, prompt, x.finish_reason).reward,
-                                x.kv_retained_tokens, x.kv_peak_bytes, eviction_steps=x.eviction_steps)
+                                x.kv_retained_tokens, x.kv_peak_bytes, eviction_steps=x.eviction_steps,
+                                rounding_hints=x.rounding_hints)
                    for x in samples]
         groups.append(TrajectoryGroup(run_id="bench", group_id=f"g{i}", prompt_id=prompt.prompt_id, weight_version=0,
                                       temperature=s.temperature, compressor=cfg.actors.engine.compressor.method,

@@ -12,14 +12,17 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """2: optional top-k log-probs per response token (header `topk`, arrays topk_ids / topk_logprobs).
 3: optional eviction record per sample (header `eviction`, zlib blobs after the arrays; docs/SPEC.md §2.4).
 4: optional trainable mask per response token (header `trainable`; multi-turn rollouts, docs/multi-turn.md):
 a reader of version 3 would train on environment tokens, so it must refuse the message.
 5: the KV quantizer each group was sampled with (header `kv_quant`: compressors.kv_quant.KVQuant.name, e.g. "model",
 "bf16", "int8/token_head"): a reader of version 4 would replay a quantized sampler at the model's precision, so it
-must refuse the message; the learner dead-letters a group whose quantizer is not its run's (kv_quant_mismatch)."""
+must refuse the message; the learner dead-letters a group whose quantizer is not its run's (kv_quant_mismatch).
+6: optional rounding hints per sample (header `hints`, zlib blobs after the eviction blobs; docs/kv_cache.md "Rounding
+hints"): a reader of version 5 would replay a quantized cache with its own codes where the sampler's rounding was
+within noise of a boundary, so it must refuse the message."""
 
 
 @dataclass
@@ -50,6 +53,11 @@ class SampleRecord:
     """uint16 [layers, heads, P + T]: the rollout's eviction record over the sample's own tokens
     (actors.engines.base.Sample; what learner.policy_target=sparse replays); zlib-compressed on the wire. None:
     not sent (all samples of a group send one or none)."""
+    rounding_hints: np.ndarray | None = None
+    """int64 [n], strictly ascending: the sampler's codes where its rounding of a stored K/V element was within
+    noise of a code boundary (actors.engines.base.Sample.rounding_hints: flat index into [layers, 2, kv_heads,
+    P + T, head_dim] << 16 | code bits), which learner.policy_target=sparse's replay stores instead of its own;
+    delta-coded and zlib-compressed on the wire. None: not sent (all samples of a group send them or none)."""
 
 
 @dataclass
@@ -106,6 +114,9 @@ class SchemaError(ValueError):
 #                                             response token, 1 = sampled, 0 = environment / template token
 #   eviction                                  0 (no records) or [layers, heads [G], blob bytes [G]]: after the
 #                                             arrays, per sample zlib(uint16 [layers, heads, P + T] row-major)
+#   hints                                     0 (no rounding hints) or blob bytes [G]: after the eviction blobs,
+#                                             per sample `hint_blob`: zlib(the indices' differences, uint64 [n],
+#                                             then the code bits, uint16 [n], each byte-shuffled)
 # Bytes per response token: 4 (id) + 4 (logp_sparse), plus 6 K with top-k (int32 id + float16 log-prob per
 # entry: 120 at K = 20), so a top-20 message is about 16x larger per token (TOPK_BYTES_PER_ENTRY).
 _ARRAYS = {"prompt_ids": np.dtype("<i4"), "response_ids": np.dtype("<i4"), "logp_sparse": np.dtype("<f4")}
@@ -237,6 +248,8 @@ def encode_group(group: TrajectoryGroup, max_response_tokens: int = 32768, max_p
     msg.setdefault("trainable", 0)
     eviction, blobs = _eviction_blobs(group.samples, lens)
     msg["eviction"] = eviction
+    msg["hints"], hint_blobs = _hint_blobs(group.samples)
+    blobs = blobs + hint_blobs
     header = msgpack.packb(msg, use_bin_type=True)
     data = b"".join([header, *(a for parts in arrays.values() for a in parts), *blobs])
     _validate(lens, _views(data, len(header), counts), columns["reward"], max_response_tokens, max_prompt_tokens,
@@ -287,21 +300,22 @@ def _eviction_blobs(samples: list[SampleRecord], lens: dict[str, list[int]]) -> 
     return [layers.pop(), heads, [len(b) for b in blobs]], blobs
 
 
-def _decode_eviction(msg: dict, data: bytes, offset: int, lens: dict[str, list[int]]) -> list:
-    """The samples' eviction records (uint16 [layers, heads, P + T] each) from the blobs at data[offset:], or Nones
+def _decode_eviction(msg: dict, data: bytes, offset: int, lens: dict[str, list[int]], end: int) -> list:
+    """The samples' eviction records (uint16 [layers, heads, P + T] each) from the blobs at data[offset:end], or Nones
     when the group sends none. Raises SchemaError (bad_shape) on a header that does not match the blobs."""
     entry = msg.get("eviction", 0)
     n = len(lens["prompt_lens"])
     if entry == 0:
-        if offset != len(data):
-            raise SchemaError("bad_shape", f"the message holds {len(data)} bytes, the header accounts for {offset}")
+        if offset != end:
+            raise SchemaError("bad_shape", f"the message holds {end} bytes before its hints, the header accounts for "
+                                           f"{offset}")
         return [None] * n
     if not (isinstance(entry, list) and len(entry) == 3 and type(entry[0]) is int and entry[0] > 0
             and all(isinstance(x, list) and len(x) == n for x in entry[1:])):
         raise SchemaError("bad_shape", f"eviction: expected [layers, heads [{n}], bytes [{n}]], got {entry!r}")
     layers, heads, sizes = entry
-    if offset + sum(sizes) != len(data):
-        raise SchemaError("bad_shape", f"the message holds {len(data)} bytes, the header accounts for "
+    if offset + sum(sizes) != end:
+        raise SchemaError("bad_shape", f"the message holds {end} bytes before its hints, the header accounts for "
                                        f"{offset + sum(sizes)}")
     out = []
     for i, (h, size) in enumerate(zip(heads, sizes)):
@@ -321,6 +335,85 @@ def _decode_eviction(msg: dict, data: bytes, offset: int, lens: dict[str, list[i
         out.append(steps)
         offset += size
     return out
+
+
+def _hint_blobs(samples: list[SampleRecord]) -> tuple:
+    """The header entry `hints` and the samples' compressed rounding hints (layout above). Raises SchemaError
+    (bad_shape, bad_dtype, bad_field) when some samples carry hints and others not, or a sample's are not a 1-D
+    integer array of non-negative, strictly ascending values."""
+    have = [s.rounding_hints is not None for s in samples]
+    if not any(have):
+        return 0, []
+    if not all(have):
+        raise SchemaError("bad_shape", f"samples[{have.index(False)}] has no rounding_hints: all samples of a group "
+                                       "send them or none")
+    blobs = []
+    for i, s in enumerate(samples):
+        a = np.asarray(s.rounding_hints)
+        if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+            raise SchemaError("bad_dtype", f"samples[{i}].rounding_hints: expected int64 [n], got {a.dtype} {a.shape}")
+        _check_hints(a.astype(np.int64), i)
+        blobs.append(hint_blob(a))
+    return [len(b) for b in blobs], blobs
+
+
+def hint_blob(hints: np.ndarray) -> bytes:
+    """One sample's rounding hints (int64 [n], ascending: index << 16 | code bits) as they travel: zlib, at
+    EVICTION_ZLIB_LEVEL, of the indices' differences (the first from 0) as uint64 [n] little-endian, then the code
+    bits as uint16 [n], each byte-shuffled (byte 0 of every value, then byte 1, ...: the zero high bytes of small
+    differences compress away; 1.65 B per hint at the main job's shape against 2.65 unshuffled, bench/
+    replay_kv_quant.py). Its length is the sample's hint bytes on the wire."""
+    hints = np.asarray(hints, dtype=np.int64)
+    planes = [np.diff(hints >> 16, prepend=0).astype("<u8"), (hints & 0xFFFF).astype("<u2")]
+    return zlib.compress(b"".join(_shuffled(a) for a in planes), EVICTION_ZLIB_LEVEL)
+
+
+def _shuffled(a: np.ndarray) -> bytes:
+    """A 1-D array's bytes, byte-shuffled: byte 0 of every value, then byte 1, ... (the inverse is `_unshuffled`)."""
+    return np.ascontiguousarray(a.view(np.uint8).reshape(len(a), a.itemsize).T).tobytes()
+
+
+def _unshuffled(raw: bytes, dtype: str, n: int) -> np.ndarray:
+    """The inverse of `_shuffled`: n values of `dtype` from their shuffled bytes."""
+    size = np.dtype(dtype).itemsize
+    return np.ascontiguousarray(np.frombuffer(raw, np.uint8).reshape(size, n).T).view(dtype)[:, 0]
+
+
+def _check_hints(hints: np.ndarray, i: int) -> None:
+    """SchemaError bad_field unless sample i's rounding hints (int64 [n]) are >= 0 and strictly ascending."""
+    if hints.size and (hints[0] < 0 or (np.diff(hints) <= 0).any()):
+        raise SchemaError("bad_field", f"samples[{i}].rounding_hints: expected non-negative, strictly ascending values")
+
+
+def _decode_hints(msg: dict, data: bytes, n: int) -> tuple[list, int]:
+    """The samples' rounding hints (int64 [n_i] each, or Nones when the group sends none) and where their blobs
+    start: the last bytes of the message. Raises SchemaError (bad_shape, bad_field) on a header that does not match
+    the blobs or hints that are not strictly ascending."""
+    entry = msg.get("hints", 0)
+    if entry == 0:
+        return [None] * n, len(data)
+    if not (isinstance(entry, list) and len(entry) == n and all(type(x) is int and x >= 0 for x in entry)):
+        raise SchemaError("bad_shape", f"hints: expected blob bytes [{n}], got {entry!r}")
+    offset = start = len(data) - sum(entry)
+    if start < 0:
+        raise SchemaError("bad_shape", f"hints: {sum(entry)} bytes of blobs in a message of {len(data)}")
+    out = []
+    for i, size in enumerate(entry):
+        try:
+            raw = zlib.decompress(data[offset:offset + size])
+        except zlib.error as e:
+            raise SchemaError("bad_shape", f"samples[{i}].rounding_hints: {e}") from None
+        if len(raw) % 10:
+            raise SchemaError("bad_shape", f"samples[{i}].rounding_hints: {len(raw)} bytes, not 10 per hint")
+        count = len(raw) // 10
+        index = np.cumsum(_unshuffled(raw[:8 * count], "<u8", count)).view(np.int64)
+        if count and (index[-1] >= 2 ** 47 or index[-1] < 0):
+            raise SchemaError("bad_field", f"samples[{i}].rounding_hints: an index past 2^47")
+        hints = (index << 16) | _unshuffled(raw[8 * count:], "<u2", count).astype(np.int64)
+        _check_hints(hints, i)
+        out.append(hints)
+        offset += size
+    return out, start
 
 
 def _topk_width(samples: list[SampleRecord]) -> int:
@@ -401,7 +494,7 @@ def decode_group(data: bytes, max_message_bytes: int = 64 * 1024 * 1024, max_res
     field and its type, dtypes, shapes and len(logp_sparse) == len(response_ids) per sample, then the content
     rules (token limits, ids >= 0, logp_sparse and topk_logprobs finite and <= 0, finite rewards); top-k arrays
     come back as [T, K] views (topk_logprobs float16), trainable masks as uint8 [T] (None when the group sends
-    none), eviction records as uint16 [layers, heads, P + T]. The arrays are read-only
+    none), eviction records as uint16 [layers, heads, P + T], rounding hints as int64 [n]. The arrays are read-only
     numpy views on the message (copy before writing in place). Raises SchemaError; never unpickles."""
     if len(data) > max_message_bytes:
         raise SchemaError("message_too_large", f"{len(data)} bytes > max_message_bytes = {max_message_bytes}")
@@ -427,7 +520,8 @@ def decode_group(data: bytes, max_message_bytes: int = 64 * 1024 * 1024, max_res
     if min(lens["prompt_lens"] + lens["response_lens"]) < 0:
         raise SchemaError("bad_shape", "prompt_lens / response_lens hold a negative length")
     counts, end = _array_counts(msg, unpacker.tell(), len(data))
-    evictions = _decode_eviction(msg, data, end, lens)
+    hints, hints_start = _decode_hints(msg, data, n)
+    evictions = _decode_eviction(msg, data, end, lens, hints_start)
     topk = msg["topk"]
     for name, count in counts.items():
         expected = sum(lens[_LENS[name]]) * (topk if name in _TOPK_ARRAYS else 1)
@@ -438,15 +532,16 @@ def decode_group(data: bytes, max_message_bytes: int = 64 * 1024 * 1024, max_res
     _validate(lens, arrays, columns["reward"], max_response_tokens, max_prompt_tokens, topk)
     prompt_ids, response_ids, logp_sparse = arrays["prompt_ids"], arrays["response_ids"], arrays["logp_sparse"]
     samples, p0, r0 = [], 0, 0
-    for p, r, eviction_steps, protected, finish_reason, reward, kv_retained_tokens, kv_peak_bytes in zip(
-            lens["prompt_lens"], lens["response_lens"], evictions, optional["kv_protected_fraction"],
-            *(columns[name] for name in _SAMPLE_FIELDS)):
+    for p, r, eviction_steps, rounding_hints, protected, finish_reason, reward, kv_retained_tokens, kv_peak_bytes \
+            in zip(lens["prompt_lens"], lens["response_lens"], evictions, hints, optional["kv_protected_fraction"],
+                   *(columns[name] for name in _SAMPLE_FIELDS)):
         top = {name: arrays[name][r0 * topk:(r0 + r) * topk].reshape(r, topk) for name in _TOPK_ARRAYS} if topk else {}
         if "trainable" in arrays:
             top["trainable"] = arrays["trainable"][r0:r0 + r]
         samples.append(SampleRecord(
             prompt_ids=prompt_ids[p0:p0 + p], response_ids=response_ids[r0:r0 + r], logp_sparse=logp_sparse[r0:r0 + r],
             finish_reason=finish_reason, reward=reward, kv_retained_tokens=kv_retained_tokens,
-            kv_peak_bytes=kv_peak_bytes, kv_protected_fraction=protected, eviction_steps=eviction_steps, **top))
+            kv_peak_bytes=kv_peak_bytes, kv_protected_fraction=protected, eviction_steps=eviction_steps,
+            rounding_hints=rounding_hints, **top))
         p0, r0 = p0 + p, r0 + r
     return TrajectoryGroup(**fields, samples=samples)

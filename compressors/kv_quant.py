@@ -23,6 +23,13 @@ Scale granularity (`compressor.kv_scale`) of fp8_e4m3 / int8 / int4:
                 bytes
 
 The arithmetic runs in float32 whatever the model dtype; a dequantized vector is returned in the dtype asked for.
+
+Rounding hints (docs/kv_cache.md "Rounding hints"): the sampler and the learner compute K/V with different rounding
+(a decode step against one forward over the sequence), and an element within that noise of a code boundary would get
+the other code on one side. `rounding_hints` finds those elements where the sampler stores them (its code units
+within eps = HINT_ULPS x the model dtype's epsilon x the vector's max of a boundary); the engine sends their codes
+(`code_bits`, packed with their positions by `pack_hints`) and the learner's `straight_through(x, q, hints)` stores
+them instead of its own.
 MiKV (arXiv 2402.18096) and "More Tokens, Lower Precision" (arXiv 2412.12706) motivate the pairing with eviction.
 """
 from __future__ import annotations
@@ -37,6 +44,15 @@ QMAX = {"fp8_e4m3": 448.0, "int8": 127.0, "int4": 7.0}
 """The largest code magnitude of each scaled precision (float8_e4m3fn's largest finite value; symmetric integers)."""
 SCALE_BYTES = 4
 """Bytes of one token_head scale (float32)."""
+HINT_ULPS = 1024.0
+"""The half-width of a rounding hint's band (`rounding_hints`): eps = HINT_ULPS x finfo(model dtype).eps x the
+vector's largest magnitude in code units. Measured at the main job's shape (`python bench/replay_kv_quant.py --noise
+--arms fp8_replay_eqbytes --threads 1`: smollm2-count-warm's 16 rollouts at fp32, fp8_e4m3 per token and KV head,
+R-KV at 180 tokens, the replay hinted so that no flip cascades): the learner's K/V differ from the sampler's by at
+most 88 fp32 epsilons in code units relative to their vector's max (69 of x itself; 8 at layer 0, 19-88 over the
+other 29 layers, AVX-512 CPU). 1024 is 11.6x that."""
+HINT_CODE_BITS = 16
+"""A packed rounding hint (`pack_hints`) holds the sampler's code in its low 16 bits, the element's index above."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +119,39 @@ class KVQuant:
         return 2 * layers * kv_heads * self.vector_bytes(head_dim, model_bytes)
 
 
+def to_code_units(x: torch.Tensor, q: KVQuant) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """K or V vectors x [..., head_dim] in code units, the values the rounding to codes sees: fp8_e4m3 / int8 / int4
+    u = x / scale in float32 with scale float32 [...] (token_head: amax / qmax, 1 for a zero vector) or None (layer:
+    the static 1.0, u = x); bf16 (no scale) x itself, None. For a `q` that stores (not model)."""
+    if q.dtype == "bf16":
+        return x, None
+    xf = x.float()
+    if not q.scaled:
+        return xf, None
+    amax = xf.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / QMAX[q.dtype], torch.ones_like(amax))
+    return xf / scale[..., None], scale
+
+
+def round_codes(u: torch.Tensor, q: KVQuant) -> torch.Tensor:
+    """Each element's code, unpacked, from code units u [..., head_dim] (`to_code_units`): fp8_e4m3 the uint8 bits
+    of u rounded to E4M3 (nearest even, saturating at +-448); int8 / int4 int8 round(u) (half to even) clamped to
+    +-qmax; bf16 u as bfloat16. Same shape as u."""
+    if q.dtype == "bf16":
+        return u.to(torch.bfloat16)
+    qmax = QMAX[q.dtype]
+    if q.dtype == "fp8_e4m3":
+        return u.clamp(-qmax, qmax).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.round(u).clamp(-qmax, qmax).to(torch.int8)
+
+
+def code_values(codes: torch.Tensor, q: KVQuant) -> torch.Tensor:
+    """The values of unpacked codes (`round_codes`) in code units, float32, same shape."""
+    if q.dtype == "fp8_e4m3":
+        return codes.view(torch.float8_e4m3fn).float()
+    return codes.float()
+
+
 def quantize(x: torch.Tensor, q: KVQuant) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Store K or V vectors: x [..., head_dim], any float dtype -> (codes [..., head_dim] (int4: head_dim / 2) of
     `q.code_dtype(x.dtype)`, scale float32 [...] (token_head) or None). Module docstring: the rounding per dtype.
@@ -110,20 +159,9 @@ def quantize(x: torch.Tensor, q: KVQuant) -> tuple[torch.Tensor, torch.Tensor | 
     q.check(x.shape[-1])
     if not q.stores:
         return x, None
-    if q.dtype == "bf16":
-        return x.to(torch.bfloat16), None
-    xf = x.float()
-    qmax = QMAX[q.dtype]
-    if q.scaled:
-        amax = xf.abs().amax(-1)
-        scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
-        xf = xf / scale[..., None]
-    else:
-        scale = None
-    if q.dtype == "fp8_e4m3":
-        return xf.clamp(-qmax, qmax).to(torch.float8_e4m3fn).view(torch.uint8), scale
-    codes = torch.round(xf).clamp(-qmax, qmax).to(torch.int8)
-    if q.dtype == "int4":
+    u, scale = to_code_units(x, q)
+    codes = round_codes(u, q)
+    if q.dtype == "int4":                                      # two's complement nibbles, element 2i low
         nib = codes.view(torch.uint8) & 0x0F
         codes = nib[..., 0::2] | (nib[..., 1::2] << 4)
     return codes, scale
@@ -132,33 +170,89 @@ def quantize(x: torch.Tensor, q: KVQuant) -> tuple[torch.Tensor, torch.Tensor | 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor | None, q: KVQuant, dtype: torch.dtype) -> torch.Tensor:
     """Read stored vectors back: codes and scale as `quantize` returns them -> [..., head_dim] of `dtype`
     (code x scale in float32, then cast)."""
-    if not q.stores or q.dtype == "bf16":
+    if not q.stores:
         return codes.to(dtype)
-    if q.dtype == "fp8_e4m3":
-        xf = codes.view(torch.float8_e4m3fn).float()
-    elif q.dtype == "int8":
-        xf = codes.float()
-    else:                                                      # int4: sign-extend each nibble
+    if q.dtype == "int4":                                      # sign-extend each nibble
         low, high = (codes & 0x0F).to(torch.int8), (codes >> 4).to(torch.int8)
         pairs = torch.stack([low, high], -1).flatten(-2)
-        xf = torch.where(pairs > 7, pairs - 16, pairs).float()
+        codes = torch.where(pairs > 7, pairs - 16, pairs)
+    xf = code_values(codes, q)
     if scale is not None:
         xf = xf * scale[..., None]
     return xf.to(dtype)
 
 
-def quantize_dequantize(x: torch.Tensor, q: KVQuant) -> torch.Tensor:
-    """dequantize(quantize(x)) in x's dtype and shape: the values a query reads from a stored vector."""
-    return dequantize(*quantize(x, q), q, x.dtype)
-
-
-def straight_through(x: torch.Tensor, q: KVQuant) -> torch.Tensor:
-    """The learner's replayed K or V: forward `quantize_dequantize(x, q)`, backward the identity (straight-through
-    estimator, Bengio et al. 2013, arXiv 1308.3432): the gradient reaching x is the one an unquantized forward at
-    the quantized values would give. x [..., head_dim], any float dtype; returns x itself when q stores nothing."""
+def quantize_dequantize(x: torch.Tensor, q: KVQuant, hints: tuple[torch.Tensor, torch.Tensor] | None = None
+                        ) -> torch.Tensor:
+    """dequantize(quantize(x)) in x's dtype and shape: the values a query reads from a stored vector. With `hints`
+    (index int64 [n] into x's elements in row-major order, bits int64 [n] in `code_bits`' form: the sampler's
+    rounding hints) the codes at those elements are the sampler's, not x's own, read with x's own scale. Raises
+    ValueError as `quantize` does."""
+    q.check(x.shape[-1])
     if not q.stores:
         return x
-    return x + (quantize_dequantize(x, q) - x).detach()
+    u, scale = to_code_units(x, q)
+    codes = round_codes(u, q)
+    if hints is not None and hints[0].numel():
+        codes = codes.contiguous()
+        codes.view(-1)[hints[0]] = codes_from_bits(hints[1], q)
+    xf = code_values(codes, q)
+    return (xf if scale is None else xf * scale[..., None]).to(x.dtype)
+
+
+def straight_through(x: torch.Tensor, q: KVQuant, hints: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> torch.Tensor:
+    """The learner's replayed K or V: forward `quantize_dequantize(x, q, hints)`, backward the identity
+    (straight-through estimator, Bengio et al. 2013, arXiv 1308.3432): the gradient reaching x is the one an
+    unquantized forward at the quantized values would give. x [..., head_dim], any float dtype; `hints` as
+    `quantize_dequantize` takes them (the sampler's codes where its rounding was within noise of a boundary);
+    returns x itself when q stores nothing."""
+    if not q.stores:
+        return x
+    return x + (quantize_dequantize(x.detach(), q, hints) - x).detach()
+
+
+def rounding_hints(x: torch.Tensor, q: KVQuant) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the sampler's rounding of K or V vectors x [..., head_dim] (the model dtype, as computed) is within
+    noise of a code boundary: (near bool [..., head_dim], codes [..., head_dim] unpacked as `round_codes` gives
+    them). An element is near when its code units u (`to_code_units`) rounded at u - eps and at u + eps give codes
+    of different values, eps = HINT_ULPS x finfo(x.dtype).eps x max |u| over its vector (code units). Nothing is
+    near when q stores nothing or stores x's own dtype (bf16 K/V of a bf16 model)."""
+    if not q.stores or (q.dtype == "bf16" and x.dtype == torch.bfloat16):
+        return torch.zeros(x.shape, dtype=torch.bool, device=x.device), x
+    u, _ = to_code_units(x, q)
+    eps = HINT_ULPS * torch.finfo(x.dtype).eps * u.abs().amax(-1, keepdim=True)
+    near = code_values(round_codes(u - eps, q), q) != code_values(round_codes(u + eps, q), q)
+    return near, round_codes(u, q)
+
+
+def code_bits(codes: torch.Tensor, q: KVQuant) -> torch.Tensor:
+    """Unpacked codes (`round_codes`) as int64 in [0, 2^16): fp8_e4m3 the uint8 bits; int8 / int4 the code in 16-bit
+    two's complement; bf16 its 16 bits. The inverse is `codes_from_bits`."""
+    if q.dtype == "bf16":
+        codes = codes.view(torch.int16)
+    return codes.to(torch.int64) & (2 ** HINT_CODE_BITS - 1)
+
+
+def codes_from_bits(bits: torch.Tensor, q: KVQuant) -> torch.Tensor:
+    """int64 code bits (`code_bits`) -> unpacked codes of `round_codes`' dtype (uint8, int8 or bfloat16)."""
+    signed = ((bits & 0xFFFF) ^ 0x8000) - 0x8000                # sign-extend 16 bits
+    if q.dtype == "fp8_e4m3":
+        return bits.to(torch.uint8)
+    if q.dtype == "bf16":
+        return signed.to(torch.int16).view(torch.bfloat16)
+    return signed.to(torch.int8)
+
+
+def pack_hints(index: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """Rounding hints as one int64 array (`Sample.rounding_hints`): index << HINT_CODE_BITS | bits, ascending by index.
+    index int64 [n] (an element's flat index, >= 0, < 2^47), bits int64 [n] (`code_bits`)."""
+    return torch.sort((index << HINT_CODE_BITS) | bits).values
+
+
+def unpack_hints(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `pack_hints`: int64 [n] -> (index int64 [n], bits int64 [n])."""
+    return packed >> HINT_CODE_BITS, packed & (2 ** HINT_CODE_BITS - 1)
 
 
 def budget_tokens(kv_budget_bytes: int, token_bytes: int) -> int:

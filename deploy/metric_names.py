@@ -39,7 +39,7 @@ _BY_SECTION: dict[str, dict[str, str]] = {
         "replay_logp_max_abs": "logp_max_abs", "replay_dense_gap_max": "dense_gap_max",
         "replay_rejection_rate": "rejection_rate", "replay_token_mask_fraction": "token_mask_fraction",
         "replay_tis_weight_mean": "tis_weight_mean", "replay_mismatch_kl": "mismatch_kl",
-        "replay_quant_gap": "quant_gap",
+        "replay_quant_gap": "quant_gap", "replay_quant_hints": "quant_hints",
     },
     # what the rollouts were and what the actors did
     "rollout": {

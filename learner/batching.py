@@ -35,6 +35,7 @@ class LearnerBatch:
     topk_ids: Annotated[Tensor | None, "int64 [S, T, K]"] = None          # every sample's top-k (SPEC §4, Sparrow)
     topk_logprobs: Annotated[Tensor | None, "float32 [S, T, K]"] = None
     replay_evicted_at: Annotated[Tensor | None, "int32 [S, layers, heads, L]"] = None   # learner/replay.py
+    rounding_hints: list[np.ndarray | None] | None = None   # replaying: each sample's (learner/replay.py collate_hints)
     kv_quant: str = "model"        # the groups' KV quantizer (TrajectoryGroup.kv_quant), which replay applies
 
     @property
@@ -65,7 +66,7 @@ class LossInputs:
 
 def collate(groups: list[TrajectoryGroup], replay: bool, staleness: list[int] | None = None) -> LearnerBatch:
     """Right-pad the groups' samples into a LearnerBatch; with `replay` (policy_target sparse) and records on the
-    samples, their eviction records too; `staleness` (one per group) gives `fresh`.
+    samples, their eviction records and rounding hints too; `staleness` (one per group) gives `fresh`.
 
     Raises:
         ValueError: naming the group and sample whose logp_sparse length differs from its response, whose
@@ -123,6 +124,8 @@ def collate(groups: list[TrajectoryGroup], replay: bool, staleness: list[int] | 
         present = [r for r in records if r is not None]
         b.replay_evicted_at = collate_record(records, [len(s.prompt_ids) for _, _, s in rows], L,
                                              present[0].shape[0], max(r.shape[1] for r in present))
+        if any(s.rounding_hints is not None for _, _, s in rows):
+            b.rounding_hints = [s.rounding_hints for _, _, s in rows]
     return b
 
 

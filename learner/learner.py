@@ -33,7 +33,14 @@ from learner.correction import sparse_correction
 from learner.distributed import TORCH_DTYPES, all_reduce, deepspeed_config, init_distributed
 from learner.loss import aggregate, grpo_advantages, grpo_loss
 from learner.metrics import LossTotals, step_metrics, tier_metrics, train_gap_metrics
-from learner.replay import ATTN_IMPLEMENTATION, exact_acceptance, logp_gap, replay_metrics, teacher_kl
+from learner.replay import (
+    ATTN_IMPLEMENTATION,
+    collate_hints,
+    exact_acceptance,
+    logp_gap,
+    replay_metrics,
+    teacher_kl,
+)
 from learner.weights import WeightExport, state_bytes
 
 PHASES = ("backward", "optimizer step")
@@ -78,6 +85,10 @@ class Learner:
         self.dtype = TORCH_DTYPES[cfg.dtype]
         if cfg.policy_target == "sparse":  # SDPA, plus the eviction-record masks when a forward passes one
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        c = model.config
+        self.kv_shape = (c.num_hidden_layers, c.num_key_value_heads,
+                         getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+        """(layers, KV heads, head_dim) of the model: the layout of the samples' rounding hints."""
         self.peft, self.base = None, None
         if cfg.lora.enabled:   # the adapter's layers into `model` itself; the base frozen (broker/lora.py)
             self.peft = add_adapter(model, cfg.lora, seed=0 if cfg.seed is None else cfg.seed)
@@ -126,7 +137,8 @@ class Learner:
         """float32 [len(rows), T, V]: log_softmax(logits / temperature) at the positions predicting each response
         token (padding slots: any valid position), from one teacher-forced forward of `model`; with `replay`, the
         forward hides the keys each sample's eviction record says its sampler no longer saw and, with `quant` and
-        a quantized `batch.kv_quant`, reads K/V at the sampler's stored precision (learner/replay.py)."""
+        a quantized `batch.kv_quant`, reads K/V at the sampler's stored precision, with the sampler's codes where
+        its rounding hints say (learner/replay.py)."""
         L = int(batch.seq_len[rows].max())
         index = batch.response_index[rows].to(self.device)
         # the lm_head runs only over the window of positions that predict response tokens (HF
@@ -136,6 +148,10 @@ class Learner:
         extra = {"replay_evicted_at": batch.replay_evicted_at[rows, :, :, :L].to(self.device)} if replay else {}
         if replay and quant and batch.kv_quant != "model":
             extra["replay_kv_quant"] = KVQuant.parse(batch.kv_quant)
+            if batch.rounding_hints is not None:
+                where, bits, bounds = collate_hints([batch.rounding_hints[i] for i in rows.tolist()],
+                                                    batch.seq_len[rows].tolist(), L, *self.kv_shape)
+                extra["replay_rounding_hints"] = (where.to(self.device), bits.to(self.device), bounds)
         logits = model(input_ids=batch.input_ids[rows, :L].to(self.device),
                        attention_mask=batch.attention_mask[rows, :L].to(self.device),
                        logits_to_keep=window, **extra).logits
@@ -281,6 +297,8 @@ class Learner:
             metrics.update(replay_metrics(t.logp_old, dense, logp_sparse, t.mask, t.fresh, t.accept_exact, applied))
         if t.logp_unquantized is not None:   # learner.replay_quant_gap: what the KV quantization changes
             metrics["replay_quant_gap"] = logp_gap(t.logp_old, t.logp_unquantized, t.mask.bool())
+        if t.batch.rounding_hints is not None and self.replays(t.batch):   # the sampler's codes the replay took
+            metrics["replay_quant_hints"] = float(np.mean([0 if h is None else len(h) for h in t.batch.rounding_hints]))
         metrics.update(tier_metrics(groups, self.cfg, dense, logp_sparse, t.mask))
         if dense_topk is not None:   # Sparrow's per-token acceptance rate (arXiv 2606.08446, SPEC §4): accept_*
             metrics.update(acceptance_metrics(t.batch.topk_logprobs.to(self.device), dense_topk, t.mask))

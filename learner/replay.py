@@ -17,7 +17,9 @@ keyword it is transformers' SDPA attention, so one model serves the dense and th
 `replay_kv_quant` (compressors.kv_quant.KVQuant, the sampler's compressor.kv_dtype / kv_scale) it first
 quantize-dequantizes the layer's K and V (after RoPE, at every position, with the engine's own function
 `straight_through`: identity backward), the values the sampler's queries read from its quantized cache
-(docs/kv_cache.md "Quantized KV").
+(docs/kv_cache.md "Quantized KV"); with `replay_rounding_hints` as well (`collate_hints`: the samples'
+`rounding_hints`), the sampler's own codes at the elements where its rounding was within noise of a code boundary,
+so a recomputation's rounding noise flips no code (docs/kv_cache.md "Rounding hints").
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from compressors.kv_quant import straight_through
+from compressors.kv_quant import straight_through, unpack_hints
 
 EVICTION_NEVER = np.iinfo(np.uint16).max
 """eviction_steps value of a key no query of the sample lost."""
@@ -42,13 +44,15 @@ def replay_attention(module, query, key, value, attention_mask, dropout: float =
     the learner's forward has no KV cache). With `replay_evicted_at` in kwargs, attention under the eviction
     record of layer `module.layer_idx` (GQA: query head h reads KV head h // (Hq / Hkv)): FlexAttention on CUDA,
     SDPA with a boolean mask elsewhere (`replay_backend` sdpa | flex forces one); else SDPA as transformers does
-    it. With `replay_kv_quant` (a KVQuant) key and value are read through `straight_through` first. Returns
-    (attn_output [B, L, Hq, D], None)."""
+    it. With `replay_kv_quant` (a KVQuant) key and value are read through `straight_through` first, with the
+    layer's `replay_rounding_hints` (`collate_hints`) when given. Returns (attn_output [B, L, Hq, D], None)."""
     evicted_at = kwargs.pop("replay_evicted_at", None)
     backend = kwargs.pop("replay_backend", "auto")   # auto | sdpa | flex (bench/replay_gpu_check.py compares them)
     quant = kwargs.pop("replay_kv_quant", None)
-    if quant is not None:   # the sampler's stored precision: forward qdq, backward identity
-        key, value = straight_through(key, quant), straight_through(value, quant)
+    hints = kwargs.pop("replay_rounding_hints", None)
+    if quant is not None:   # the sampler's stored precision (its codes where hinted): forward qdq, backward identity
+        key, value = (straight_through(x, quant, layer_hints(hints, module.layer_idx, kv, x))
+                      for kv, x in enumerate((key, value)))
     if evicted_at is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
@@ -144,6 +148,44 @@ def collate_record(records: list[np.ndarray | None], prompt_lens: list[int], L: 
         local = torch.where(steps == EVICTION_NEVER, NEVER_INDEX, steps + P).to(torch.int32)
         out[i, :, :, :rec.shape[2]] = local.expand(layers, kv_heads, rec.shape[2])
     return out
+
+
+def collate_hints(hints: list[np.ndarray | None], seq_lens: list[int], L: int, layers: int, kv_heads: int,
+                  head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The samples' rounding hints (`Sample.rounding_hints`: int64 [n_i], each an element's flat index into
+    [layers, 2, kv_heads, P_i + T_i, head_dim] << 16 | its code bits; None: none) as the forward's
+    `replay_rounding_hints`: (index int64 [n], ascending, flat into [layers, 2, S, kv_heads, L, head_dim] (the
+    learner's right-padded layout: token t of sample i at position t); bits int64 [n]; bounds int64 [2 layers + 1]
+    on the CPU: layer l's K (0) / V (1) hints are [bounds[2 l + kv], bounds[2 l + kv + 1])). seq_lens: P_i + T_i.
+
+    Raises ValueError naming the sample with a hint outside its [layers, 2, kv_heads, P + T, head_dim]."""
+    S, parts = len(hints), [(torch.zeros(0, dtype=torch.long),) * 2]
+    for i, (packed, tokens) in enumerate(zip(hints, seq_lens)):
+        if packed is None or not len(packed):
+            continue
+        index, bits = unpack_hints(torch.from_numpy(np.asarray(packed, dtype=np.int64)))
+        if int(index.max()) >= layers * 2 * kv_heads * tokens * head_dim:
+            raise ValueError(f"sample {i}: a rounding hint at element {int(index.max())}, outside its [{layers}, 2, "
+                             f"{kv_heads}, {tokens}, {head_dim}] K/V")
+        rest, element = index // head_dim, index % head_dim
+        rest, token = rest // tokens, rest % tokens
+        plane, head = rest // kv_heads, rest % kv_heads                       # plane = layer x 2 + (0 K, 1 V)
+        parts.append(((((plane * S + i) * kv_heads + head) * L + token) * head_dim + element, bits))
+    index, bits = (torch.cat(t) for t in zip(*parts))
+    index, order = torch.sort(index)
+    bounds = torch.searchsorted(index, torch.arange(2 * layers + 1) * (S * kv_heads * L * head_dim))
+    return index, bits[order], bounds
+
+
+def layer_hints(hints: tuple | None, layer: int, kv: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Layer `layer`'s K (kv 0) or V (kv 1) hints of a `collate_hints` table as `straight_through` takes them: (index
+    int64 [m] into x [S, kv_heads, L, head_dim] in row-major order, bits int64 [m]); None without a table."""
+    if hints is None:
+        return None
+    index, bits, bounds = hints
+    plane = 2 * layer + kv
+    lo, hi = int(bounds[plane]), int(bounds[plane + 1])
+    return index[lo:hi] - plane * x.numel(), bits[lo:hi]
 
 
 def exact_acceptance(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:

@@ -119,6 +119,13 @@ class Sample:
     (prompt, then response) the number of response tokens generated when it was evicted (65535 = never);
     heads = the model's KV heads, or 1 when every head kept the same keys. What the learner replays
     (learner/replay.py, learner.policy_target=sparse); None otherwise."""
+    rounding_hints: np.ndarray | None = None
+    """With the engine's record_evictions at a kv_dtype that rounds (fp8_e4m3, int8, int4, bf16): int64 [n], the
+    elements of this sample's stored K/V whose code a recomputation's rounding noise could change
+    (compressors.kv_quant.rounding_hints), each its flat index into [layers, 2 (K, V), kv_heads, P + T, head_dim]
+    (the sample's own tokens, prompt then response) << 16 | the code the sampler stored (16 bits,
+    compressors.kv_quant.code_bits), ascending. What the learner's replay stores instead of its own code at those
+    elements (learner/replay.py); None otherwise."""
 
 
 EVICTION_NEVER = 65535

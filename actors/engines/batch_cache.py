@@ -21,7 +21,7 @@ import torch
 from actors.engines.kv_memory import COMPACT_CHUNK
 from compressors import Compressor, CompressorConfig, SelectContext, accumulate_attention, gather_kv
 from compressors.budget import length_budget
-from compressors.kv_quant import KVQuant, dequantize, quantize
+from compressors.kv_quant import KVQuant, code_bits, dequantize, quantize, rounding_hints
 
 NEVER = torch.iinfo(torch.long).max
 """evicted_at's value of a key column that is never evicted."""
@@ -38,13 +38,16 @@ class KeptEpisode:
     layer the last <= window queries [Hq, w, D]; length: tokens whose K/V were computed (the next position);
     pending: the last sampled token (its K/V not yet computed); prompt_len: the first prompt's tokens; evicted_at
     (record_evictions): int64 [layers, Hkv, length + 1] episode token index of the first query that no longer saw
-    each key (int64 max = never)."""
+    each key (int64 max = never); hints (record_evictions at a rounding kv_dtype): int64 [n, 6], the episode's
+    rounding hints so far, one row (layer, 0 for K / 1 for V, KV head, episode token index, element of head_dim,
+    code bits) each (`BatchCache.row_hints`)."""
     layers: list
     qwin: list
     length: int
     pending: int
     prompt_len: int
     evicted_at: torch.Tensor | None = None
+    hints: torch.Tensor | None = None
 
     @property
     def slots(self) -> int:
@@ -193,6 +196,10 @@ class BatchCache:
     compression scores the dequantized keys and values: what the cache holds, which a replay can recompute.
     evicted_at: with record_evictions, per layer int64 [R0, Hkv, columns]: the column of the first query that no
         longer sees each key column (NEVER: never evicted), indexed by original row (R0 = the call's rows).
+    hints: with `hints`, the rounding hints of every K/V write so far (compressors.kv_quant.rounding_hints: the
+        elements whose stored code a recomputation's rounding noise could change), a list of int64 [n, 7] CPU
+        tensors, one row (original row, layer, 0 for K / 1 for V, KV head, layout column, element of head_dim, code
+        bits) each; None without.
     row_ids: int64 [R], the original row of each live row; transient_bytes: the largest prefill K/V tensor pair.
     seed, prompt_len: int64 [R], each live row's sample seed and first prompt's tokens (the compressor's
         SelectContext; set by the engine); protected_fraction: float32 [R], the share of each live row's kept
@@ -201,10 +208,10 @@ class BatchCache:
     """
 
     def __init__(self, shape: CacheShape, rows: int, capacity: int, window: int, mass: bool, columns: int | None,
-                 positions: bool = False):
+                 positions: bool = False, hints: bool = False):
         """Empty buffers of `capacity` slots for `rows` rows; `mass`: H2O's attention mass; `columns`: the
         eviction record's columns (record_evictions), None for no record; `positions`: keep each slot's true
-        position (a compressor whose `needs` names positions)."""
+        position (a compressor whose `needs` names positions); `hints`: record the rounding hints of every write."""
         dev, kv, quant = shape.device, (rows, shape.kv_heads, capacity), shape.quant
         self.shape, self.window, self.n, self.transient_bytes = shape, window, 0, 0
         self.layers: list[dict[str, torch.Tensor]] = []
@@ -226,6 +233,7 @@ class BatchCache:
         self.evicted_at = None if columns is None else [
             torch.full((rows, shape.kv_heads, columns), NEVER, dtype=torch.long, device=dev)
             for _ in range(shape.layers)]
+        self.hints: list[torch.Tensor] | None = [] if hints else None
         self.row_ids = torch.arange(rows, device=dev)
         self.seed = torch.zeros(rows, dtype=torch.long, device=dev)
         self.prompt_len = torch.zeros(rows, dtype=torch.long, device=dev)
@@ -252,6 +260,9 @@ class BatchCache:
                 self.qwin[li][r, :, width - st.qwin[li].shape[1]:] = st.qwin[li]
                 if self.evicted_at is not None:
                     self.evicted_at[li][r, :, pad:pad + st.evicted_at.shape[2]] = rebased(st.evicted_at[li], pad)
+            if self.hints is not None and st.hints is not None:            # token index -> layout column
+                shift = torch.tensor([r, 0, 0, 0, pad, 0, 0])
+                self.hints.append(torch.cat([torch.zeros_like(st.hints[:, :1]), st.hints], 1) + shift)
 
     def prefill(self, li: int, ks: torch.Tensor, vs: torch.Tensor, col: int, positions: torch.Tensor,
                 visible: torch.Tensor, key_valid: torch.Tensor) -> tuple[dict, torch.Tensor]:
@@ -263,6 +274,7 @@ class BatchCache:
         R, q = ks.shape[0], ks.shape[2]
         c, n = self.layers[li], self.n
         slots = {**self.encode(ks, vs), "valid": key_valid[:, None, :].expand(R, self.shape.kv_heads, q)}
+        self.note_hints(li, ks, vs, col + 1 - q, key_valid)
         if "col" in c:
             slots["col"] = (col + 1 - q + torch.arange(q, device=ks.device)).expand(R, self.shape.kv_heads, q)
         if "pos" in c:
@@ -283,6 +295,7 @@ class BatchCache:
         c, n = self.layers[li], self.n
         for name, t in self.encode(ks, vs).items():
             c[name][:, :, n] = t[:, :, 0]
+        self.note_hints(li, ks, vs, col)
         c["valid"][:, :, n] = True
         if "col" in c:
             c["col"][:, :, n] = col
@@ -297,6 +310,33 @@ class BatchCache:
         ks and vs themselves)."""
         (k, k_scale), (v, v_scale) = quantize(ks, self.shape.quant), quantize(vs, self.shape.quant)
         return {"k": k, "v": v} if k_scale is None else {"k": k, "v": v, "k_scale": k_scale, "v_scale": v_scale}
+
+    def note_hints(self, li: int, ks: torch.Tensor, vs: torch.Tensor, first_col: int,
+                   key_valid: torch.Tensor | None = None) -> None:
+        """With `hints`: record the rounding hints of layer li's write of K/V [R, Hkv, q, D] (model dtype, before
+        quantization) at layout columns first_col .. first_col + q - 1 (`self.hints`); key_valid bool [R, q] (a
+        prefill: its padding is not recorded), None for all. One nonzero per tensor (a host sync on a GPU); the
+        hints go to the CPU (56 B each until the call ends: not device memory, not in kv_peak_bytes)."""
+        if self.hints is None:
+            return
+        quant = self.shape.quant
+        for kv, x in enumerate((ks, vs)):
+            near, codes = rounding_hints(x, quant)
+            if key_valid is not None:
+                near = near & key_valid[:, None, :, None]
+            r, h, t, d = near.nonzero(as_tuple=True)
+            fixed = torch.tensor([li, kv], device=r.device).expand(len(r), 2)
+            self.hints.append(torch.cat([self.row_ids[r][:, None], fixed, torch.stack([h, first_col + t, d], 1),
+                                         code_bits(codes[r, h, t, d], quant)[:, None]], 1).cpu())
+
+    def row_hints(self, row: int, start: int) -> torch.Tensor:
+        """Original row `row`'s rounding hints, int64 [n, 6] (layer, 0 for K / 1 for V, KV head, token index,
+        element, code bits) on the CPU, token index = layout column - `start` (its first token's column). The first
+        call concatenates `hints` into one CPU tensor (the call's writes are over)."""
+        if len(self.hints) != 1:
+            self.hints = [torch.cat(self.hints).cpu() if self.hints else torch.zeros(0, 7, dtype=torch.long)]
+        mine = self.hints[0][self.hints[0][:, 0] == row, 1:]
+        return mine - torch.tensor([0, 0, 0, start, 0, 0])
 
     def read(self, slots: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The K and V [R, Hkv, S, D] of the model dtype that queries and the compressor see in `slots` (stored

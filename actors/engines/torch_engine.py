@@ -55,7 +55,7 @@ from actors.engines.batch_cache import (
 )
 from broker.lora import LoraConfig, adapter_parameters, add_adapter
 from compressors import Compressor, CompressorConfig, SelectContext, build_compressor
-from compressors.kv_quant import KVQuant
+from compressors.kv_quant import KVQuant, pack_hints
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -290,7 +290,8 @@ class TorchEngine:
         cache = BatchCache(self._cache_shape(), len(rows), plan.capacity, compressor.cfg.window,
                            mass=compressor.needs_attention_mass,
                            columns=layout.columns if self.record_evictions else None,
-                           positions="positions" in compressor.needs)
+                           positions="positions" in compressor.needs,
+                           hints=self.record_evictions and self.kv_quant.stores)
         cache.load(states, layout)
         gen = _generator(params.seed, self.device)
         cache.seed, cache.prompt_len = _row_seeds(params.seed, len(rows), gen, self.device, compressor), \
@@ -385,8 +386,12 @@ class TorchEngine:
             first = layout.first_prompt[r]                                   # the episode's first prompt
             start, total = int(layout.pad[r]), layout.prefix(r) + len(s.response_ids)   # its tokens in the layout
             s.eviction_steps = sample_eviction_steps(by_row[r], start + first, first, total - first)
+            hints = cache.row_hints(r, start) if cache.hints is not None else None
+            if hints is not None:
+                s.rounding_hints = sample_rounding_hints(hints, self.kv_heads, self.head_dim, total)
             if keys is not None:
                 self._episodes[keys[r]].evicted_at = rebased(by_row[r, :, :, start:start + total], -start)
+                self._episodes[keys[r]].hints = hints
 
 
 class _Responses:
@@ -467,6 +472,16 @@ def sample_eviction_steps(evicted_at: torch.Tensor, prompt_width: int, prompt_le
     if bool((steps[~never] >= 65535).any()) or bool((steps < 0).any()):
         raise ValueError("eviction record: steps outside [0, 65535) (max_new_tokens must be < 65535 to replay)")
     return collapsed_heads(torch.where(never, EVICTION_NEVER, steps).to(torch.int32).numpy().astype(np.uint16))
+
+
+def sample_rounding_hints(hints: torch.Tensor, kv_heads: int, head_dim: int, tokens: int) -> np.ndarray:
+    """One row's rounding hints (BatchCache.row_hints: int64 [n, 6], layer, 0 for K / 1 for V, KV head, token index
+    over the sample's own tokens, element, code bits) as `Sample.rounding_hints`: int64 [n], ascending, each the
+    element's flat index into [layers, 2, kv_heads, tokens, head_dim] (tokens = P + T) shifted left by
+    HINT_CODE_BITS, or'd with its code bits (compressors.kv_quant.pack_hints)."""
+    layer, kv, head, token, element, bits = hints.unbind(1)
+    index = (((layer * 2 + kv) * kv_heads + head) * tokens + token) * head_dim + element
+    return pack_hints(index, bits).numpy()
 
 
 def _attend(q, k, v, visible, scale, want_probs):

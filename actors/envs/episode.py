@@ -41,7 +41,7 @@ class EpisodeSample(Sample):
     `turns`: sampled turns; `tool_calls`: steps whose info said tool_call; `obs_tokens`: response tokens that are not
     trainable; `turn_kv_bytes`: the engine's KV bytes of the trajectory at the end of each turn; `eviction_steps`
     (an engine that keeps episodes and records evictions): the whole episode's record, uint16 [layers, heads,
-    P + T], else None."""
+    P + T], else None; `rounding_hints` the same for the whole episode's rounding hints (a quantized cache)."""
     reward: float = 0.0
     finish: str = ""
     turns: int = 0
@@ -64,6 +64,7 @@ class _Live:
     finish: str = ""
     sent: int = 0                                 # ids of prompt + rollout the engine has been given
     eviction_steps: object = None                 # the last turn's record (kept episodes: the whole episode)
+    rounding_hints: object = None                 # the same for its rounding hints (a quantized KV cache)
 
 
 def run_episodes(generate, pool: EnvPool, template: ChatTemplate, items: list, params: SamplingParams,
@@ -133,6 +134,7 @@ def _sample_turn(generate, running: list[_Live], params: SamplingParams, budget_
             ep.rollout.add_sampled(s.response_ids)
             ep.sent = len(ep.prompt_ids) + len(ep.rollout.ids)
             ep.eviction_steps = s.eviction_steps if kept else None   # a re-prefill's record is of one turn
+            ep.rounding_hints = getattr(s, "rounding_hints", None) if kept else None
             ep.logps.append(np.asarray(s.logp_sparse, dtype=np.float32))
             ep.kv_bytes.append(int(s.kv_peak_bytes))
             ep.retained = int(s.kv_retained_tokens)
@@ -164,4 +166,4 @@ def _episode_sample(ep: _Live, reward: float) -> EpisodeSample:
         kv_protected_fraction=ep.protected,
         reward=reward, finish=ep.finish, turns=ep.turns, tool_calls=ep.tool_calls,
         obs_tokens=int(len(trainable) - trainable.sum()), turn_kv_bytes=list(ep.kv_bytes),
-        eviction_steps=ep.eviction_steps)
+        eviction_steps=ep.eviction_steps, rounding_hints=ep.rounding_hints)

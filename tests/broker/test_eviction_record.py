@@ -35,7 +35,7 @@ def test_records_round_trip_exactly_and_shared_rows_stay_one(make_group):
     group = with_records(make_group("g", n_samples=3, response_tokens=9))
     group.samples[1].eviction_steps = group.samples[1].eviction_steps[:, :1].copy()   # shared selection: one row
     back = decode_group(encode_group(group))
-    assert SCHEMA_VERSION == 5
+    assert SCHEMA_VERSION == 6
     for a, b in zip(group.samples, back.samples):
         assert b.eviction_steps.dtype == np.uint16 and np.array_equal(a.eviction_steps, b.eviction_steps)
     assert back.samples[1].eviction_steps.shape[1] == 1
@@ -48,7 +48,7 @@ def test_another_schema_version_is_refused_never_read_dense(make_group):
     unpacker = msgpack.Unpacker(io.BytesIO(data), raw=False)
     header = unpacker.unpack()
     rest = data[unpacker.tell():]
-    for version in (2, 3, 4, 6):
+    for version in (2, 3, 4, 5, 7):
         old = msgpack.packb({**header, "schema_version": version}, use_bin_type=True) + rest
         with pytest.raises(SchemaError, match="schema_version"):
             decode_group(old)

@@ -18,7 +18,7 @@ from tests.broker.test_streams import read_all
 
 def test_the_quantizer_round_trips_and_a_version_4_message_is_refused(make_group):
     group = dataclasses.replace(make_group("g"), kv_quant="int8/token_head")
-    assert SCHEMA_VERSION == 5
+    assert SCHEMA_VERSION == 6
     assert decode_group(encode_group(group)).kv_quant == "int8/token_head"
     assert decode_group(encode_group(make_group("g"))).kv_quant == "model"
     data = encode_group(group)

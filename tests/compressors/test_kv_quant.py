@@ -1,12 +1,29 @@
 """compressors/kv_quant.py against values computed by hand (in the comments), not by the code under test: int8
-rounding (half to even), fp8 E4M3 bit patterns, int4 nibble order, the zero vector's scale, bytes per vector, and the
-refused pairs."""
+rounding (half to even), fp8 E4M3 bit patterns, int4 nibble order, the zero vector's scale, bytes per vector, the
+refused pairs; and the rounding hints against a Python loop over scalars (the boundaries from the formats' values)."""
 from __future__ import annotations
 
+import bisect
+
+import numpy as np
 import pytest
 import torch
 
-from compressors.kv_quant import KVQuant, budget_tokens, dequantize, quantize, quantize_dequantize, straight_through
+from compressors.kv_quant import (
+    HINT_ULPS,
+    QMAX,
+    KVQuant,
+    budget_tokens,
+    code_bits,
+    codes_from_bits,
+    dequantize,
+    pack_hints,
+    quantize,
+    quantize_dequantize,
+    rounding_hints,
+    straight_through,
+    unpack_hints,
+)
 
 INT8 = KVQuant("int8")
 FP8 = KVQuant("fp8_e4m3")
@@ -146,3 +163,166 @@ def test_straight_through_forward_quantizes_backward_is_identity():
     (y * torch.tensor([2.0, 3.0, 4.0])).sum().backward()
     assert x.grad.tolist() == [[2.0, 3.0, 4.0]]
     assert straight_through(x, KVQuant("model")) is x
+
+
+# ---------------------------------------------------------------------------------------------- rounding hints
+EPS32 = torch.finfo(torch.float32).eps
+HINTED = [INT8, INT4, FP8, FP8_LAYER, KVQuant("bf16")]
+
+
+def _representable(q: KVQuant) -> list[float]:
+    """Every finite value a code of `q` stands for in code units, ascending, by formula: integers -qmax .. qmax;
+    E4M3 +-(1 + m / 8) 2^(e - 7) (e 1..15, but e 15 m 7, NaN) and the subnormals +-m / 8 2^-6; bfloat16 every
+    finite upper half of a float32."""
+    if q.dtype in ("int8", "int4"):
+        qmax = {"int8": 127, "int4": 7}[q.dtype]
+        return [float(k) for k in range(-qmax, qmax + 1)]
+    if q.dtype == "fp8_e4m3":
+        mags = {m / 8 * 2.0 ** -6 for m in range(8)} | {(1 + m / 8) * 2.0 ** (e - 7) for e in range(1, 16)
+                                                        for m in range(8) if (e, m) != (15, 7)}
+        return sorted({s * v for v in mags for s in (1, -1)})
+    halves = np.arange(2 ** 16, dtype=np.uint32) << 16
+    finite = (halves >> 23) & 0xFF != 0xFF                     # exponent all ones: inf, NaN
+    return sorted(set(halves[finite].view(np.float32).astype(np.float64).tolist()))
+
+
+def _boundaries(q: KVQuant) -> list[float]:
+    """The rounding boundaries of `q` in code units: the midpoints of consecutive representable values (none past
+    the largest: the codes saturate)."""
+    v = _representable(q)
+    return [(a + b) / 2 for a, b in zip(v, v[1:])]
+
+
+def _distance(u: float, mids: list[float]) -> float:
+    """|u - the nearest boundary| (bisect over the sorted boundaries)."""
+    i = bisect.bisect_left(mids, u)
+    return min(abs(u - m) for m in mids[max(i - 1, 0):i + 1])
+
+
+def _isolated(q: KVQuant, top: float, eps: float) -> list[float]:
+    """Boundaries m with 0.05 top < |m| < 0.95 top whose neighbouring boundaries are more than 6 eps away."""
+    mids = np.array(_boundaries(q))
+    gaps = np.minimum(np.diff(mids, prepend=-np.inf), np.diff(mids, append=np.inf))
+    return mids[(abs(mids) > 0.05 * top) & (abs(mids) < 0.95 * top) & (gaps > 6 * eps)].tolist()
+
+
+TOP = {"int8": 127.0, "int4": 7.0, "fp8_e4m3": 448.0, "bf16": 4.0}
+"""Element 0 of the hand-made vectors: the max, so that the token_head scale is exactly 1 (qmax / qmax)."""
+
+
+def _planted(q: KVQuant, seed: int = 0) -> torch.Tensor:
+    """A float32 vector [64] in code units (scale 1: element 0 is TOP), elements 1-8 put at isolated boundaries +- a
+    fraction of eps (offsets eps x [-0.5, 0.3, 0.8, -0.9]: inside the band; [2, -3, 1.5, -1.2]: outside), the rest
+    random in +-0.9 TOP."""
+    g = torch.Generator().manual_seed(seed)
+    top = TOP[q.dtype]
+    eps = HINT_ULPS * EPS32 * top
+    mids = _isolated(q, top, eps)
+    u = (torch.rand(64, generator=g) * 2 - 1) * top * 0.9
+    u[0] = top
+    picks = torch.randint(len(mids), (8,), generator=g).tolist()
+    for j, (pick, off) in enumerate(zip(picks, [-0.5, 0.3, 0.8, -0.9, 2, -3, 1.5, -1.2])):
+        u[1 + j] = mids[pick] + off * eps
+    return u
+
+
+@pytest.mark.parametrize("q", HINTED, ids=lambda q: q.name)
+def test_the_hint_set_is_exactly_the_elements_within_eps_of_a_boundary(q):
+    """rounding_hints' set against a Python loop over the scalars: u within eps = HINT_ULPS x fp32 eps x max |u| of
+    the nearest boundary (the midpoints of the representable values). The planted elements (1-4 inside the band,
+    5-8 outside) and every random one (where the distance is not within 1e-3 eps of eps: fp32 vs float64) agree."""
+    u = _planted(q)
+    near, _ = rounding_hints(u, q)
+    mids, eps = _boundaries(q), HINT_ULPS * EPS32 * float(u.abs().max())
+    distance = [_distance(float(v), mids) for v in u.tolist()]
+    expected = [d < eps for d in distance]
+    assert expected[1:9] == [True] * 4 + [False] * 4
+    clear = [abs(d - eps) > 1e-3 * eps for d in distance]
+    assert [n for n, c in zip(near.tolist(), clear) if c] == [e for e, c in zip(expected, clear) if c]
+    assert near[1:9].tolist() == [True] * 4 + [False] * 4
+
+
+@pytest.mark.parametrize("q", HINTED, ids=lambda q: q.name)
+def test_a_recomputation_within_noise_flips_codes_unless_it_takes_the_hints(q):
+    """The sampler's vector x puts elements eps / 4 below boundaries; a recomputation x' = x + eps / 2 there (the
+    rounding noise of another kernel, well inside the band) rounds them to the next code: its quantize-dequantize
+    differs from the sampler's at exactly those elements. With the sampler's hints (index and code bits of its
+    near elements) it equals the sampler's everywhere (same scale: element 0, the max, is not moved)."""
+    u = _planted(q, seed=1)
+    eps = HINT_ULPS * EPS32 * float(u.abs().max())
+    mids = _isolated(q, float(u[0]), eps)
+    x = u.clone()
+    x[1:9] = torch.tensor(mids[len(mids) // 3:len(mids) // 3 + 8]) - eps / 4
+    moved = x.clone()
+    moved[1:9] += eps / 2
+    sampler = quantize_dequantize(x, q)
+    assert torch.equal((quantize_dequantize(moved, q) != sampler).nonzero().flatten(), torch.arange(1, 9))
+    near, codes = rounding_hints(x, q)
+    index = near.nonzero().flatten()
+    assert set(range(1, 9)) <= set(index.tolist())
+    hints = (index, code_bits(codes[near], q))
+    assert torch.equal(quantize_dequantize(moved, q, hints), sampler)
+
+
+def test_int4_hints_carry_the_elements_own_signed_nibble():
+    # amax 7 -> scale 1; u = [7, -2.5 - eps/4, 1.5 + eps/4, 4.5 + eps/4, 0.25, 0] round to [7, -3, 2, 5, 0, 0];
+    # near: elements 1-3 (0.25 and 0 are far from +-0.5); their codes as 16-bit two's complement 0xFFFD, 0x0002,
+    # 0x0005; stored nibbles 0x7, 0xD, 0x2, 0x5, 0, 0: bytes (0xD << 4) | 0x7 = 0xD7, (0x5 << 4) | 0x2 = 0x52, 0x00
+    eps = HINT_ULPS * EPS32 * 7
+    x = torch.tensor([7.0, -2.5 - eps / 4, 1.5 + eps / 4, 4.5 + eps / 4, 0.25, 0.0])
+    near, codes = rounding_hints(x, INT4)
+    assert near.nonzero().flatten().tolist() == [1, 2, 3]
+    bits = code_bits(codes[near], INT4)
+    assert bits.tolist() == [0xFFFD, 0x0002, 0x0005]
+    assert codes_from_bits(bits, INT4).tolist() == [-3, 2, 5]
+    assert quantize(x, INT4)[0].tolist() == [0xD7, 0x52, 0x00]
+
+
+def _raw(codes: torch.Tensor) -> torch.Tensor:
+    """Codes as their bits (uint8 or int16), so that NaN patterns compare equal."""
+    return codes.view(torch.uint8) if codes.element_size() == 1 else codes.view(torch.int16)
+
+
+@pytest.mark.parametrize("q", HINTED, ids=lambda q: q.name)
+def test_code_bits_round_trip(q):
+    """codes_from_bits(code_bits(c)) == c bit for bit, in [0, 2^16): every fp8 byte (NaN patterns too), every int8 /
+    int4 code, 500 random bf16 patterns."""
+    if q.dtype == "fp8_e4m3":
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    elif q.dtype == "bf16":
+        codes = torch.randint(-2 ** 15, 2 ** 15, (500,), generator=torch.Generator().manual_seed(0),
+                              dtype=torch.int16).view(torch.bfloat16)
+    else:
+        qmax = int(QMAX[q.dtype])
+        codes = torch.arange(-qmax, qmax + 1, dtype=torch.int8)
+    bits = code_bits(codes, q)
+    assert bits.dtype == torch.int64 and int(bits.min()) >= 0 and int(bits.max()) < 2 ** 16
+    back = codes_from_bits(bits, q)
+    assert back.dtype == codes.dtype and torch.equal(_raw(back), _raw(codes))
+
+
+def test_packed_hints_keep_index_and_bits_sorted_by_index():
+    # (index << 16) | bits: 0 << 16 | 1 = 1; 12345 << 16 | 0x80 = 809,041,920 + 128;
+    # (2^47 - 1) << 16 | 0xFFFF = 2^63 - 1
+    packed = pack_hints(torch.tensor([2 ** 47 - 1, 0, 12345]), torch.tensor([0xFFFF, 1, 0x80]))
+    assert packed.tolist() == [1, 809_041_920 + 128, 2 ** 63 - 1]
+    assert [t.tolist() for t in unpack_hints(packed)] == [[0, 12345, 2 ** 47 - 1], [1, 0x80, 0xFFFF]]
+
+
+def test_hinted_straight_through_backward_is_the_identity():
+    """With hints the forward takes the sampler's codes; the gradient reaching x is the upstream one, unchanged."""
+    eps = HINT_ULPS * EPS32 * 127
+    x = torch.tensor([[127.0, 10.5 + eps / 4, -3.2]], requires_grad=True)
+    hints = (torch.tensor([1]), code_bits(torch.tensor([10], dtype=torch.int8), INT8))   # the sampler's 10, not 11
+    y = straight_through(x, INT8, hints)
+    assert y.detach().tolist() == [[127.0, 10.0, -3.0]]
+    upstream = torch.tensor([[2.0, 3.0, 4.0]])
+    (passed,) = torch.autograd.grad(y, x, upstream)
+    assert torch.equal(passed, upstream)
+
+
+def test_nothing_is_hinted_where_nothing_is_rounded():
+    """kv_dtype model, and bf16 K/V of a bf16 model, store x itself: no hints."""
+    x = torch.tensor([1.0, 1.0 + 2.0 ** -8, 3.0])
+    assert not rounding_hints(x, KVQuant("model"))[0].any()
+    assert not rounding_hints(x.to(torch.bfloat16), KVQuant("bf16"))[0].any()

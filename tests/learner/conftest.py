@@ -49,7 +49,8 @@ def wire_groups(out, compressor: str, kv_budgets: list[int], group_ids: list[str
     for i, samples in enumerate(out):
         records = [SampleRecord(np.asarray(s.prompt_ids, np.int32), np.asarray(s.response_ids, np.int32),
                                 s.logp_sparse, s.finish_reason, float(k), s.kv_retained_tokens, s.kv_peak_bytes,
-                                eviction_steps=s.eviction_steps) for k, s in enumerate(samples)]
+                                eviction_steps=s.eviction_steps, rounding_hints=s.rounding_hints)
+                   for k, s in enumerate(samples)]
         groups.append(decode_group(encode_group(TrajectoryGroup(
             run_id="r", group_id=group_ids[i], prompt_id=f"p{i}", weight_version=weight_version,
             temperature=temperature, compressor=compressor, kv_budget=kv_budgets[i], samples=records,

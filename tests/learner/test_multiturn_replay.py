@@ -55,8 +55,8 @@ def tiny_llama():
 def episode_groups(model, tok, method: str, selection: str = "per_head",
                    kv_dtype: str = "model") -> list[TrajectoryGroup]:
     """2 items x 2 episodes of LedgerEnv through the torch engine's kept caches (kv_budget 16; episodes of ~150
-    tokens), as the rollout actor publishes them (SampleRecord with trainable and eviction_steps, the cache's
-    kv_quant), off the wire; `kv_dtype`: compressor.kv_dtype (per token and KV head scales)."""
+    tokens), as the rollout actor publishes them (SampleRecord with trainable, eviction_steps and rounding_hints, the
+    cache's kv_quant), off the wire; `kv_dtype`: compressor.kv_dtype (per token and KV head scales)."""
     cfg = CompressorConfig(method=method, kv_budget=BUDGET, window=4, interval=INTERVAL, selection=selection,
                            kv_dtype=kv_dtype)
     engine = TorchEngine(model, tok, cfg, record_evictions=True)
@@ -73,7 +73,8 @@ def episode_groups(model, tok, method: str, selection: str = "per_head",
     for i, samples in enumerate(batch):
         records = [SampleRecord(np.asarray(s.prompt_ids, np.int32), np.asarray(s.response_ids, np.int32),
                                 s.logp_sparse, s.finish_reason, s.reward, s.kv_retained_tokens, s.kv_peak_bytes,
-                                trainable=s.trainable, eviction_steps=s.eviction_steps) for s in samples]
+                                trainable=s.trainable, eviction_steps=s.eviction_steps,
+                                rounding_hints=s.rounding_hints) for s in samples]
         group = TrajectoryGroup(run_id="r", group_id=f"g{i}", prompt_id=f"p{i}", weight_version=0, temperature=1.0,
                                 compressor=method, kv_budget=BUDGET, samples=records, kv_quant=cfg.kv_quant().name)
         groups.append(decode_group(encode_group(group)))
@@ -209,3 +210,28 @@ def test_replay_of_quantized_multi_turn_episodes_equals_logp_sparse(kv_dtype):
     assert gap(got[True], sparse, mask) <= 1e-6 and gap(logp, sparse, mask) <= 1e-6
     assert gap(got[False], sparse, mask) > 1e-3, "the quantization did not matter: a missing qdq would not be seen"
     assert gap(dense, sparse, mask) > 1e-2
+
+
+def test_fp32_quantized_multi_turn_episodes_replay_with_every_turns_rounding_hints():
+    """fp32 model, a bf16 kept cache across 4 turns: the episode's sample carries the rounding hints of every turn's
+    writes (the earlier turns' kept with the cache and re-based, as its eviction record: docs/kv_cache.md "Rounding
+    hints"), over its whole token range, first prompt and every later turn; with them the replay of every sampled
+    token of every turn equals logp_sparse to 2e-5 (no code flips; fp32 rounding of the logits only)."""
+    from compressors.kv_quant import unpack_hints
+
+    path = resolve_model(TINY_LLAMA)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    groups = episode_groups(model, AutoTokenizer.from_pretrained(path), "rkv", kv_dtype="bf16")
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    for s in (s for g in groups for s in g.samples):
+        tokens = len(s.prompt_ids) + len(s.response_ids)
+        index, _ = unpack_hints(torch.from_numpy(s.rounding_hints))
+        hinted = set(((index // head_dim) % tokens).tolist())               # token index of each hint
+        turns = [(0, len(s.prompt_ids))] + [(len(s.prompt_ids) + a, len(s.prompt_ids) + b) for a, b in
+                                             prefills(s.trainable)]
+        assert all(any(a <= t < b for t in hinted) for a, b in turns), "a turn's writes carry no hint"
+    learner = learner_of(model)
+    logp, _, sparse, mask = replayed(learner, groups)
+    print(f"bf16 fp32 episodes: replay {gap(logp, sparse, mask):.2e}")
+    assert gap(logp, sparse, mask) <= 2e-5
