@@ -6,14 +6,14 @@ turn's first compression event, and the episode's eviction record covers every t
 Two lookup-shaped episodes of 8 turns on the lane's tiny Qwen2 (word ids: a 14-id question, then per turn a 10-id tool
 answer with its boundary and header ids), greedy, R-KV per head at budgets 16 (the run's) and 20 (carried in each
 turn's request id), window 4, interval 8, compressor.protect_observation on and off, and random with protect_prompt
-last:6 (each turn seeded anew: the seed a continued row gets at its prefill), every decode step through the backend's
-self-check (NoHostSync). Turns alternate 12 tokens (a compression at step 8, mid-turn) and 9 (the
+last:6 and protect_values 2 (each turn seeded anew: the seed a continued row gets at its prefill), every decode step
+through the backend's self-check (NoHostSync). Turns alternate 12 tokens (a compression at step 8, mid-turn) and 9 (the
 compression due at step 8 = T - 1, in the turn's last forward, runs when the row parks). Against TorchEngine's kept
-episodes on the same calls: the same token ids, logp_sparse (2e-5), kv_retained_tokens and eviction records, entry for
-entry, at every turn; the learner's replay of the SGLang episodes gives their logp_sparse to 1e-4 (the same weights:
-max_staleness 0), a record one step late is seen; the pool's measured peak stays within the preflight's per-episode
-bound (actors.engines.kv_memory.episode_kv_peak_bytes_per_sequence, bench/multiturn_kv.py's shape), and closing the
-sessions gives every slot back."""
+episodes on the same calls: the same token ids, logp_sparse (2e-5), kv_retained_tokens, protected shares (1e-6) and
+eviction records, entry for entry, at every turn; the learner's replay of the SGLang episodes gives their logp_sparse
+to 1e-4 (the same weights: max_staleness 0), a record one step late is seen; the pool's measured peak stays within
+the preflight's per-episode bound (actors.engines.kv_memory.episode_kv_peak_bytes_per_sequence, bench/multiturn_kv.py's
+shape), and closing the sessions gives every slot back."""
 import copy
 import dataclasses
 import os
@@ -47,9 +47,11 @@ TURN_TOKENS = (12, 9, 12, 9, 12, 9, 12, 9)
 runs when the row parks (the torch engine runs it in the turn's last forward)."""
 CFG = CompressorConfig(method="rkv", kv_budget=16, window=4, interval=8)
 UNPROTECTED = CompressorConfig(method="rkv", kv_budget=16, window=4, interval=8, protect_observation=False)
-RANDOM = CompressorConfig(method="random", kv_budget=16, window=4, interval=8, protect_prompt="last:6")
-"""Random with the question's last 6 ids protected at every turn (positions [8, 14) of the episode's first prompt):
-the window and those 6 leave random 6 (budget 16) or 10 (budget 20) slots to choose, so one engine covers both."""
+RANDOM = CompressorConfig(method="random", kv_budget=16, window=4, interval=8, protect_prompt="last:6",
+                          protect_values=2)
+"""Random with the question's last 6 ids protected at every turn (positions [8, 14) of the episode's first prompt) and
+the 2 largest value norms before the window (per layer and KV head) at every event: the window and those 8 leave
+random 4 (budget 16) or 8 (budget 20) slots to choose, so one engine covers both."""
 TURN_SEEDS = [7 + 3 * k for k in range(len(TURN_TOKENS))]
 """SamplingParams.seed of each turn under random (greedy: it changes no token, only the compressor's seeds): a new
 one per turn, so a row that kept an earlier turn's seed would be seen. Each call's requests get the torch engine's
@@ -86,11 +88,11 @@ def play(engine, after_turn=None, seeds=None) -> list[list]:
 
 
 @pytest.fixture(scope="module", params=[CFG, UNPROTECTED, RANDOM],
-                ids=["protect_on", "protect_off", "random-protect_prompt_last6"])
+                ids=["protect_on", "protect_off", "random-protect_prompt_last6-protect_values_2"])
 def played(request, tiny_qwen2_dir, tmp_path_factory):
     """(SGLang's turns, TorchEngine's turns, the pool's peak used slots after each turn, the probe's stats after the
     sessions were closed, the compressor config): R-KV with compressor.protect_observation on (the default) and off,
-    random with protect_prompt last:6 (protect_observation on, each turn seeded: TURN_SEEDS)."""
+    random with protect_prompt last:6 and protect_values 2 (protect_observation on, each turn seeded: TURN_SEEDS)."""
     cfg = request.param
     seeds = TURN_SEEDS if cfg.method == "random" else None
     os.environ[KV_STATS_ENV] = str(tmp_path_factory.mktemp("kv") / "stats.json")
@@ -120,8 +122,9 @@ def heads(record: np.ndarray) -> np.ndarray:
 
 
 def assert_turns_equal(got: list, want: list) -> None:
-    """Every turn of both episodes: token ids, logp_sparse (2e-5), kv_retained_tokens and the whole episode's eviction
-    record so far of SGLang's turns `got` equal TorchEngine's `want`, entry for entry."""
+    """Every turn of both episodes: token ids, logp_sparse (2e-5), kv_retained_tokens, the whole episode's eviction
+    record so far, entry for entry, and the turn's protected share at its last compression (`kv_protected_fraction`,
+    1e-6) of SGLang's turns `got` equal TorchEngine's `want`."""
     for k, (g_turn, w_turn) in enumerate(zip(got, want)):
         for e, (g, w) in enumerate(zip(g_turn, w_turn)):
             assert g.response_ids == w.response_ids, f"turn {k} episode {e}: response ids differ"
@@ -132,6 +135,9 @@ def assert_turns_equal(got: list, want: list) -> None:
             bad = np.argwhere(a != b)
             assert not len(bad), f"turn {k} episode {e}: {len(bad)} record entries differ, first (layer, head, " \
                                  f"token) {bad[:5].tolist()}: sglang {a[tuple(bad[0])]} torch {b[tuple(bad[0])]}"
+            assert abs(g.kv_protected_fraction - w.kv_protected_fraction) <= 1e-6, \
+                f"turn {k} episode {e}: protected shares differ: sglang {g.kv_protected_fraction} torch " \
+                f"{w.kv_protected_fraction}"
 
 
 def test_episodes_equal_the_torch_engines_turn_by_turn(played, tiny_qwen2_dir):
@@ -139,18 +145,22 @@ def test_episodes_equal_the_torch_engines_turn_by_turn(played, tiny_qwen2_dir):
     the records hold what makes episodes differ from single turns: keys dropped at a later turn's prefill, keys
     evicted at decode steps, and no prefilled id of a turn evicted before its first compression event
     (compressor.protect_observation; without it, a prefilled id evicted at its own prefill). Random with
-    protect_prompt, the controls: TorchEngine's episodes with the first turn's seed at every turn (a row keeping its
-    first seed), and without protect_prompt, differ."""
+    protect_prompt and protect_values, the controls: TorchEngine's episodes with the first turn's seed at every turn (a
+    row keeping its first seed), without protect_prompt, and without protect_values (each dropped on the torch side
+    alone), differ."""
     got, want, _, _, cfg = played
     assert_turns_equal(got, want)
+    shares = [s.kv_protected_fraction for turn in got for s in turn]
+    assert all(x > 0 for x in shares) if cfg.protects else not any(shares), shares   # every turn compresses
     if cfg.method == "random":
         model = Qwen2ForCausalLM.from_pretrained(tiny_qwen2_dir).eval()
         for name, other, seeds in (("turn 0's seed at every turn", cfg, TURN_SEEDS[:1] * len(TURN_TOKENS)),
-                                   ("protect_prompt off", dataclasses.replace(cfg, protect_prompt="off"), TURN_SEEDS)):
+                                   ("protect_prompt off", dataclasses.replace(cfg, protect_prompt="off"), TURN_SEEDS),
+                                   ("protect_values off", dataclasses.replace(cfg, protect_values=0), TURN_SEEDS)):
             ref = TorchEngine(model, AutoTokenizer.from_pretrained(tiny_qwen2_dir), other, record_evictions=True)
             with pytest.raises(AssertionError, match="differ|Not equal") as control:
                 assert_turns_equal(got, play(ref, seeds=seeds))
-            print(f"control ({name}): {str(control.value).strip().splitlines()[0]}")
+            print(f"control ({name}): {' '.join(str(control.value).strip().splitlines()[:2])[:200]}")
     at_prefill = at_decode = unprotected = 0
     for e in range(EPISODES):
         record = heads(got[-1][e].eviction_steps)

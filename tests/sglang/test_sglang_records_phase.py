@@ -2,8 +2,9 @@
 because each test starts its own engine, and SGLang's shutdown kills every engine of the process): the join batch
 (five prompts, the fifth joining mid-decode at an engine step that is not a multiple of interval) gives each row the
 record TorchEngine gives it under the same rule (test_sglang_records.py: `canonical`, `assert_records_equal`), for
-R-KV under both phases and, under aligned (test_sglang_records.py covers them under request), random (each request's
-seed the torch engine's row seed in its reference call) and R-KV with protect_prompt all."""
+R-KV under both phases and, under aligned (test_sglang_records.py covers them under request), random with
+protect_values 3 (each request's seed the torch engine's row seed in its reference call) and R-KV with protect_prompt
+all."""
 import dataclasses
 import os
 
@@ -24,7 +25,8 @@ FIRST = 4
 """Requests admitted at the join batch's first prefill (max_running_requests=4); the fifth joins mid-decode."""
 RKV = CompressorConfig(method="rkv", kv_budget=16, window=4, interval=8)
 CASES = {"rkv-request": RKV, "rkv-aligned": dataclasses.replace(RKV, phase="aligned"),
-         "random-aligned": dataclasses.replace(RKV, method="random", phase="aligned"),
+         "random-protect_values_3-aligned": dataclasses.replace(RKV, method="random", protect_values=3,
+                                                                phase="aligned"),
          "rkv-protect_prompt_all-aligned": dataclasses.replace(RKV, protect_prompt="all", phase="aligned")}
 
 
@@ -45,8 +47,9 @@ def test_records_under_both_phases_equal_torch_engine(case, tiny_qwen2_dir, tmp_
     """The join batch on a fresh engine under `compressor.phase` request | aligned (the fifth request joining at an
     engine step that is not a multiple of interval): records equal TorchEngine's, the fifth request's from engine
     decode step `joined_at` (tests/sglang/test_sglang_triton_phase.py). Random: each request carries the seed its
-    row has in TorchEngine's calls (`row_seeds`: SEED for the first four, SEED + 1 for the fifth); the control,
-    TorchEngine with other seeds (random) or without the protection, gives other records."""
+    row has in TorchEngine's calls (`row_seeds`: SEED for the first four, SEED + 1 for the fifth); the controls,
+    TorchEngine with other seeds (random) and TorchEngine without the protection (protect_prompt, protect_values:
+    each dropped on the torch side alone), give other records."""
     cc = CASES[case]
     seed = SEED if cc.method == "random" else None
     seeds = None if seed is None else row_seeds(seed, FIRST) + row_seeds(seed + 1, len(JOIN_MAX_NEW) - FIRST)
@@ -62,9 +65,10 @@ def test_records_under_both_phases_equal_torch_engine(case, tiny_qwen2_dir, tmp_
     seen = assert_records_equal(got, torch_join(tiny_qwen2_dir, cc, joined_at, seed), shapes=False)
     print(f"{case}: records equal, {seen}, joined at decode step {joined_at}")
     assert seen["at_decode"] > 0
-    if seed is not None or cc.protect_prompt != "off":
-        other = (torch_join(tiny_qwen2_dir, cc, joined_at, seed + 2) if seed is not None else
-                 torch_join(tiny_qwen2_dir, dataclasses.replace(cc, protect_prompt="off"), joined_at, None))
+    controls = ([("seed + 2", cc, seed + 2)] if seed is not None else []) + \
+        [(f"{name} off", dataclasses.replace(cc, **{name: off}), seed)
+         for name, off in (("protect_prompt", "off"), ("protect_values", 0)) if getattr(cc, name) != off]
+    for name, other_cc, other_seed in controls:
         with pytest.raises(AssertionError, match="differ") as control:
-            assert_records_equal(got, other, shapes=False)
-        print(f"control ({'seed + 2' if seed is not None else 'protection off'}): {str(control.value).splitlines()[0]}")
+            assert_records_equal(got, torch_join(tiny_qwen2_dir, other_cc, joined_at, other_seed), shapes=False)
+        print(f"control ({name}): {str(control.value).splitlines()[0]}")
