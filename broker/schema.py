@@ -275,16 +275,22 @@ EVICTION_ZLIB_LEVEL = 6
 """zlib level of the eviction blobs (bench/replay.py measures the bytes per group)."""
 
 
+def _all_or_none(samples: list[SampleRecord], field: str) -> bool:
+    """Whether the group's samples carry the optional array `field` (eviction_steps, rounding_hints): True when all
+    do, False when none does. Raises SchemaError (bad_shape) naming the first sample without it when some do."""
+    have = [getattr(s, field) is not None for s in samples]
+    if any(have) and not all(have):
+        raise SchemaError("bad_shape", f"samples[{have.index(False)}] has no {field}: all samples of a group "
+                                       "send one or none")
+    return any(have)
+
+
 def _eviction_blobs(samples: list[SampleRecord], lens: dict[str, list[int]]) -> tuple:
     """The header entry `eviction` and the samples' compressed records (layout above). Raises SchemaError
     (bad_shape, bad_dtype) when some samples carry a record and others not, or a record's shape is not
     [layers, heads, P + T] with one layer count per group."""
-    have = [s.eviction_steps is not None for s in samples]
-    if not any(have):
+    if not _all_or_none(samples, "eviction_steps"):
         return 0, []
-    if not all(have):
-        raise SchemaError("bad_shape", f"samples[{have.index(False)}] has no eviction_steps: all samples of a group "
-                                       "send one or none")
     layers = {np.shape(s.eviction_steps)[0] if np.ndim(s.eviction_steps) == 3 else -1 for s in samples}
     heads, blobs = [], []
     for i, s in enumerate(samples):
@@ -341,12 +347,8 @@ def _hint_blobs(samples: list[SampleRecord]) -> tuple:
     """The header entry `hints` and the samples' compressed rounding hints (layout above). Raises SchemaError
     (bad_shape, bad_dtype, bad_field) when some samples carry hints and others not, or a sample's are not a 1-D
     integer array of non-negative, strictly ascending values."""
-    have = [s.rounding_hints is not None for s in samples]
-    if not any(have):
+    if not _all_or_none(samples, "rounding_hints"):
         return 0, []
-    if not all(have):
-        raise SchemaError("bad_shape", f"samples[{have.index(False)}] has no rounding_hints: all samples of a group "
-                                       "send them or none")
     blobs = []
     for i, s in enumerate(samples):
         a = np.asarray(s.rounding_hints)
