@@ -1,6 +1,9 @@
 """KV budget over a run (docs/SPEC.md §5.1): schedules by weight version and difficulty tiers, and along a
 trajectory (budget_schedule length; Sparrow, arXiv 2606.08446 §3.2).
 
+The decoder's KV layout (`kv_dims`: layers, KV heads, head_dim from a transformers config), which the engines,
+the learner and the preflight read the same way.
+
 Pure functions of the config and plain numbers or numpy arrays of them (no torch, no I/O), shared by the rollout
 actors (which apply the budget per batch; the SGLang backend per request row, `length_budgets`) and the learner
 (which logs it and, with `budget_control: mismatch`, moves it: learner/budget_control.py).
@@ -105,3 +108,13 @@ def budget_range(cfg) -> tuple[int, int]:
     if cfg.budget_tiers == "off":
         return min(bases), max(bases)
     return _round(min(bases) * min(cfg.tier_scales)), _round(max(bases) * max(cfg.tier_scales))
+
+
+def kv_dims(config) -> tuple[int, int, int]:
+    """(layers, KV heads, head_dim) of a decoder's K/V from its transformers config: num_hidden_layers;
+    num_key_value_heads, or num_attention_heads where the config has none (no grouped-query attention); head_dim, or
+    hidden_size // num_attention_heads where the config has none or None (Llama before head_dim was a field). The
+    one reading of these fields for the engines' caches, the learner's hint layout and the preflight's sizes."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim

@@ -60,6 +60,7 @@ from actors.engines.kv_memory import (
 )
 from broker.lora import LoraConfig
 from broker.schema import group_wire_bytes
+from compressors.budget import kv_dims
 from deploy.config import ConfigError, RunConfig, check_lora_targets
 from learner.config import LearnerConfig
 
@@ -234,8 +235,7 @@ def _decoder_dims(hf) -> tuple[int, int, int, int, int, int, int]:
     """(hidden, vocab, layers, attention heads, head_dim, KV heads, intermediate) of a Llama/Qwen2-shaped decoder's
     Hugging Face config."""
     h, heads = hf.hidden_size, hf.num_attention_heads
-    head_dim = getattr(hf, "head_dim", None) or h // heads
-    kv = getattr(hf, "num_key_value_heads", None) or heads
+    _, kv, head_dim = kv_dims(hf)
     return h, hf.vocab_size, hf.num_hidden_layers, heads, head_dim, kv, getattr(hf, "intermediate_size", 4 * h)
 
 

@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM
 from broker.lora import add_adapter, base_identity
 from broker.schema import TrajectoryGroup
 from broker.weight_sync import WeightSender
+from compressors.budget import kv_dims
 from compressors.kv_quant import KVQuant
 from learner.acceptance import acceptance_metrics
 from learner.batching import LearnerBatch, LossInputs, collate, micro_batches, teacher_forced, token_balanced_split
@@ -85,9 +86,7 @@ class Learner:
         self.dtype = TORCH_DTYPES[cfg.dtype]
         if cfg.policy_target == "sparse":  # SDPA, plus the eviction-record masks when a forward passes one
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        c = model.config
-        self.kv_shape = (c.num_hidden_layers, c.num_key_value_heads,
-                         getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+        self.kv_shape = kv_dims(model.config)
         """(layers, KV heads, head_dim) of the model: the layout of the samples' rounding hints."""
         self.peft, self.base = None, None
         if cfg.lora.enabled:   # the adapter's layers into `model` itself; the base frozen (broker/lora.py)

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from compressors.budget import kv_dims
+
 COMPACT_CHUNK = 32
 """Slots moved per step of the torch engine's in-place compaction (actors/engines/batch_cache.py)."""
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -71,9 +73,7 @@ class ModelShape:
         hidden_size / num_attention_heads), the engine dtype name (fp32 | bf16) and compressor.kv_dtype /
         kv_scale (compressors/kv_quant.py). Raises KeyError for another dtype name, ValueError for an unknown
         kv_dtype / kv_scale."""
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        _, kv_heads, head_dim = kv_dims(config)
         shape = cls(config.num_hidden_layers, kv_heads, head_dim, DTYPE_BYTES[dtype])
         if kv_dtype == "model":
             return shape

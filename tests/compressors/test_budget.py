@@ -1,9 +1,11 @@
 """KV budget over a run (docs/SPEC.md §5.1): schedules, tiers, the budget range and the config checks. Expected values
 are worked out by hand in the comments, not with the code under test."""
+import types
+
 import pytest
 
 from compressors import CompressorConfig
-from compressors.budget import budget_range, length_budget, scheduled_budget, tier_budget, tier_of
+from compressors.budget import budget_range, kv_dims, length_budget, scheduled_budget, tier_budget, tier_of
 
 
 def test_constant_schedule_is_kv_budget_at_every_version():
@@ -88,3 +90,19 @@ def test_good_budget_settings_validate():
     CompressorConfig(kv_budget=64, budget_control="mismatch", kv_budget_min=32, kv_budget_max=128,
                      budget_tiers="confidence").validate()
     CompressorConfig(kv_budget=64, kv_budget_final=16, budget_schedule="cosine").validate()
+
+
+@pytest.mark.parametrize("fields, dims", [
+    # SmolLM2-135M: 576 / 9 heads = 64, 3 KV heads
+    (dict(num_hidden_layers=30, num_attention_heads=9, hidden_size=576, num_key_value_heads=3), (30, 3, 64)),
+    # an explicit head_dim that is not hidden / heads (Qwen3-0.6B: 1024 / 16 = 64, head_dim 128) wins
+    (dict(num_hidden_layers=28, num_attention_heads=16, hidden_size=1024, num_key_value_heads=8, head_dim=128),
+     (28, 8, 128)),
+    # head_dim None (a config that has the field unset) falls back to hidden / heads
+    (dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=64, num_key_value_heads=2, head_dim=None),
+     (2, 2, 16)),
+    # no num_key_value_heads: every attention head has its own K/V
+    (dict(num_hidden_layers=12, num_attention_heads=12, hidden_size=768), (12, 12, 64)),
+])
+def test_kv_dims_reads_layers_kv_heads_and_head_dim_of_a_config(fields, dims):
+    assert kv_dims(types.SimpleNamespace(**fields)) == dims

@@ -79,7 +79,7 @@ from actors.engines.sglang.contract import (  # noqa: F401  (re-exported: the en
 from actors.engines.sglang.lora import adapter_manifest, lora_engine_kwargs, sglang_adapter
 from broker.lora import LoraConfig
 from compressors import CompressorConfig, build_compressor
-from compressors.budget import length_budget
+from compressors.budget import kv_dims, length_budget
 
 
 def sglang_request(params: SamplingParams, budgets: list[int], run_budget: int | None,
@@ -324,8 +324,8 @@ class SGLangEngine:
         self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.vocab_size = int(hf_config.vocab_size)
         self.num_layers = hf_config.num_hidden_layers
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        self.kv_bytes_per_token = (2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim
+        layers, kv_heads, head_dim = kv_dims(hf_config)
+        self.kv_bytes_per_token = (2 * layers * kv_heads * head_dim
                                    * torch.empty(0, dtype=dtype).element_size())
         """Bytes of K and V of one token over all layers in SGLang's pool."""
         self.adapter_manifest = adapter_manifest(meta_model, self.lora, dtype) if self.lora is not None else {}
