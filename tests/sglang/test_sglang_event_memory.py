@@ -69,6 +69,7 @@ def bare_backend(cfg, lens, kv_heads, q_heads, head_dim, dtype, layers=2, seed=0
                               "compression_groups", "event_bytes_bound")}
     b.self_check, b.recorder = False, None
     b.protected = torch.zeros(rows, dtype=torch.float32) if cfg.protects else None   # as the backend's __init__
+    b.protected_dir = None                                  # no PROTECTED_ENV: a parked row's share is not handed on
     first = 1
     for r, n in enumerate(lens, start=1):
         b.req_to_token[r, :n] = torch.arange(first, first + n, dtype=torch.int32)
