@@ -235,8 +235,8 @@ def _decoder_dims(hf) -> tuple[int, int, int, int, int, int, int]:
     """(hidden, vocab, layers, attention heads, head_dim, KV heads, intermediate) of a Llama/Qwen2-shaped decoder's
     Hugging Face config."""
     h, heads = hf.hidden_size, hf.num_attention_heads
-    _, kv, head_dim = kv_dims(hf)
-    return h, hf.vocab_size, hf.num_hidden_layers, heads, head_dim, kv, getattr(hf, "intermediate_size", 4 * h)
+    layers, kv, head_dim = kv_dims(hf)
+    return h, hf.vocab_size, layers, heads, head_dim, kv, getattr(hf, "intermediate_size", 4 * h)
 
 
 def lora_parameter_count(hf, lora: LoraConfig) -> int:

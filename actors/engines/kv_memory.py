@@ -73,8 +73,8 @@ class ModelShape:
         hidden_size / num_attention_heads), the engine dtype name (fp32 | bf16) and compressor.kv_dtype /
         kv_scale (compressors/kv_quant.py). Raises KeyError for another dtype name, ValueError for an unknown
         kv_dtype / kv_scale."""
-        _, kv_heads, head_dim = kv_dims(config)
-        shape = cls(config.num_hidden_layers, kv_heads, head_dim, DTYPE_BYTES[dtype])
+        layers, kv_heads, head_dim = kv_dims(config)
+        shape = cls(layers, kv_heads, head_dim, DTYPE_BYTES[dtype])
         if kv_dtype == "model":
             return shape
         import torch  # late: only a quantized cache needs the quantizer's dtypes
